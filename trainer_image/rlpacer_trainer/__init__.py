@@ -1,0 +1,1 @@
+"""rlpacer_trainer: the data plane (RL driver, rollout engines, learner, rewards, Ray glue)."""
