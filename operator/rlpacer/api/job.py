@@ -1,0 +1,408 @@
+"""The RLTrainingJob API (group ``rlpacer.io``, version ``v1alpha1``, short name ``rltj``).
+
+These pydantic models are the source of truth: the CRD in ``crds/`` is generated from them
+(``rlpacer crds``) and a test fails when it drifts. Every field has a description so that
+``kubectl explain rltj.spec`` teaches the API. Decimals are strings (no floats in the CRD);
+their ranges are checked here (config load, ``rlpacer run``) and by CEL rules in the CRD.
+
+One manifest format everywhere: ``kubectl apply -f job.yaml`` on a cluster and
+``rlpacer run job.yaml`` locally read the same spec.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from rlpacer.api._base import APIModel, Decimal, decimal
+
+GROUP = "rlpacer.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLTrainingJob"
+PLURAL = "rltrainingjobs"
+SINGULAR = "rltrainingjob"
+SHORT_NAMES = ["rltj"]
+
+# Kubernetes limits object names used in DNS labels (Services) to 63 characters; children
+# derive names from the job's, so the builders shorten with a hash where needed.
+MAX_NAME_LENGTH = 63
+
+GroupSize = Annotated[int, Field(ge=1, le=1024)]
+
+
+class AlgorithmName(str, enum.Enum):
+    GRPO = "GRPO"
+    DAPO = "DAPO"
+
+
+class LossAggregation(str, enum.Enum):
+    TOKEN_MEAN = "TokenMean"  # DAPO: every token weighs the same across the batch
+    SEQUENCE_MEAN = "SequenceMean"  # GRPO: mean over tokens per response, then over responses
+
+
+class GroupControlMode(str, enum.Enum):
+    SAGC = "SAGC"
+    FIXED = "Fixed"
+
+
+class ModelSpec(APIModel):
+    source: str = Field(
+        min_length=1,
+        max_length=512,
+        description=(
+            "Where the policy's initial weights come from: builtin://<name> for the project's"
+            " tiny models (e.g. builtin://tiny-adder), pvc://<claim>/<path> for a volume, or a"
+            " path inside the image. Nothing is downloaded from a hub."
+        ),
+    )
+
+
+class DataSpec(APIModel):
+    source: str = Field(
+        min_length=1,
+        max_length=512,
+        description=(
+            "Prompt dataset: builtin://<task> for the project's synthetic tasks, or"
+            " pvc://<claim>/<path>.jsonl."
+        ),
+    )
+    prompt_field: str = Field(default="prompt", description="JSONL field holding the prompt.")
+    answer_field: str = Field(default="answer", description="JSONL field holding the answer.")
+    num_prompts: int | None = Field(
+        default=None, ge=1, le=10_000_000,
+        description="Size of a builtin dataset (prompts per epoch). Ignored for files.",
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of the data order and builtin data.")
+
+
+class OverlongPenalty(APIModel):
+    buffer_tokens: int = Field(
+        ge=0,
+        description=(
+            "DAPO overlong reward shaping: responses within this many tokens of"
+            " rollout.maxResponseTokens get a linearly growing penalty."
+        ),
+    )
+    penalty: Decimal = Field(default="1.0", description="Penalty at the length cap (>= 0).")
+
+
+class AlgorithmSpec(APIModel):
+    name: AlgorithmName = Field(default=AlgorithmName.GRPO, description="GRPO or DAPO.")
+    clip_ratio_low: Decimal = Field(default="0.2", description="PPO clip ratio below 1 (> 0).")
+    clip_ratio_high: Decimal = Field(
+        default="0.2", description="PPO clip ratio above 1; DAPO's clip-higher sets it larger."
+    )
+    dynamic_sampling: bool = Field(
+        default=False,
+        description="DAPO dynamic sampling: drop groups whose rewards are all equal and refill.",
+    )
+    loss_aggregation: LossAggregation = Field(
+        default=LossAggregation.SEQUENCE_MEAN, description="TokenMean (DAPO) or SequenceMean."
+    )
+    overlong_penalty: OverlongPenalty | None = Field(
+        default=None, description="DAPO overlong reward shaping; unset disables it."
+    )
+    learning_rate: Decimal = Field(default="1e-6", description="Learner learning rate (> 0).")
+    kl_coef: Decimal = Field(default="0", description="KL penalty to the reference policy (>= 0).")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> AlgorithmSpec:
+        for name in ("clip_ratio_low", "clip_ratio_high", "learning_rate"):
+            if decimal(getattr(self, name)) <= 0:
+                raise ValueError(f"{_camel(name)} must be > 0")
+        if decimal(self.kl_coef) < 0:
+            raise ValueError("klCoef must be >= 0")
+        return self
+
+
+class RewardSpec(APIModel):
+    type: str = Field(
+        default="ExactMatch",
+        min_length=1,
+        max_length=128,
+        description="Built-in reward (ExactMatch) or an entry point module:function in the image.",
+    )
+    timeout_seconds: int = Field(default=30, ge=1, le=3600, description="Per reward call.")
+
+
+class RolloutSpec(APIModel):
+    image: str = Field(
+        default="ghcr.io/rlpacer/trainer:0.1.0", max_length=512,
+        description="Container image of the rollout workers (vLLM engines).",
+    )
+    replicas: int = Field(default=1, ge=1, le=1024, description="Rollout replicas in short rounds.")
+    gpus_per_replica: int = Field(default=1, ge=0, le=64, description="GPUs per rollout replica.")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM tensor parallel.")
+    max_response_tokens: int = Field(
+        default=512, ge=1, le=1_048_576, description="Length cap of a response, in tokens."
+    )
+    temperature: Decimal = Field(default="1.0", description="Sampling temperature (>= 0).")
+    top_p: Decimal = Field(default="1.0", description="Nucleus sampling mass in (0, 1].")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> RolloutSpec:
+        if decimal(self.temperature) < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < decimal(self.top_p) <= 1:
+            raise ValueError("topP must be in (0, 1]")
+        if self.gpus_per_replica and self.tensor_parallel_size > self.gpus_per_replica:
+            raise ValueError("tensorParallelSize must be <= gpusPerReplica")
+        return self
+
+
+class TrainerSpec(APIModel):
+    image: str = Field(
+        default="ghcr.io/rlpacer/trainer:0.1.0", max_length=512,
+        description="Container image of the trainer (Ray head, driver, learner).",
+    )
+    replicas: int = Field(default=1, ge=1, le=1024, description="Learner replicas.")
+    gpus_per_replica: int = Field(default=1, ge=0, le=64, description="GPUs per learner replica.")
+
+
+class GroupControlSpec(APIModel):
+    mode: GroupControlMode = Field(
+        default=GroupControlMode.SAGC,
+        description="SAGC (straggler-aware group-size control) or Fixed (always `initial`).",
+    )
+    candidates: list[GroupSize] = Field(
+        default_factory=lambda: [4, 8, 16], min_length=1, max_length=16,
+        description="Allowed group sizes, strictly increasing.",
+    )
+    initial: int = Field(
+        default=8, ge=1, description="First group size (the only one when mode is Fixed)."
+    )
+    target_straggler_rate: Decimal = Field(
+        default="0.2", description="delta, the straggler SLO: long-run rate of straggler steps, in (0, 1)."
+    )
+    straggler_ratio: Decimal = Field(
+        default="4",
+        description=(
+            "tau: a step whose max/median response length exceeds it is a straggler step (> 1)."
+            " Pick it near the workload's typical ratio, or the constraint never binds."
+        ),
+    )
+    forgetting: Decimal = Field(default="0.95", description="Posterior forgetting factor in (0, 1].")
+    dual_step_size: Decimal = Field(default="0.05", description="Dual ascent step size (>= 0).")
+    lambda_max: Decimal = Field(default="10", description="Upper bound of the multiplier (> 0).")
+    local_search_radius: int = Field(
+        default=1, ge=0, le=16, description="How many candidate positions G may move per step."
+    )
+    window_steps: int = Field(
+        default=50, ge=1, le=10_000, description="Window of the reported straggler rate."
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of Thompson sampling.")
+
+    @field_validator("candidates")
+    @classmethod
+    def _sorted_unique(cls, v: list[int]) -> list[int]:
+        if any(b <= a for a, b in zip(v, v[1:], strict=False)):
+            raise ValueError("candidates must be strictly increasing, e.g. [4, 8, 16]")
+        return v
+
+    @model_validator(mode="after")
+    def _ranges(self) -> GroupControlSpec:
+        if self.initial not in self.candidates:
+            raise ValueError(f"initial ({self.initial}) must be one of candidates {self.candidates}")
+        if not 0 < decimal(self.target_straggler_rate) < 1:
+            raise ValueError("targetStragglerRate must be in (0, 1)")
+        if decimal(self.straggler_ratio) <= 1:
+            raise ValueError("stragglerRatio must be > 1")
+        if not 0 < decimal(self.forgetting) <= 1:
+            raise ValueError("forgetting must be in (0, 1]")
+        if decimal(self.dual_step_size) < 0:
+            raise ValueError("dualStepSize must be >= 0")
+        if decimal(self.lambda_max) <= 0:
+            raise ValueError("lambdaMax must be > 0")
+        return self
+
+    def sagc_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``rlpacer.control.sagc.SAGCConfig`` (the API layer does not
+        import the control layer)."""
+        return {
+            "candidates": tuple(self.candidates),
+            "delta": decimal(self.target_straggler_rate),
+            "tau": decimal(self.straggler_ratio),
+            "forgetting": decimal(self.forgetting),
+            "dual_step": decimal(self.dual_step_size),
+            "lambda_max": decimal(self.lambda_max),
+            "radius": self.local_search_radius,
+            "initial": self.initial,
+            "seed": self.seed,
+        }
+
+
+class LongRoundSpec(APIModel):
+    rollout_replicas: int = Field(
+        default=1, ge=1, le=1024,
+        description="Rollout replicas during a long round (>= rollout.replicas); scaled back after.",
+    )
+    scale_up_timeout_seconds: int = Field(
+        default=300, ge=1, le=86_400,
+        description="How long a long round waits for extra replicas before it runs on what is ready.",
+    )
+
+
+class TailBatchingSpec(APIModel):
+    enabled: bool = Field(default=True, description="Defer long-tail prompts to long rounds.")
+    prompt_overprovision: Decimal = Field(
+        default="1.25", description="eta: a short round launches ceil(eta * promptsPerStep) prompts (>= 1)."
+    )
+    extra_responses_per_prompt: int = Field(
+        default=1, ge=0, le=64, description="Responses launched beyond G per prompt in a short round."
+    )
+    long_round: LongRoundSpec = Field(default_factory=LongRoundSpec)
+
+    @model_validator(mode="after")
+    def _ranges(self) -> TailBatchingSpec:
+        if decimal(self.prompt_overprovision) < 1:
+            raise ValueError("promptOverprovision must be >= 1")
+        return self
+
+
+class CheckpointSpec(APIModel):
+    volume_claim: str | None = Field(
+        default=None, max_length=253, description="PVC for checkpoints (a local folder in tests)."
+    )
+    every_steps: int = Field(default=20, ge=1, le=1_000_000, description="Checkpoint interval.")
+
+
+class Toleration(APIModel):
+    key: str | None = Field(default=None, description="Taint key to tolerate.")
+    operator: str | None = Field(default=None, description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value.")
+    effect: str | None = Field(default=None, description="NoSchedule, PreferNoSchedule, NoExecute.")
+    toleration_seconds: int | None = Field(default=None, description="For NoExecute.")
+
+
+class SchedulingSpec(APIModel):
+    priority_class_name: str | None = Field(default=None, max_length=253, description="Pods' priority class.")
+    node_selector: dict[str, str] | None = Field(default=None, description="Pods' node selector.")
+    tolerations: list[Toleration] | None = Field(
+        default=None, max_length=32, description="Added to the pods (GPU taints are tolerated already)."
+    )
+    queue_name: str | None = Field(
+        default=None, max_length=253,
+        description="Kueue LocalQueue; set as the kueue.x-k8s.io/queue-name label on workloads.",
+    )
+
+
+class RLTrainingJobSpec(APIModel):
+    model: ModelSpec
+    data: DataSpec
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    steps: int = Field(ge=1, le=10_000_000, description="Policy updates to run (one per round).")
+    prompts_per_step: int = Field(ge=1, le=1_000_000, description="P0: prompts trained per step.")
+    group_control: GroupControlSpec = Field(default_factory=GroupControlSpec)
+    tail_batching: TailBatchingSpec = Field(default_factory=TailBatchingSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    suspend: bool = Field(default=False, description="Suspend: delete pods, keep state; resume later.")
+    backoff_limit: int = Field(
+        default=3, ge=0, le=1000, description="Trainer restarts (from the last checkpoint) before Failed."
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1, description="Fail the job when it runs longer than this."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None, ge=0, description="Delete the finished job (and children) after this long."
+    )
+
+    @model_validator(mode="after")
+    def _cross(self) -> RLTrainingJobSpec:
+        tb = self.tail_batching
+        if tb.enabled and tb.long_round.rollout_replicas < self.rollout.replicas:
+            raise ValueError(
+                "tailBatching.longRound.rolloutReplicas must be >= rollout.replicas"
+                f" ({tb.long_round.rollout_replicas} < {self.rollout.replicas})"
+            )
+        return self
+
+
+class ObjectMeta(APIModel):
+    """The part of metadata rlpacer reads; the rest passes through untouched."""
+
+    model_config = APIModel.model_config | {"extra": "allow"}
+    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH,
+                      pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str = Field(default="default", max_length=63)
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class RLTrainingJob(APIModel):
+    api_version: str = Field(default=API_VERSION)
+    kind: str = Field(default=KIND)
+    metadata: ObjectMeta
+    spec: RLTrainingJobSpec
+    status: dict[str, Any] | None = None
+
+    @field_validator("api_version")
+    @classmethod
+    def _api_version(cls, v: str) -> str:
+        if v != API_VERSION:
+            raise ValueError(f"apiVersion must be {API_VERSION}")
+        return v
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if v != KIND:
+            raise ValueError(f"kind must be {KIND}")
+        return v
+
+
+class ManifestError(ValueError):
+    """A manifest that does not validate; the message names each bad field."""
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(_camel(str(p)) if isinstance(p, str) else f"[{p}]" for p in e["loc"])
+        loc = loc.replace(".[", "[")
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{prefix}{loc or '<root>'}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_job(obj: dict[str, Any]) -> RLTrainingJob:
+    """Validate a manifest dict; raise :class:`ManifestError` naming each bad field."""
+    try:
+        return RLTrainingJob.model_validate(obj)
+    except ValidationError as err:
+        raise ManifestError("invalid RLTrainingJob:\n" + format_validation_error(err)) from None
+
+
+def parse_spec(spec: dict[str, Any]) -> RLTrainingJobSpec:
+    """Validate a spec dict (what the operator reads from a live object)."""
+    try:
+        return RLTrainingJobSpec.model_validate(spec)
+    except ValidationError as err:
+        raise ManifestError(
+            "invalid RLTrainingJob spec:\n" + format_validation_error(err, prefix="spec.")
+        ) from None
+
+
+def load_manifest(path: str | Path) -> RLTrainingJob:
+    """Read a YAML manifest (the first RLTrainingJob document in the file)."""
+    text = Path(path).read_text()
+    for doc in yaml.safe_load_all(text):
+        if isinstance(doc, dict) and doc.get("kind") == KIND:
+            try:
+                return parse_job(doc)
+            except ManifestError as err:
+                raise ManifestError(f"{path}: {err}") from None
+    raise ManifestError(f"{path}: no document with kind: {KIND}")

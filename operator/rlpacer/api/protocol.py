@@ -1,0 +1,122 @@
+"""The step-report protocol between a job's trainer (driver) and the operator.
+
+Versioned: the paths carry ``/v1/``. DESIGN.md "Step-report protocol" is the prose contract;
+these models are its single implementation on both sides (the operator's endpoint and the
+trainer's client, and the in-process transport of ``rlpacer run``).
+
+* ``GET  /v1/namespaces/{ns}/rltrainingjobs/{name}/plan``  -> :class:`Plan`
+* ``POST /v1/namespaces/{ns}/rltrainingjobs/{name}/steps`` (Bearer job token) with a
+  :class:`StepReport` -> :class:`Plan` for the next step, sent only after the controller
+  state is persisted.
+
+Idempotency key: ``(attempt, step)``. Errors: 401 bad token, 404 unknown job, 422 impossible
+report; each answered with an :class:`ErrorBody` and no state change.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import Field, model_validator
+
+from rlpacer.api._base import APIModel
+
+PROTOCOL_VERSION = "v1"
+
+
+def plan_path(namespace: str, name: str) -> str:
+    return f"/{PROTOCOL_VERSION}/namespaces/{namespace}/rltrainingjobs/{name}/plan"
+
+
+def steps_path(namespace: str, name: str) -> str:
+    return f"/{PROTOCOL_VERSION}/namespaces/{namespace}/rltrainingjobs/{name}/steps"
+
+
+class RoundKind(str, enum.Enum):
+    """Kind of a rollout round (one round = one step = one policy update)."""
+
+    SHORT = "Short"  # over-provisioned race: keep the first finishers, defer the rest
+    LONG = "Long"  # deferred long-tail prompts, everything runs to completion
+
+
+class RolloutState(str, enum.Enum):
+    """Whether the rollout capacity the plan asks for is there."""
+
+    READY = "Ready"
+    SCALING_UP = "ScalingUp"  # the driver polls GET plan until Ready or TimedOut
+    TIMED_OUT = "TimedOut"  # run on what is ready (never a deadlock when GPUs are short)
+
+
+class LengthSummary(APIModel):
+    """Response-length statistics (tokens) of one step's kept responses."""
+
+    max: int = Field(ge=0, description="Longest kept response, in tokens.")
+    median: float = Field(ge=0, description="Median kept response length, in tokens.")
+    p90: float = Field(ge=0, description="90th percentile of kept response lengths, in tokens.")
+    count: int = Field(ge=0, description="Number of kept (scored and trained) responses.")
+    aborted: int = Field(
+        default=0, ge=0, description="Responses aborted by tail batching in this round."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LengthSummary:
+        if self.max < self.median:
+            raise ValueError(f"lengths.max ({self.max}) < lengths.median ({self.median})")
+        if self.p90 > self.max:
+            raise ValueError(f"lengths.p90 ({self.p90}) > lengths.max ({self.max})")
+        return self
+
+
+class StepSeconds(APIModel):
+    """Where the step's wall-clock time went."""
+
+    rollout: float = Field(default=0.0, ge=0, description="Generation time, seconds.")
+    reward: float = Field(default=0.0, ge=0, description="Reward time not hidden by rollout.")
+    train: float = Field(default=0.0, ge=0, description="Policy update time, seconds.")
+    sync: float = Field(default=0.0, ge=0, description="Weight sync to engines, seconds.")
+
+    @property
+    def total(self) -> float:
+        return self.rollout + self.reward + self.train + self.sync
+
+
+class StepReport(APIModel):
+    """What the driver reports after each step (short or long round)."""
+
+    attempt: int = Field(ge=0, description="The trainer's restart count (RLPACER_ATTEMPT).")
+    step: int = Field(ge=0, description="The step just finished; steps count from 0.")
+    group_size: int = Field(ge=1, description="The group size G the plan gave for this step.")
+    round_kind: RoundKind = Field(description="Kind of the round just run.")
+    lengths: LengthSummary
+    seconds: StepSeconds = Field(default_factory=StepSeconds)
+    long_queue: int = Field(default=0, ge=0, description="Prompts waiting for a long round.")
+    next_round_kind: RoundKind = Field(
+        default=RoundKind.SHORT, description="Kind of round the tail-batching planner wants next."
+    )
+    reward: float | None = Field(default=None, description="Mean reward of the step, if known.")
+
+
+class RolloutCapacity(APIModel):
+    desired_replicas: int = Field(ge=0, description="Rollout replicas the plan asks for.")
+    ready_replicas: int = Field(ge=0, description="Rollout replicas ready now.")
+    state: RolloutState = RolloutState.READY
+
+
+class Plan(APIModel):
+    """The plan for the next step."""
+
+    step: int = Field(ge=0, description="The step this plan is for.")
+    group_size: int = Field(ge=1, description="G to use for this step.")
+    round_kind: RoundKind = RoundKind.SHORT
+    rollout: RolloutCapacity
+    lambda_: float = Field(default=0.0, alias="lambda", description="SAGC's dual variable.")
+    straggler_rate: float = Field(default=0.0, description="Windowed straggler rate.")
+    done: bool = Field(default=False, description="True once the job has run all its steps.")
+
+
+class ErrorBody(APIModel):
+    """Body of every error answer (401, 404, 422)."""
+
+    code: int
+    reason: str = Field(description="Machine-readable reason, e.g. StepOutOfOrder.")
+    message: str = Field(description="What was wrong and how to fix it.")
