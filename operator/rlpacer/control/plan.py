@@ -1,0 +1,419 @@
+"""Per-job plan logic: the group-size controller, step counter and report validation.
+
+One :class:`JobController` per training job. The operator hosts it for clusters (state
+persisted in the job's status), ``rlpacer run`` calls it in-process; both feed it the
+driver's step reports (DESIGN.md "Step-report protocol") and return :meth:`JobController.plan`.
+It is pure: no I/O, no clocks, deterministic under the controller's seed.
+
+Protocol rules enforced by :meth:`JobController.observe` (violations raise
+:class:`ReportRejected` with a machine-readable ``reason`` and change nothing):
+
+* Idempotency key ``(attempt, step)``: a repeat of the last answered report returns the same
+  answer and changes nothing; the same key with a different body is ``ConflictingRepeat``.
+* Within an attempt steps increase by one (``StepOutOfOrder``). A new attempt (after a
+  restart from a checkpoint at step k) may report any step k+1 <= next step: the controller
+  keeps what it learnt. An older attempt is ``StaleAttempt``.
+* ``groupSize`` must be the planned G (``GroupSizeNotPlanned``); lengths must be possible
+  (``ImpossibleLengths``: median > 0, median <= p90 <= max); counts, seconds and the queue
+  non-negative (``InvalidReport``).
+
+Decision: **long rounds do not feed SAGC** by default (``long_rounds_feed_sagc=False``).
+A long round holds only the prompts that lost the race, so its max/median ratio measures the
+queue's mix, not the straggler risk of G in the short rounds SAGC is choosing for; fed in, it
+shifts the posterior with evidence about a different distribution. ``rlpacer bench`` reports
+both settings (``sagc_tail`` vs ``sagc_tail_feed``); see rlpacer.sim.bench for the numbers.
+A long round runs with the pending SAGC decision's G; when long rounds do not feed SAGC that
+decision stays pending and the next short round uses it.
+
+The straggler rate reported for logging is over the last ``straggler_window`` steps of every
+kind (long rounds included: it is what the user's steps actually did).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rlpacer.api.protocol import RoundKind
+from rlpacer.control._validate import require_bool, require_int
+from rlpacer.control.errors import ConfigError, StateError
+from rlpacer.control.sagc import (
+    FixedController,
+    GroupControlMode,
+    SAGCConfig,
+    SAGCController,
+    controller_from_state_dict,
+    make_controller,
+)
+
+__all__ = [
+    "ControlPlan",
+    "JobController",
+    "JobControllerConfig",
+    "LengthStats",
+    "ReportRejected",
+    "StepReportData",
+    "StepSecondsData",
+]
+
+_STATE_VERSION = 1
+
+
+class ReportRejected(ValueError):
+    """A step report the controller cannot accept (HTTP 422); the state is unchanged."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class JobControllerConfig:
+    """Configuration of one job's plan logic."""
+
+    mode: GroupControlMode = GroupControlMode.SAGC
+    """SAGC or Fixed (always ``sagc.initial``)."""
+    sagc: SAGCConfig = field(default_factory=SAGCConfig)
+    """The group-size controller's configuration (Fixed uses initial, tau, forgetting)."""
+    straggler_window: int = 50
+    """Steps in the windowed straggler rate reported for logging (>= 1)."""
+    long_rounds_feed_sagc: bool = False
+    """Whether long rounds' length summaries update SAGC (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", GroupControlMode.parse(self.mode))
+        if not isinstance(self.sagc, SAGCConfig):
+            raise ConfigError("sagc", f"must be an SAGCConfig, got {type(self.sagc).__name__}")
+        require_int("straggler_window", self.straggler_window, minimum=1)
+        require_bool("long_rounds_feed_sagc", self.long_rounds_feed_sagc)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "sagc": self.sagc.to_dict(),
+            "straggler_window": self.straggler_window,
+            "long_rounds_feed_sagc": self.long_rounds_feed_sagc,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobControllerConfig:
+        try:
+            return cls(
+                mode=GroupControlMode.parse(data["mode"]),
+                sagc=SAGCConfig.from_dict(data["sagc"]),
+                straggler_window=data["straggler_window"],
+                long_rounds_feed_sagc=data["long_rounds_feed_sagc"],
+            )
+        except KeyError as exc:
+            raise ConfigError(str(exc.args[0]), "missing") from exc
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """Response lengths (tokens) of a step's kept responses (wire: ``lengths``)."""
+
+    max: float
+    median: float
+    p90: float
+    count: int
+    aborted: int = 0
+
+
+@dataclass(frozen=True)
+class StepSecondsData:
+    """Where the step's time went (wire: ``seconds``)."""
+
+    rollout: float = 0.0
+    reward: float = 0.0
+    train: float = 0.0
+    sync: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepReportData:
+    """A step report as plain values (wire: ``StepReport`` in rlpacer.api.protocol)."""
+
+    attempt: int
+    step: int
+    group_size: int
+    round_kind: RoundKind
+    lengths: LengthStats
+    seconds: StepSecondsData = field(default_factory=StepSecondsData)
+    long_queue: int = 0
+    next_round_kind: RoundKind = RoundKind.SHORT
+    reward: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["round_kind"] = self.round_kind.value
+        out["next_round_kind"] = self.next_round_kind.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepReportData:
+        return cls(
+            attempt=data["attempt"],
+            step=data["step"],
+            group_size=data["group_size"],
+            round_kind=RoundKind(data["round_kind"]),
+            lengths=LengthStats(**data["lengths"]),
+            seconds=StepSecondsData(**data["seconds"]),
+            long_queue=data["long_queue"],
+            next_round_kind=RoundKind(data["next_round_kind"]),
+            reward=data["reward"],
+        )
+
+
+@dataclass(frozen=True)
+class ControlPlan:
+    """What the controller plans for the next step (the host adds rollout capacity)."""
+
+    step: int
+    group_size: int
+    round_kind: RoundKind
+    lambda_: float
+    straggler_rate: float
+    straggler: bool | None = None
+    """Whether the step just reported was a straggler (None for the initial plan)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["round_kind"] = self.round_kind.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ControlPlan:
+        return cls(**{**data, "round_kind": RoundKind(data["round_kind"])})
+
+
+def _finite_nonneg(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ReportRejected("InvalidReport", f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ReportRejected("InvalidReport", f"{name} must be finite and >= 0, got {value!r}")
+
+
+def _count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ReportRejected("InvalidReport", f"{name} must be an integer >= 0, got {value!r}")
+
+
+class JobController:
+    """Plan logic of one job: group-size control, step counter, idempotent reports."""
+
+    def __init__(self, cfg: JobControllerConfig | None = None) -> None:
+        self._cfg = JobControllerConfig() if cfg is None else cfg
+        self._ctl: SAGCController | FixedController = make_controller(
+            self._cfg.mode, self._cfg.sagc
+        )
+        self._next_step = 0
+        self._attempt = 0
+        self._next_kind = RoundKind.SHORT
+        self._window: deque[bool] = deque(maxlen=self._cfg.straggler_window)
+        self._steps_observed = 0
+        self._long_rounds = 0
+        self._last_key: tuple[int, int] | None = None
+        self._last_report: dict[str, Any] | None = None
+        self._last_answer: ControlPlan | None = None
+        self._ctl.decide()  # the plan is always fully decided (and in the state)
+
+    # --- views ----------------------------------------------------------------------------
+    @property
+    def config(self) -> JobControllerConfig:
+        return self._cfg
+
+    @property
+    def controller(self) -> SAGCController | FixedController:
+        return self._ctl
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    @property
+    def attempt(self) -> int:
+        return self._attempt
+
+    @property
+    def long_rounds(self) -> int:
+        return self._long_rounds
+
+    @property
+    def steps_observed(self) -> int:
+        return self._steps_observed
+
+    @property
+    def straggler_rate(self) -> float:
+        """Fraction of straggler steps among the last ``straggler_window`` steps."""
+        return sum(self._window) / len(self._window) if self._window else 0.0
+
+    @property
+    def lambda_(self) -> float:
+        return self._ctl.lambda_
+
+    def posterior_means(self) -> dict[int, float]:
+        return self._ctl.posterior_means()
+
+    def plan(self, *, straggler: bool | None = None) -> ControlPlan:
+        """The plan for the next step. Pure: calling it changes nothing."""
+        g = self._ctl.pending
+        assert g is not None  # invariant: decided at construction and after each report
+        return ControlPlan(
+            step=self._next_step,
+            group_size=g,
+            round_kind=self._next_kind,
+            lambda_=self._ctl.lambda_,
+            straggler_rate=self.straggler_rate,
+            straggler=straggler,
+        )
+
+    # --- reports --------------------------------------------------------------------------
+    def validate(self, report: StepReportData) -> None:
+        """Raise :class:`ReportRejected` if ``report`` cannot be accepted now (a repeat of
+        the last answered report is accepted)."""
+        if (report.attempt, report.step) == self._last_key:
+            if report.to_dict() != self._last_report:
+                raise ReportRejected(
+                    "ConflictingRepeat",
+                    f"step {report.step} of attempt {report.attempt} was already reported"
+                    " with a different body",
+                )
+            return
+        self._validate_new(report)
+
+    def _validate_new(self, r: StepReportData) -> None:
+        _count("attempt", r.attempt)
+        _count("step", r.step)
+        if r.attempt < self._attempt:
+            raise ReportRejected(
+                "StaleAttempt",
+                f"attempt {r.attempt} is older than the current attempt {self._attempt}",
+            )
+        if r.attempt == self._attempt and r.step != self._next_step:
+            raise ReportRejected(
+                "StepOutOfOrder",
+                f"attempt {r.attempt} must report step {self._next_step} next, got {r.step}"
+                " (steps increase by one within an attempt)",
+            )
+        if r.attempt > self._attempt and r.step > self._next_step:
+            raise ReportRejected(
+                "StepOutOfOrder",
+                f"a new attempt may restart at a step <= {self._next_step}, got {r.step}",
+            )
+        planned = self._ctl.pending
+        if r.group_size != planned:
+            raise ReportRejected(
+                "GroupSizeNotPlanned",
+                f"groupSize {r.group_size} was not planned: the plan's group size is {planned}",
+            )
+        if not isinstance(r.round_kind, RoundKind) or not isinstance(r.next_round_kind, RoundKind):
+            raise ReportRejected("InvalidReport", "roundKind and nextRoundKind must be Short|Long")
+        ln = r.lengths
+        for name in ("max", "median", "p90"):
+            _finite_nonneg(f"lengths.{name}", getattr(ln, name))
+        _count("lengths.count", ln.count)
+        _count("lengths.aborted", ln.aborted)
+        _count("longQueue", r.long_queue)
+        for name in ("rollout", "reward", "train", "sync"):
+            _finite_nonneg(f"seconds.{name}", getattr(r.seconds, name))
+        if ln.count < 1:
+            raise ReportRejected("ImpossibleLengths", "lengths.count must be >= 1 (kept responses)")
+        if not 0 < ln.median <= ln.p90 <= ln.max:
+            raise ReportRejected(
+                "ImpossibleLengths",
+                f"need 0 < median <= p90 <= max, got median={ln.median} p90={ln.p90}"
+                f" max={ln.max}",
+            )
+        if r.reward is not None and (
+            isinstance(r.reward, bool)
+            or not isinstance(r.reward, int | float)
+            or not math.isfinite(r.reward)
+        ):
+            raise ReportRejected("InvalidReport", f"reward must be finite, got {r.reward!r}")
+
+    def observe(self, report: StepReportData) -> ControlPlan:
+        """Accept one step report and return the plan for the next step.
+
+        Raises :class:`ReportRejected` (state unchanged) for an impossible report. A repeat
+        of the last answered report returns the same answer and changes nothing.
+        """
+        key = (report.attempt, report.step)
+        if key == self._last_key:
+            self.validate(report)
+            assert self._last_answer is not None
+            return self._last_answer
+        self._validate_new(report)
+        feeds = report.round_kind is RoundKind.SHORT or self._cfg.long_rounds_feed_sagc
+        ln = report.lengths
+        if feeds:
+            straggler = self._ctl.observe(report.group_size, ln.max, ln.median)
+        else:
+            straggler = self._ctl.is_straggler(ln.max, ln.median)
+        self._ctl.decide()
+        self._window.append(straggler)
+        self._steps_observed += 1
+        if report.round_kind is RoundKind.LONG:
+            self._long_rounds += 1
+        self._attempt = report.attempt
+        self._next_step = report.step + 1
+        self._next_kind = report.next_round_kind
+        answer = self.plan(straggler=straggler)
+        self._last_key = key
+        self._last_report = report.to_dict()
+        self._last_answer = answer
+        return answer
+
+    # --- persistence ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable; :meth:`from_state_dict` restores bit-exactly."""
+        return {
+            "kind": "job_controller",
+            "version": _STATE_VERSION,
+            "config": self._cfg.to_dict(),
+            "controller": self._ctl.state_dict(),
+            "next_step": self._next_step,
+            "attempt": self._attempt,
+            "next_round_kind": self._next_kind.value,
+            "window": [bool(x) for x in self._window],
+            "steps_observed": self._steps_observed,
+            "long_rounds": self._long_rounds,
+            "last": None
+            if self._last_key is None
+            else {
+                "key": list(self._last_key),
+                "report": self._last_report,
+                "answer": None if self._last_answer is None else self._last_answer.to_dict(),
+            },
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> JobController:
+        if not isinstance(state, dict) or state.get("kind") != "job_controller":
+            raise StateError("not a job-controller state")
+        if state.get("version") != _STATE_VERSION:
+            raise StateError(f"unsupported state version {state.get('version')!r}")
+        try:
+            cfg = JobControllerConfig.from_dict(state["config"])
+            jc = cls(cfg)
+            jc._ctl = controller_from_state_dict(state["controller"])
+            if jc._ctl.pending is None:
+                raise StateError("controller state has no pending decision")
+            jc._next_step = int(state["next_step"])
+            jc._attempt = int(state["attempt"])
+            jc._next_kind = RoundKind(state["next_round_kind"])
+            jc._window = deque((bool(x) for x in state["window"]), maxlen=cfg.straggler_window)
+            jc._steps_observed = int(state["steps_observed"])
+            jc._long_rounds = int(state["long_rounds"])
+            last = state["last"]
+            if last is not None:
+                jc._last_key = (int(last["key"][0]), int(last["key"][1]))
+                jc._last_report = last["report"]
+                jc._last_answer = ControlPlan.from_dict(last["answer"])
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, StateError | ConfigError):
+                raise
+            raise StateError(f"cannot restore JobController: {exc!r}") from exc
+        return jc

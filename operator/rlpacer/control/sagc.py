@@ -1,0 +1,595 @@
+"""SAGC: straggler-aware group-size control (ALGORITHMS.md section 1; seed 000).
+
+Each step the controller picks the GRPO group size G from a sorted candidate set, maximising
+the long-run mean of ``u(G) = log2(G)`` subject to a long-run straggler rate of at most
+``delta``. A step is a straggler when ``max_len / median_len > tau`` over its responses.
+
+Shapes and updates (one step = one ``decide()`` then one ``observe()``)::
+
+    belief      p(G) ~ Beta(alpha_G, beta_G)            one per candidate G
+    chosen arm  alpha_G <- gamma * alpha_G + S_t        S_t in {0, 1}, gamma = forgetting
+                beta_G  <- gamma * beta_G + (1 - S_t)
+    dual        lambda  <- clip(lambda + eta * (S_t - delta), 0, lambda_max)
+    decide      argmax_{G in N_r(G_prev)} log2(G) - lambda * p~_G,   p~_G ~ Beta(alpha_G, beta_G)
+
+where ``N_r(G_prev)`` is the candidates within ``radius`` positions of the current G.
+
+Decisions taken here (ALGORITHMS.md leaves them open):
+
+* **Unchosen arms decay toward the prior** (``decay_unchosen=True``, the default):
+  ``alpha_H <- gamma * alpha_H + (1 - gamma) * prior_alpha`` (and beta alike) for every H
+  not chosen this step. Response lengths drift upward as the policy learns to think longer,
+  so a belief about a size we stopped using goes stale; decaying it toward the prior widens
+  it again and Thompson sampling re-tests that size now and then, instead of trusting a
+  confident belief formed many steps ago. This is discounted Thompson sampling for
+  non-stationary bandits (Raj & Kalyani, 2017) with the discount pulling toward the prior
+  rather than toward zero (Beta(0, 0) is improper). With ``forgetting == 1`` nothing decays
+  and the controller is the stationary algorithm.
+* Pseudo-counts are floored at ``1e-6`` so a long run of identical outcomes under forgetting
+  cannot underflow to an improper Beta(0, .) (the floor is far below any count that matters).
+* Ties in the Thompson score go to the smaller G (the cheaper, safer choice).
+* ``decide()`` again before ``observe()`` returns the same pending G and draws nothing.
+* The Thompson draws use one numpy ``Generator`` (PCG64); its full bit-generator state is in
+  ``state_dict()``, so ``from_state_dict(state_dict())`` continues bit for bit.
+
+:class:`FixedController` has the same interface with a constant G (baselines, ``mode:
+Fixed``); it still tracks a Beta posterior of its one size so p(G) is reported either way.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from rlpacer.control._validate import require_bool, require_float, require_int
+from rlpacer.control.errors import ConfigError, ObservationError, StateError
+
+__all__ = [
+    "FixedConfig",
+    "FixedController",
+    "GroupControlMode",
+    "GroupController",
+    "SAGCConfig",
+    "SAGCController",
+    "controller_from_state_dict",
+    "is_straggler",
+    "make_controller",
+]
+
+_MIN_PSEUDO_COUNT = 1e-6
+_STATE_VERSION = 1
+
+
+def is_straggler(max_len: float, median_len: float, tau: float) -> bool:
+    """The straggler event of a step: ``max_len / median_len > tau``."""
+    return max_len > tau * median_len
+
+
+def _check_lengths(max_len: float, median_len: float) -> tuple[float, float]:
+    """Validate a step's length summary; raise :class:`ObservationError` when impossible."""
+    for name, value in (("max_len", max_len), ("median_len", median_len)):
+        if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+            raise ObservationError(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(float(value)) or float(value) <= 0:
+            raise ObservationError(f"{name} must be a positive finite length, got {value!r}")
+    if float(max_len) < float(median_len):
+        raise ObservationError(
+            f"max_len ({max_len}) < median_len ({median_len}): the longest response cannot be"
+            " shorter than the median"
+        )
+    return float(max_len), float(median_len)
+
+
+@dataclass(frozen=True)
+class SAGCConfig:
+    """Configuration of :class:`SAGCController`. Invalid values raise :class:`ConfigError`
+    naming the field."""
+
+    candidates: tuple[int, ...] = (4, 8, 16)
+    """Allowed group sizes, strictly increasing positive integers."""
+    delta: float = 0.2
+    """Straggler SLO: target long-run fraction of straggler steps, in (0, 1)."""
+    tau: float = 4.0
+    """A step with ``max_len / median_len > tau`` is a straggler (> 1). Put it near the
+    workload's typical ratio, or the constraint never binds (ALGORITHMS.md)."""
+    forgetting: float = 0.95
+    """Posterior forgetting factor gamma in (0, 1]; 1 = no forgetting."""
+    dual_step: float = 0.05
+    """Dual ascent step size eta (>= 0)."""
+    lambda_max: float = 10.0
+    """Upper bound of the multiplier lambda (> 0)."""
+    radius: int = 1
+    """Local search: G moves at most this many candidate positions per step (>= 0)."""
+    initial: int = 8
+    """First group size; must be a candidate."""
+    seed: int = 0
+    """Seed of the Thompson-sampling generator (>= 0)."""
+    prior_alpha: float = 1.0
+    """Beta prior pseudo-count of straggler steps (> 0)."""
+    prior_beta: float = 1.0
+    """Beta prior pseudo-count of normal steps (> 0)."""
+    decay_unchosen: bool = True
+    """Unchosen arms decay toward the prior each step (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        cands = self.candidates
+        if isinstance(cands, str | bytes) or not hasattr(cands, "__iter__"):
+            raise ConfigError("candidates", f"must be a sequence of integers, got {cands!r}")
+        cands = tuple(cands)
+        if not cands:
+            raise ConfigError("candidates", "must not be empty; e.g. (4, 8, 16)")
+        for i, g in enumerate(cands):
+            require_int(f"candidates[{i}]", g, minimum=1)
+        if len(set(cands)) != len(cands):
+            raise ConfigError("candidates", f"must not contain duplicates, got {cands}")
+        if list(cands) != sorted(cands):
+            raise ConfigError("candidates", f"must be sorted ascending, got {cands}")
+        object.__setattr__(self, "candidates", cands)
+        require_float("delta", self.delta, low=0, high=1, low_open=True, high_open=True)
+        require_float(
+            "tau", self.tau, low=1, low_open=True,
+            hint="a ratio max/median; pick it near the workload's typical ratio",
+        )
+        require_float("forgetting", self.forgetting, low=0, high=1, low_open=True)
+        require_float("dual_step", self.dual_step, low=0)
+        require_float("lambda_max", self.lambda_max, low=0, low_open=True)
+        require_int("radius", self.radius, minimum=0)
+        require_int("initial", self.initial, minimum=1)
+        if self.initial not in cands:
+            raise ConfigError("initial", f"must be one of candidates {cands}, got {self.initial}")
+        require_int("seed", self.seed, minimum=0)
+        require_float("prior_alpha", self.prior_alpha, low=0, low_open=True)
+        require_float("prior_beta", self.prior_beta, low=0, low_open=True)
+        require_bool("decay_unchosen", self.decay_unchosen)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["candidates"] = list(self.candidates)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SAGCConfig:
+        kwargs = dict(data)
+        if "candidates" in kwargs:
+            kwargs["candidates"] = tuple(kwargs["candidates"])
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:  # unknown or missing keys
+            raise ConfigError("config", str(exc)) from exc
+
+
+@runtime_checkable
+class GroupController(Protocol):
+    """What the plan logic needs from a group-size controller (SAGC or fixed)."""
+
+    @property
+    def tau(self) -> float: ...
+    @property
+    def lambda_(self) -> float: ...
+    @property
+    def current(self) -> int: ...
+    @property
+    def pending(self) -> int | None: ...
+    def decide(self) -> int: ...
+    def observe(self, g: int, max_len: float, median_len: float) -> bool: ...
+    def posterior_means(self) -> dict[int, float]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+
+
+def _rng_state_to_json(rng: np.random.Generator) -> dict[str, Any]:
+    st = rng.bit_generator.state
+    if st["bit_generator"] != "PCG64":  # pragma: no cover - we only ever build PCG64
+        raise StateError(f"unsupported bit generator {st['bit_generator']}")
+    # 128-bit integers as hex strings: JSON readers other than Python's lose precision on
+    # large integers, and the state travels through the Kubernetes API as JSON.
+    return {
+        "bit_generator": "PCG64",
+        "state": format(st["state"]["state"], "#x"),
+        "inc": format(st["state"]["inc"], "#x"),
+        "has_uint32": int(st["has_uint32"]),
+        "uinteger": int(st["uinteger"]),
+    }
+
+
+def _rng_from_json(data: dict[str, Any]) -> np.random.Generator:
+    try:
+        if data["bit_generator"] != "PCG64":
+            raise StateError(f"rng.bit_generator must be PCG64, got {data['bit_generator']!r}")
+        bg = np.random.PCG64()
+        bg.state = {
+            "bit_generator": "PCG64",
+            "state": {"state": int(data["state"], 16), "inc": int(data["inc"], 16)},
+            "has_uint32": int(data["has_uint32"]),
+            "uinteger": int(data["uinteger"]),
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StateError(f"bad rng state: {exc}") from exc
+    return np.random.Generator(bg)
+
+
+@dataclass
+class _Counters:
+    steps: int = 0
+    stragglers: int = 0
+    per_size: dict[int, list[int]] = field(default_factory=dict)  # G -> [steps, stragglers]
+
+
+class SAGCController:
+    """Thompson-sampling primal-dual group-size controller. See the module docstring.
+
+    ``decide()`` and ``observe()`` each cost a few microseconds (one vectorised Beta draw).
+    """
+
+    kind = "sagc"
+
+    def __init__(self, cfg: SAGCConfig) -> None:
+        if not isinstance(cfg, SAGCConfig):
+            raise ConfigError("config", f"must be an SAGCConfig, got {type(cfg).__name__}")
+        self._cfg = cfg
+        n = len(cfg.candidates)
+        self._alpha = [float(cfg.prior_alpha)] * n
+        self._beta = [float(cfg.prior_beta)] * n
+        self._lambda = 0.0
+        self._index = cfg.candidates.index(cfg.initial)
+        self._pending: int | None = None
+        self._rng = np.random.Generator(np.random.PCG64(cfg.seed))
+        self._utility = np.log2(np.asarray(cfg.candidates, dtype=np.float64))
+        self._counters = _Counters(per_size={g: [0, 0] for g in cfg.candidates})
+
+    # --- read-only views ------------------------------------------------------------------
+    @property
+    def config(self) -> SAGCConfig:
+        return self._cfg
+
+    @property
+    def tau(self) -> float:
+        return self._cfg.tau
+
+    @property
+    def lambda_(self) -> float:
+        """The current Lagrange multiplier, in [0, lambda_max]."""
+        return self._lambda
+
+    @property
+    def current(self) -> int:
+        """The G of the last observed step (``initial`` before any)."""
+        return self._cfg.candidates[self._index]
+
+    @property
+    def pending(self) -> int | None:
+        """The G decided and not yet observed, if any."""
+        return self._pending
+
+    @property
+    def steps(self) -> int:
+        return self._counters.steps
+
+    @property
+    def stragglers(self) -> int:
+        return self._counters.stragglers
+
+    def posterior_means(self) -> dict[int, float]:
+        """``{G: E[p(G)]}``, the posterior mean straggler probability per candidate."""
+        return {
+            g: a / (a + b)
+            for g, a, b in zip(self._cfg.candidates, self._alpha, self._beta, strict=True)
+        }
+
+    def posterior(self) -> dict[int, tuple[float, float]]:
+        """``{G: (alpha_G, beta_G)}``."""
+        return {
+            g: (a, b) for g, a, b in zip(self._cfg.candidates, self._alpha, self._beta, strict=True)
+        }
+
+    def allowed(self) -> tuple[int, ...]:
+        """Candidates reachable from the current G under the local-search radius."""
+        lo = max(0, self._index - self._cfg.radius)
+        hi = min(len(self._cfg.candidates), self._index + self._cfg.radius + 1)
+        return self._cfg.candidates[lo:hi]
+
+    def is_straggler(self, max_len: float, median_len: float) -> bool:
+        return is_straggler(max_len, median_len, self._cfg.tau)
+
+    # --- the algorithm --------------------------------------------------------------------
+    def decide(self) -> int:
+        """The group size for the next step (the same pending G until it is observed)."""
+        if self._pending is not None:
+            return self._pending
+        r = self._cfg.radius
+        lo = max(0, self._index - r)
+        hi = min(len(self._cfg.candidates), self._index + r + 1)
+        draws = self._rng.beta(self._alpha[lo:hi], self._beta[lo:hi])
+        scores = self._utility[lo:hi] - self._lambda * draws
+        self._pending = self._cfg.candidates[lo + int(np.argmax(scores))]
+        return self._pending
+
+    def observe(self, g: int, max_len: float, median_len: float) -> bool:
+        """Record the length summary of the step run with the decided ``g``.
+
+        Returns whether the step was a straggler. Raises :class:`ObservationError` (and
+        changes nothing) for a G that was not decided or impossible lengths.
+        """
+        if self._pending is None:
+            raise ObservationError(
+                f"observe(g={g}) without a pending decision: call decide() first and run the"
+                " step with the G it returns"
+            )
+        if g != self._pending:
+            raise ObservationError(
+                f"observe(g={g}) but the decided group size is {self._pending}: report the G"
+                " that decide() returned"
+            )
+        mx, med = _check_lengths(max_len, median_len)
+        s = 1.0 if is_straggler(mx, med, self._cfg.tau) else 0.0
+        cfg = self._cfg
+        gamma = cfg.forgetting
+        chosen = cfg.candidates.index(g)
+        for i in range(len(cfg.candidates)):
+            if i == chosen:
+                self._alpha[i] = max(gamma * self._alpha[i] + s, _MIN_PSEUDO_COUNT)
+                self._beta[i] = max(gamma * self._beta[i] + (1.0 - s), _MIN_PSEUDO_COUNT)
+            elif cfg.decay_unchosen:
+                self._alpha[i] = gamma * self._alpha[i] + (1.0 - gamma) * cfg.prior_alpha
+                self._beta[i] = gamma * self._beta[i] + (1.0 - gamma) * cfg.prior_beta
+        self._lambda = min(max(self._lambda + cfg.dual_step * (s - cfg.delta), 0.0), cfg.lambda_max)
+        self._index = chosen
+        self._pending = None
+        self._counters.steps += 1
+        self._counters.stragglers += int(s)
+        per = self._counters.per_size[g]
+        per[0] += 1
+        per[1] += int(s)
+        return bool(s)
+
+    # --- persistence ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state; :meth:`from_state_dict` continues bit for bit."""
+        return {
+            "kind": self.kind,
+            "version": _STATE_VERSION,
+            "config": self._cfg.to_dict(),
+            "alpha": list(self._alpha),
+            "beta": list(self._beta),
+            "lambda": self._lambda,
+            "current": self.current,
+            "pending": self._pending,
+            "steps": self._counters.steps,
+            "stragglers": self._counters.stragglers,
+            "per_size": {str(g): list(v) for g, v in self._counters.per_size.items()},
+            "rng": _rng_state_to_json(self._rng),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> SAGCController:
+        _check_header(state, cls.kind)
+        try:
+            cfg = SAGCConfig.from_dict(state["config"])
+            ctl = cls(cfg)
+            n = len(cfg.candidates)
+            alpha = [float(x) for x in state["alpha"]]
+            beta = [float(x) for x in state["beta"]]
+            if len(alpha) != n or len(beta) != n:
+                raise StateError(f"alpha/beta must have {n} entries (one per candidate)")
+            if not all(math.isfinite(x) and x > 0 for x in alpha + beta):
+                raise StateError("alpha/beta must be positive and finite")
+            lam = float(state["lambda"])
+            if not 0.0 <= lam <= cfg.lambda_max:
+                raise StateError(f"lambda {lam} outside [0, {cfg.lambda_max}]")
+            current = int(state["current"])
+            pending = state["pending"]
+            if current not in cfg.candidates or (
+                pending is not None and int(pending) not in cfg.candidates
+            ):
+                raise StateError("current/pending must be candidates")
+            ctl._alpha, ctl._beta, ctl._lambda = alpha, beta, lam
+            ctl._index = cfg.candidates.index(current)
+            ctl._pending = None if pending is None else int(pending)
+            ctl._counters = _Counters(
+                steps=int(state["steps"]),
+                stragglers=int(state["stragglers"]),
+                per_size={int(g): [int(v[0]), int(v[1])] for g, v in state["per_size"].items()},
+            )
+            ctl._rng = _rng_from_json(state["rng"])
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, StateError | ConfigError):
+                raise
+            raise StateError(f"cannot restore SAGCController: {exc!r}") from exc
+        return ctl
+
+
+def _check_header(state: Any, kind: str) -> None:
+    if not isinstance(state, dict):
+        raise StateError(f"state must be a dict, got {type(state).__name__}")
+    if state.get("kind") != kind:
+        raise StateError(f"state is of kind {state.get('kind')!r}, expected {kind!r}")
+    if state.get("version") != _STATE_VERSION:
+        raise StateError(f"unsupported state version {state.get('version')!r}")
+
+
+@dataclass(frozen=True)
+class FixedConfig:
+    """Configuration of :class:`FixedController` (always the same G)."""
+
+    group_size: int = 8
+    """The group size of every step (>= 1)."""
+    tau: float = 4.0
+    """Straggler threshold, only for reporting the straggler rate and p(G) (> 1)."""
+    forgetting: float = 0.95
+    """Forgetting factor of the reported p(G) posterior, in (0, 1]."""
+    prior_alpha: float = 1.0
+    prior_beta: float = 1.0
+
+    def __post_init__(self) -> None:
+        require_int("group_size", self.group_size, minimum=1)
+        require_float("tau", self.tau, low=1, low_open=True)
+        require_float("forgetting", self.forgetting, low=0, high=1, low_open=True)
+        require_float("prior_alpha", self.prior_alpha, low=0, low_open=True)
+        require_float("prior_beta", self.prior_beta, low=0, low_open=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FixedConfig:
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError("config", str(exc)) from exc
+
+
+class FixedController:
+    """A constant group size with SAGCController's interface (baselines, ``mode: Fixed``)."""
+
+    kind = "fixed"
+
+    def __init__(self, cfg: FixedConfig) -> None:
+        if not isinstance(cfg, FixedConfig):
+            raise ConfigError("config", f"must be a FixedConfig, got {type(cfg).__name__}")
+        self._cfg = cfg
+        self._alpha = float(cfg.prior_alpha)
+        self._beta = float(cfg.prior_beta)
+        self._pending: int | None = None
+        self._steps = 0
+        self._stragglers = 0
+
+    @property
+    def config(self) -> FixedConfig:
+        return self._cfg
+
+    @property
+    def tau(self) -> float:
+        return self._cfg.tau
+
+    @property
+    def lambda_(self) -> float:
+        return 0.0
+
+    @property
+    def current(self) -> int:
+        return self._cfg.group_size
+
+    @property
+    def pending(self) -> int | None:
+        return self._pending
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @property
+    def stragglers(self) -> int:
+        return self._stragglers
+
+    def posterior_means(self) -> dict[int, float]:
+        return {self._cfg.group_size: self._alpha / (self._alpha + self._beta)}
+
+    def is_straggler(self, max_len: float, median_len: float) -> bool:
+        return is_straggler(max_len, median_len, self._cfg.tau)
+
+    def decide(self) -> int:
+        self._pending = self._cfg.group_size
+        return self._pending
+
+    def observe(self, g: int, max_len: float, median_len: float) -> bool:
+        if self._pending is None:
+            raise ObservationError(f"observe(g={g}) without a pending decision: call decide()")
+        if g != self._cfg.group_size:
+            raise ObservationError(
+                f"observe(g={g}) but the fixed group size is {self._cfg.group_size}"
+            )
+        mx, med = _check_lengths(max_len, median_len)
+        s = 1.0 if is_straggler(mx, med, self._cfg.tau) else 0.0
+        gamma = self._cfg.forgetting
+        self._alpha = max(gamma * self._alpha + s, _MIN_PSEUDO_COUNT)
+        self._beta = max(gamma * self._beta + (1.0 - s), _MIN_PSEUDO_COUNT)
+        self._pending = None
+        self._steps += 1
+        self._stragglers += int(s)
+        return bool(s)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "version": _STATE_VERSION,
+            "config": self._cfg.to_dict(),
+            "alpha": self._alpha,
+            "beta": self._beta,
+            "pending": self._pending,
+            "steps": self._steps,
+            "stragglers": self._stragglers,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> FixedController:
+        _check_header(state, cls.kind)
+        try:
+            ctl = cls(FixedConfig.from_dict(state["config"]))
+            ctl._alpha, ctl._beta = float(state["alpha"]), float(state["beta"])
+            pending = state["pending"]
+            ctl._pending = None if pending is None else int(pending)
+            ctl._steps, ctl._stragglers = int(state["steps"]), int(state["stragglers"])
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, StateError | ConfigError):
+                raise
+            raise StateError(f"cannot restore FixedController: {exc!r}") from exc
+        return ctl
+
+
+class GroupControlMode(enum.StrEnum):
+    """How a job picks its group size. Values match the API's ``groupControl.mode``."""
+
+    SAGC = "SAGC"
+    FIXED = "Fixed"
+
+    @classmethod
+    def parse(cls, name: str | GroupControlMode) -> GroupControlMode:
+        """Case-insensitive lookup by value or member name; unknown names raise."""
+        if isinstance(name, cls):
+            return name
+        if isinstance(name, enum.Enum):  # e.g. the API layer's enum of the same values
+            name = str(name.value)
+        if isinstance(name, str):
+            for member in cls:
+                if name.lower() in (member.value.lower(), member.name.lower()):
+                    return member
+        raise ConfigError(
+            "mode", f"unknown group-control mode {name!r}; expected one of {[m.value for m in cls]}"
+        )
+
+
+def make_controller(
+    mode: GroupControlMode | str, cfg: SAGCConfig | None = None
+) -> SAGCController | FixedController:
+    """Build the controller for ``mode`` from one SAGCConfig (Fixed uses ``cfg.initial``,
+    ``cfg.tau`` and ``cfg.forgetting``)."""
+    cfg = SAGCConfig() if cfg is None else cfg
+    parsed = GroupControlMode.parse(mode)
+    if parsed is GroupControlMode.SAGC:
+        return SAGCController(cfg)
+    return FixedController(
+        FixedConfig(
+            group_size=cfg.initial,
+            tau=cfg.tau,
+            forgetting=cfg.forgetting,
+            prior_alpha=cfg.prior_alpha,
+            prior_beta=cfg.prior_beta,
+        )
+    )
+
+
+_BY_KIND: dict[str, type[SAGCController] | type[FixedController]] = {
+    SAGCController.kind: SAGCController,
+    FixedController.kind: FixedController,
+}
+
+
+def controller_from_state_dict(state: dict[str, Any]) -> SAGCController | FixedController:
+    """Restore whichever controller ``state`` came from."""
+    if not isinstance(state, dict) or state.get("kind") not in _BY_KIND:
+        kind = state.get("kind") if isinstance(state, dict) else None
+        raise StateError(f"unknown controller kind {kind!r}; expected one of {sorted(_BY_KIND)}")
+    return _BY_KIND[state["kind"]].from_state_dict(state)
