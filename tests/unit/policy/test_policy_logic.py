@@ -1,0 +1,205 @@
+"""Pure policy logic: validation messages, defaults, run-time clamping, SLO status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rlpacer.api.job import RLTrainingJobSpec, parse_spec
+from rlpacer.api.policy import PolicyAction, RLTrainingPolicy, parse_policy
+from rlpacer.control.policy import (
+    SLOReason,
+    apply_defaults,
+    clamp,
+    peak_gpus,
+    slo_status,
+    validate_job,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def policy(name: str = "default", **spec: Any) -> RLTrainingPolicy:
+    return parse_policy({"metadata": {"name": name, "namespace": "team"}, "spec": spec})
+
+
+def job(**over: Any) -> RLTrainingJobSpec:
+    spec: dict[str, Any] = {"model": {"source": "builtin://tiny-adder"},
+                            "data": {"source": "builtin://adder"},
+                            "steps": 10, "promptsPerStep": 4}
+    spec.update(over)
+    return parse_spec(spec)
+
+
+STRICT = dict(
+    groupSizes={"allowed": [4, 8, 16]},
+    stragglerSLO={"maxTargetStragglerRate": "0.25"},
+    longRounds={"maxRolloutReplicas": 8, "maxGPUs": 32},
+)
+
+
+# --- validate_job ------------------------------------------------------------------------
+
+
+def test_a_job_within_the_policy_has_no_violations() -> None:
+    assert validate_job(job(), policy(**STRICT)) == []
+
+
+def test_violation_names_field_value_limit_and_policy() -> None:
+    spec = job(groupControl={"candidates": [8, 32], "initial": 8, "targetStragglerRate": "0.3"})
+    found = {v.field: v for v in validate_job(spec, policy(**STRICT))}
+    assert set(found) == {"spec.groupControl.candidates", "spec.groupControl.targetStragglerRate"}
+    rate = found["spec.groupControl.targetStragglerRate"]
+    assert rate.message == (
+        "spec.groupControl.targetStragglerRate: 0.3 breaks <= 0.25"
+        " (stragglerSLO.maxTargetStragglerRate) of RLTrainingPolicy team/default"
+    )
+    assert "[32]" in found["spec.groupControl.candidates"].message
+    assert rate.action is PolicyAction.ENFORCE
+
+
+def test_fixed_mode_is_judged_on_initial_only() -> None:
+    spec = job(groupControl={"mode": "Fixed", "candidates": [32], "initial": 32,
+                             "targetStragglerRate": "0.9"})
+    assert [v.field for v in validate_job(spec, policy(**STRICT))] == ["spec.groupControl.initial"]
+
+
+def test_replica_and_gpu_limits() -> None:
+    spec = job(
+        rollout={"replicas": 9, "gpusPerReplica": 2},
+        trainer={"replicas": 1, "gpusPerReplica": 8},
+        tailBatching={"longRound": {"rolloutReplicas": 14}},
+    )
+    assert peak_gpus(spec) == 8 + 14 * 2
+    fields = [v.field for v in validate_job(spec, policy(**STRICT))]
+    assert fields[:2] == ["spec.rollout.replicas", "spec.tailBatching.longRound.rolloutReplicas"]
+    assert fields[2].startswith("spec (peak GPUs")
+    # Without tail batching the long-round size does not count.
+    spec2 = job(rollout={"replicas": 4, "gpusPerReplica": 2},
+                tailBatching={"enabled": False, "longRound": {"rolloutReplicas": 12}})
+    assert validate_job(spec2, policy(**STRICT)) == []
+
+
+def test_every_policy_of_the_namespace_applies() -> None:
+    loose = policy("a-loose", stragglerSLO={"maxTargetStragglerRate": "0.5"})
+    tight = policy("b-tight", action="Warn", stragglerSLO={"maxTargetStragglerRate": "0.1"})
+    out = validate_job(job(), [loose, tight])
+    assert [(v.policy, v.action) for v in out] == [("RLTrainingPolicy team/b-tight",
+                                                     PolicyAction.WARN)]
+
+
+# --- apply_defaults ----------------------------------------------------------------------
+
+
+DEFAULTS = {"groupControl": {"mode": "SAGC", "candidates": [4, 8, 16],
+                             "targetStragglerRate": "0.2"},
+            "backoffLimit": 5, "scheduling": {"queueName": "gpu-queue"}}
+
+
+def test_defaults_fill_only_unset_fields_and_keep_the_input() -> None:
+    spec = {"model": {"source": "x"}, "data": {"source": "y"}, "steps": 1, "promptsPerStep": 1,
+            "groupControl": {"targetStragglerRate": "0.1"}, "backoffLimit": 0}
+    before = repr(spec)
+    out = apply_defaults(spec, policy(defaults=DEFAULTS))
+    assert repr(spec) == before
+    assert out.spec["groupControl"] == {"targetStragglerRate": "0.1", "mode": "SAGC",
+                                        "candidates": [4, 8, 16]}
+    assert out.spec["backoffLimit"] == 0  # set by the job: 0 is a value, not "unset"
+    assert out.spec["scheduling"] == {"queueName": "gpu-queue"}
+    assert set(out.filled) == {"spec.groupControl.mode", "spec.groupControl.candidates",
+                               "spec.scheduling.queueName"}
+    assert out.policies == ("RLTrainingPolicy team/default",)
+    parse_spec(out.spec)  # still a valid job
+
+
+def test_defaults_never_make_a_job_invalid() -> None:
+    # Candidates without 8 (the model's default initial): the middle candidate is chosen.
+    out = apply_defaults({}, policy(defaults={"groupControl": {"candidates": [2, 4, 32]}}))
+    assert out.spec["groupControl"]["initial"] == 4
+    # A default initial outside the job's own candidates is not filled in.
+    out = apply_defaults({"groupControl": {"candidates": [4, 16], "initial": 4}},
+                         policy(defaults={"groupControl": {"initial": 8}}))
+    assert out.spec["groupControl"] == {"candidates": [4, 16], "initial": 4}
+    # Long-round replicas below the job's short-round replicas are not filled in.
+    out = apply_defaults(
+        {"rollout": {"replicas": 6}},
+        policy(defaults={"tailBatching": {"longRound": {"rolloutReplicas": 4,
+                                                        "scaleUpTimeoutSeconds": 60}}}),
+    )
+    assert out.spec["tailBatching"]["longRound"] == {"scaleUpTimeoutSeconds": 60}
+
+
+def test_first_policy_that_sets_a_default_wins() -> None:
+    a = policy("a", defaults={"backoffLimit": 1})
+    b = policy("b", defaults={"backoffLimit": 2, "ttlSecondsAfterFinished": 60})
+    out = apply_defaults({}, [a, b])
+    assert out.spec == {"backoffLimit": 1, "ttlSecondsAfterFinished": 60}
+
+
+# --- clamp -------------------------------------------------------------------------------
+
+
+def test_clamp_in_enforce_mode_binds_every_limit() -> None:
+    out = clamp(policy(**STRICT), target_straggler_rate=0.4, candidates=[4, 8, 32],
+                long_round_replicas=20, rollout_gpus_per_replica=2, trainer_gpus=8)
+    assert out.target_straggler_rate == 0.25
+    assert out.candidates == (4, 8)
+    assert out.long_round_replicas == 8  # min(20, maxRolloutReplicas 8, (32-8)//2 = 12)
+    assert out.changed and len(out.notes) == 3
+
+
+def test_clamp_uses_the_gpu_budget_and_keeps_one_replica_and_one_candidate() -> None:
+    p = policy(groupSizes={"allowed": [4, 8]}, longRounds={"maxGPUs": 10})
+    out = clamp(p, target_straggler_rate=0.2, candidates=[16, 32], long_round_replicas=6,
+                rollout_gpus_per_replica=4, trainer_gpus=8)
+    assert out.candidates == (8,)  # the allowed size nearest the job's smallest
+    assert out.long_round_replicas == 1
+    within = clamp(p, target_straggler_rate=0.2, candidates=[4, 8], long_round_replicas=1,
+                   rollout_gpus_per_replica=1, trainer_gpus=0)
+    assert not within.changed and within.notes == ()
+
+
+def test_clamp_in_warn_mode_changes_nothing_but_notes() -> None:
+    out = clamp(policy(action="Warn", **STRICT), target_straggler_rate=0.4, candidates=[32],
+                long_round_replicas=20, rollout_gpus_per_replica=1, trainer_gpus=0)
+    assert (out.target_straggler_rate, out.candidates, out.long_round_replicas) == (0.4, (32,), 20)
+    assert not out.changed
+    assert out.notes and all(n.startswith("Warn: ") for n in out.notes)
+
+
+def test_strictest_of_several_policies_wins() -> None:
+    a = policy("a", stragglerSLO={"maxTargetStragglerRate": "0.3"})
+    b = policy("b", stragglerSLO={"maxTargetStragglerRate": "0.15"})
+    out = clamp([a, b], target_straggler_rate=0.4, candidates=[8], long_round_replicas=1,
+                rollout_gpus_per_replica=1, trainer_gpus=0)
+    assert out.target_straggler_rate == 0.15
+
+
+# --- slo_status --------------------------------------------------------------------------
+
+
+SLO = dict(stragglerSLO={"maxTargetStragglerRate": "0.25", "windowSteps": 20},
+           stepTimeSLO={"maxSeconds": 900})
+
+
+def test_slo_breaches_name_the_reason_and_the_policy() -> None:
+    st = slo_status(0.4, 100.0, policy(**SLO), steps=50)
+    assert st.violated and st.reason is SLOReason.STRAGGLER_RATE
+    assert "0.4" in st.message and "team/default" in st.message
+    st = slo_status(0.1, 901.0, policy(**SLO), steps=50)
+    assert st.violated and st.reason is SLOReason.STEP_TIME
+    both = slo_status(0.4, 901.0, policy(**SLO), steps=50)
+    assert both.reason is SLOReason.STRAGGLER_RATE and "step time" in both.message
+
+
+def test_slo_within_waiting_and_none() -> None:
+    assert slo_status(0.25, 900.0, policy(**SLO), steps=50).reason is SLOReason.WITHIN
+    # The straggler SLO waits for a full window; step time alone is judged meanwhile.
+    early = slo_status(0.9, None, policy(**SLO), steps=5)
+    assert not early.violated and early.reason is SLOReason.NOT_ENOUGH_STEPS
+    assert slo_status(0.9, 10.0, policy(**SLO), steps=5).reason is SLOReason.WITHIN
+    assert slo_status(0.9, 1e6, policy(), steps=500).reason is SLOReason.NO_SLO
+    # The observed limit can be looser than the admission limit.
+    p = policy(stragglerSLO={"maxTargetStragglerRate": "0.2", "maxObservedStragglerRate": "0.3"})
+    assert not slo_status(0.25, None, p).violated
