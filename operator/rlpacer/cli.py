@@ -8,10 +8,12 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlpacer", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True)
+    from rlpacer.operator import commands as operator_commands
+
+    operator_commands.register(sub)
     args = parser.parse_args(argv)
-    del args
-    return 0
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ One manifest format everywhere: ``kubectl apply -f job.yaml`` on a cluster and
 from __future__ import annotations
 
 import enum
+import itertools
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,17 +36,17 @@ MAX_NAME_LENGTH = 63
 GroupSize = Annotated[int, Field(ge=1, le=1024)]
 
 
-class AlgorithmName(str, enum.Enum):
+class AlgorithmName(enum.StrEnum):
     GRPO = "GRPO"
     DAPO = "DAPO"
 
 
-class LossAggregation(str, enum.Enum):
+class LossAggregation(enum.StrEnum):
     TOKEN_MEAN = "TokenMean"  # DAPO: every token weighs the same across the batch
     SEQUENCE_MEAN = "SequenceMean"  # GRPO: mean over tokens per response, then over responses
 
 
-class GroupControlMode(str, enum.Enum):
+class GroupControlMode(enum.StrEnum):
     SAGC = "SAGC"
     FIXED = "Fixed"
 
@@ -89,6 +90,12 @@ class OverlongPenalty(APIModel):
         ),
     )
     penalty: Decimal = Field(default="1.0", description="Penalty at the length cap (>= 0).")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> OverlongPenalty:
+        if decimal(self.penalty) < 0:
+            raise ValueError("penalty must be >= 0")
+        return self
 
 
 class AlgorithmSpec(APIModel):
@@ -177,7 +184,8 @@ class GroupControlSpec(APIModel):
         default=8, ge=1, description="First group size (the only one when mode is Fixed)."
     )
     target_straggler_rate: Decimal = Field(
-        default="0.2", description="delta, the straggler SLO: long-run rate of straggler steps, in (0, 1)."
+        default="0.2",
+        description="delta, the straggler SLO: long-run rate of straggler steps, in (0, 1).",
     )
     straggler_ratio: Decimal = Field(
         default="4",
@@ -186,7 +194,9 @@ class GroupControlSpec(APIModel):
             " Pick it near the workload's typical ratio, or the constraint never binds."
         ),
     )
-    forgetting: Decimal = Field(default="0.95", description="Posterior forgetting factor in (0, 1].")
+    forgetting: Decimal = Field(
+        default="0.95", description="Posterior forgetting factor in (0, 1]."
+    )
     dual_step_size: Decimal = Field(default="0.05", description="Dual ascent step size (>= 0).")
     lambda_max: Decimal = Field(default="10", description="Upper bound of the multiplier (> 0).")
     local_search_radius: int = Field(
@@ -200,14 +210,16 @@ class GroupControlSpec(APIModel):
     @field_validator("candidates")
     @classmethod
     def _sorted_unique(cls, v: list[int]) -> list[int]:
-        if any(b <= a for a, b in zip(v, v[1:], strict=False)):
+        if any(b <= a for a, b in itertools.pairwise(v)):
             raise ValueError("candidates must be strictly increasing, e.g. [4, 8, 16]")
         return v
 
     @model_validator(mode="after")
     def _ranges(self) -> GroupControlSpec:
         if self.initial not in self.candidates:
-            raise ValueError(f"initial ({self.initial}) must be one of candidates {self.candidates}")
+            raise ValueError(
+                f"initial ({self.initial}) must be one of candidates {self.candidates}"
+            )
         if not 0 < decimal(self.target_straggler_rate) < 1:
             raise ValueError("targetStragglerRate must be in (0, 1)")
         if decimal(self.straggler_ratio) <= 1:
@@ -239,23 +251,31 @@ class GroupControlSpec(APIModel):
 class LongRoundSpec(APIModel):
     rollout_replicas: int = Field(
         default=1, ge=1, le=1024,
-        description="Rollout replicas during a long round (>= rollout.replicas); scaled back after.",
+        description=(
+            "Rollout replicas during a long round (>= rollout.replicas); scaled back after."
+        ),
     )
     scale_up_timeout_seconds: int = Field(
         default=300, ge=1, le=86_400,
-        description="How long a long round waits for extra replicas before it runs on what is ready.",
+        description=(
+            "How long a long round waits for extra replicas before it runs on what is ready."
+        ),
     )
 
 
 class TailBatchingSpec(APIModel):
     enabled: bool = Field(default=True, description="Defer long-tail prompts to long rounds.")
     prompt_overprovision: Decimal = Field(
-        default="1.25", description="eta: a short round launches ceil(eta * promptsPerStep) prompts (>= 1)."
+        default="1.25",
+        description="eta: a short round launches ceil(eta * promptsPerStep) prompts (>= 1).",
     )
     extra_responses_per_prompt: int = Field(
-        default=1, ge=0, le=64, description="Responses launched beyond G per prompt in a short round."
+        default=1, ge=0, le=64,
+        description="Responses launched beyond G per prompt in a short round.",
     )
-    long_round: LongRoundSpec = Field(default_factory=LongRoundSpec)
+    long_round: LongRoundSpec = Field(
+        default_factory=LongRoundSpec, description="Rollout capacity of long rounds."
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> TailBatchingSpec:
@@ -280,10 +300,13 @@ class Toleration(APIModel):
 
 
 class SchedulingSpec(APIModel):
-    priority_class_name: str | None = Field(default=None, max_length=253, description="Pods' priority class.")
+    priority_class_name: str | None = Field(
+        default=None, max_length=253, description="Pods' priority class."
+    )
     node_selector: dict[str, str] | None = Field(default=None, description="Pods' node selector.")
     tolerations: list[Toleration] | None = Field(
-        default=None, max_length=32, description="Added to the pods (GPU taints are tolerated already)."
+        default=None, max_length=32,
+        description="Added to the pods (GPU taints are tolerated already).",
     )
     queue_name: str | None = Field(
         default=None, max_length=253,
@@ -292,21 +315,44 @@ class SchedulingSpec(APIModel):
 
 
 class RLTrainingJobSpec(APIModel):
-    model: ModelSpec
-    data: DataSpec
-    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
-    reward: RewardSpec = Field(default_factory=RewardSpec)
-    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
-    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    model: ModelSpec = Field(description="The policy model to train.")
+    data: DataSpec = Field(description="The prompt dataset.")
+    algorithm: AlgorithmSpec = Field(
+        default_factory=AlgorithmSpec, description="RL algorithm (GRPO or DAPO) and its knobs."
+    )
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="How responses are scored.")
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="Rollout workers (vLLM engines): image, replicas, GPUs, sampling.",
+    )
+    trainer: TrainerSpec = Field(
+        default_factory=TrainerSpec, description="Trainer (Ray head, driver, learners)."
+    )
     steps: int = Field(ge=1, le=10_000_000, description="Policy updates to run (one per round).")
     prompts_per_step: int = Field(ge=1, le=1_000_000, description="P0: prompts trained per step.")
-    group_control: GroupControlSpec = Field(default_factory=GroupControlSpec)
-    tail_batching: TailBatchingSpec = Field(default_factory=TailBatchingSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
-    suspend: bool = Field(default=False, description="Suspend: delete pods, keep state; resume later.")
+    group_control: GroupControlSpec = Field(
+        default_factory=GroupControlSpec,
+        description="How the group size G is chosen each step: SAGC or Fixed.",
+    )
+    tail_batching: TailBatchingSpec = Field(
+        default_factory=TailBatchingSpec,
+        description=(
+            "Tail batching: long-tail prompts deferred to long rounds with more rollout replicas."
+        ),
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec, description="Where and how often to checkpoint."
+    )
+    scheduling: SchedulingSpec = Field(
+        default_factory=SchedulingSpec,
+        description="Scheduling fields passed through to the pods (priority, nodes, Kueue).",
+    )
+    suspend: bool = Field(
+        default=False, description="Suspend: delete pods, keep state; resume later."
+    )
     backoff_limit: int = Field(
-        default=3, ge=0, le=1000, description="Trainer restarts (from the last checkpoint) before Failed."
+        default=3, ge=0, le=1000,
+        description="Trainer restarts (from the last checkpoint) before Failed.",
     )
     active_deadline_seconds: int | None = Field(
         default=None, ge=1, description="Fail the job when it runs longer than this."

@@ -32,14 +32,14 @@ def steps_path(namespace: str, name: str) -> str:
     return f"/{PROTOCOL_VERSION}/namespaces/{namespace}/rltrainingjobs/{name}/steps"
 
 
-class RoundKind(str, enum.Enum):
+class RoundKind(enum.StrEnum):
     """Kind of a rollout round (one round = one step = one policy update)."""
 
     SHORT = "Short"  # over-provisioned race: keep the first finishers, defer the rest
     LONG = "Long"  # deferred long-tail prompts, everything runs to completion
 
 
-class RolloutState(str, enum.Enum):
+class RolloutState(enum.StrEnum):
     """Whether the rollout capacity the plan asks for is there."""
 
     READY = "Ready"

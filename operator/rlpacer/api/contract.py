@@ -1,0 +1,122 @@
+"""The pod contract: what the operator gives every pod of a job, and what the trainer reads.
+
+This module is the single definition of the interface between the operator's pod builders
+(``rlpacer.operator.builders``) and the trainer's entrypoint (``rlpacer_trainer``), so the two
+sides, built separately, cannot drift. It imports nothing heavy: the trainer imports it
+without pulling Kubernetes clients, and the operator without pulling torch.
+
+In end-to-end tests KWOK pods run no containers; the harness starts the trainer's entrypoint
+as local processes with the env this module names, addresses rewritten to loopback and a local
+folder standing in for the checkpoint volume (DESIGN.md "Pods and the processes that play
+them").
+
+Roles (label :data:`LABEL_ROLE`, env :data:`ENV_ROLE`):
+
+* ``head``    the Ray head (one pod, StatefulSet ``<job>-head``, Service ``<job>-head``).
+* ``driver``  the RL loop (one pod per attempt, ``<job>-driver-<attempt>``, restartPolicy
+  Never). It owns the tail-batching planner and talks to the operator's step-report endpoint.
+  Its exit decides the job: Succeeded -> the job Succeeded; Failed -> a new attempt from the
+  last checkpoint (within ``backoffLimit``).
+* ``learner`` the policy-update workers (StatefulSet ``<job>-learner``), joining Ray.
+* ``rollout`` the generation engines (StatefulSet ``<job>-rollout``), joining Ray; the
+  operator scales this StatefulSet for long rounds.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# --- environment variables set on the pods -------------------------------------------------
+
+#: The RLTrainingJob's name.
+ENV_JOB = "RLPACER_JOB"
+#: The RLTrainingJob's namespace.
+ENV_NAMESPACE = "RLPACER_NAMESPACE"
+#: The pod's role: one of :class:`Role`.
+ENV_ROLE = "RLPACER_ROLE"
+#: Rank within the role (the StatefulSet pod index; 0 for the head and the driver).
+ENV_RANK = "RLPACER_RANK"
+#: Replicas of the role when the pod was created (rollout: the short-round count).
+ENV_WORLD_SIZE = "RLPACER_WORLD_SIZE"
+#: The trainer's restart count (driver only): the ``attempt`` of every step report.
+ENV_ATTEMPT = "RLPACER_ATTEMPT"
+#: Base URL of the operator's step-report endpoint (``scheme://host:port``, no path); the
+#: client appends ``rlpacer.api.protocol.plan_path`` / ``steps_path``.
+ENV_REPORT_URL = "RLPACER_REPORT_URL"
+#: File holding the job's step-report bearer token (mounted from the job's Secret).
+ENV_TOKEN_FILE = "RLPACER_TOKEN_FILE"
+#: File holding the run config: the RLTrainingJob manifest (``rlpacer run`` format).
+ENV_CONFIG = "RLPACER_CONFIG"
+#: Ray address for workers and the driver (``<head-service>:6379``); unset on the head.
+ENV_RAY_ADDRESS = "RAY_ADDRESS"
+#: Folder of the job's checkpoints (the mounted volume, or a local folder in tests).
+ENV_CHECKPOINT_DIR = "RLPACER_CHECKPOINT_DIR"
+
+#: Every env name above, for harnesses that copy a pod's env onto a local process.
+ALL_ENV = (
+    ENV_JOB,
+    ENV_NAMESPACE,
+    ENV_ROLE,
+    ENV_RANK,
+    ENV_WORLD_SIZE,
+    ENV_ATTEMPT,
+    ENV_REPORT_URL,
+    ENV_TOKEN_FILE,
+    ENV_CONFIG,
+    ENV_RAY_ADDRESS,
+    ENV_CHECKPOINT_DIR,
+)
+
+# --- files ----------------------------------------------------------------------------------
+
+#: Where the job's ConfigMap is mounted.
+CONFIG_MOUNT_DIR = "/etc/rlpacer"
+#: Key of the run config in the ConfigMap (and file name under :data:`CONFIG_MOUNT_DIR`).
+CONFIG_KEY = "job.yaml"
+CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
+
+#: Where the job's Secret is mounted.
+TOKEN_MOUNT_DIR = "/var/run/secrets/rlpacer"
+#: Key of the bearer token in the Secret (and file name under :data:`TOKEN_MOUNT_DIR`).
+TOKEN_KEY = "token"
+TOKEN_PATH = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
+
+#: Where the checkpoint volume is mounted (an emptyDir when spec.checkpoint.volumeClaim is
+#: unset: checkpoints then survive a driver restart but not the loss of the pod).
+CHECKPOINT_DIR = "/checkpoints"
+
+# --- labels ---------------------------------------------------------------------------------
+
+#: The owning job's name (a valid label value: job names are limited to 63 characters).
+LABEL_JOB = "rlpacer.io/job"
+#: The pod's role (a :class:`Role` value).
+LABEL_ROLE = "rlpacer.io/role"
+#: The attempt of a driver pod.
+LABEL_ATTEMPT = "rlpacer.io/attempt"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "rlpacer-operator"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+#: Kueue's queue label, copied from spec.scheduling.queueName onto workloads.
+LABEL_KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+
+# --- ports ----------------------------------------------------------------------------------
+
+RAY_GCS_PORT = 6379
+RAY_CLIENT_PORT = 10001
+RAY_DASHBOARD_PORT = 8265
+#: Trainer-side Prometheus metrics port on every pod.
+TRAINER_METRICS_PORT = 9090
+
+#: Extended resource name of GPUs.
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+class Role(enum.StrEnum):
+    """The part a pod plays in a job (label :data:`LABEL_ROLE`, env :data:`ENV_ROLE`)."""
+
+    HEAD = "head"
+    DRIVER = "driver"
+    LEARNER = "learner"
+    ROLLOUT = "rollout"

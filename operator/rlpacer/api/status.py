@@ -1,0 +1,315 @@
+"""The RLTrainingJob status: conditions (the truth), readable progress, the controller state.
+
+Conditions follow Kubernetes API conventions (``metav1.Condition``): a type, a status
+(True/False/Unknown), a CamelCase reason from the documented sets below, a message truncated to
+a bound, ``observedGeneration`` and ``lastTransitionTime`` (changed only when the status
+flips). The one-word ``summary`` (the printer column) is *derived* from the conditions by
+:func:`summarize`, never set independently.
+
+The controller state is kept bit-exactly as a JSON string (``controllerState``): the operator
+writes exactly the bytes the control layer serialised, and restores from exactly those bytes
+after a restart. Readable copies of the interesting numbers (group size, lambda, posteriors,
+straggler rate) sit beside it; decimals are strings, as everywhere in the API.
+
+Pure: no I/O. The operator writes status through one path (``rlpacer.operator.runtime``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from rlpacer.api._base import APIModel, Decimal, format_decimal
+
+#: Messages are truncated to this many characters (Events and conditions stay readable).
+MAX_MESSAGE = 1024
+#: How many scale actions status keeps (newest last).
+MAX_SCALE_ACTIONS = 10
+
+
+class ConditionType(enum.StrEnum):
+    """Condition types of an RLTrainingJob."""
+
+    #: The spec was accepted and the children were created. Reasons: Created, InvalidSpec.
+    ADMITTED = "Admitted"
+    #: The short-round rollout capacity is ready. Reasons: ReplicasReady, WaitingForReplicas.
+    ROLLOUT_READY = "RolloutReady"
+    #: The driver runs steps. Reasons: Running, Restarting, Stopped.
+    TRAINING = "Training"
+    #: A long round is planned or running. Reasons: ScalingUp, Running, ScaleUpTimedOut,
+    #: Finished.
+    LONG_ROUND = "LongRound"
+    #: spec.suspend is true and the pods are gone. Reasons: Suspended, Resumed.
+    SUSPENDED = "Suspended"
+    #: Terminal: the driver finished every step. Reason: Completed.
+    SUCCEEDED = "Succeeded"
+    #: Terminal. Reasons: BackoffLimitExceeded, DeadlineExceeded, InvalidSpec.
+    FAILED = "Failed"
+
+
+class ConditionStatus(enum.StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Reason(enum.StrEnum):
+    """Documented condition reasons (CamelCase, machine-readable)."""
+
+    CREATED = "Created"
+    INVALID_SPEC = "InvalidSpec"
+    REPLICAS_READY = "ReplicasReady"
+    WAITING_FOR_REPLICAS = "WaitingForReplicas"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    STOPPED = "Stopped"
+    SCALING_UP = "ScalingUp"
+    SCALE_UP_TIMED_OUT = "ScaleUpTimedOut"
+    FINISHED = "Finished"
+    SUSPENDED = "Suspended"
+    RESUMED = "Resumed"
+    COMPLETED = "Completed"
+    BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+
+
+class Summary(enum.StrEnum):
+    """One word for ``kubectl get`` (derived from the conditions by :func:`summarize`)."""
+
+    PENDING = "Pending"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    LONG_ROUND = "LongRound"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class Condition(APIModel):
+    """One observation of the job's state (Kubernetes ``metav1.Condition`` shape)."""
+
+    type: ConditionType = Field(description="Kind of condition (Admitted, RolloutReady, ...).")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        description="CamelCase machine-readable cause of the last transition.",
+    )
+    message: str = Field(
+        default="", max_length=MAX_MESSAGE, description="Human-readable detail of the reason."
+    )
+    last_transition_time: str = Field(
+        description="When status last changed (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the condition was set from."
+    )
+
+
+class Posterior(APIModel):
+    """SAGC's belief about the straggler probability at one group size."""
+
+    group_size: int = Field(ge=1, description="The candidate group size G.")
+    alpha: Decimal = Field(description="Beta posterior alpha (straggler pseudo-count).")
+    beta: Decimal = Field(description="Beta posterior beta (non-straggler pseudo-count).")
+    mean: Decimal = Field(description="Posterior mean straggler probability p(G).")
+
+
+class RolloutStatus(APIModel):
+    """Rollout capacity: what the plan asks for and what is ready."""
+
+    desired_replicas: int = Field(default=0, ge=0, description="Replicas the plan asks for now.")
+    ready_replicas: int = Field(default=0, ge=0, description="Replicas ready (observed).")
+    state: str = Field(
+        default="Ready",
+        description="Ready, ScalingUp or TimedOut (the plan's rollout state).",
+        json_schema_extra={"enum": ["Ready", "ScalingUp", "TimedOut"]},
+    )
+    scale_up_started_at: str | None = Field(
+        default=None, description="When the pending scale-up began (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+
+
+class ScaleAction(APIModel):
+    """A change of the rollout StatefulSet's replicas."""
+
+    time: str = Field(description="When (RFC 3339).", json_schema_extra={"format": "date-time"})
+    from_replicas: int = Field(ge=0, description="Replicas before.")
+    to_replicas: int = Field(ge=0, description="Replicas after.")
+    reason: str = Field(max_length=64, description="LongRound, ScaleUpTimedOut or LongRoundDone.")
+    step: int = Field(ge=0, description="The step the action was for.")
+
+
+class RLTrainingJobStatus(APIModel):
+    """Observed state of an RLTrainingJob, written only by the operator."""
+
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="The metadata.generation last reconciled."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=16,
+        description="Current conditions, one per type.",
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
+    summary: Summary | None = Field(
+        default=None, description="One word derived from the conditions (the STATUS column)."
+    )
+    attempt: int = Field(
+        default=0, ge=0,
+        description="The trainer's incarnation (RLPACER_ATTEMPT); grows on restart and resume.",
+    )
+    failures: int = Field(
+        default=0, ge=0, description="Driver failures so far (compared with spec.backoffLimit)."
+    )
+    start_time: str | None = Field(
+        default=None,
+        description="When the job (last) started running (RFC 3339); reset on resume.",
+        json_schema_extra={"format": "date-time"},
+    )
+    completion_time: str | None = Field(
+        default=None, description="When the job reached a terminal state (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    step: int = Field(default=0, ge=0, description="The next step to run (= steps completed).")
+    group_size: int | None = Field(default=None, ge=1, description="G the plan gives now.")
+    round_kind: str | None = Field(
+        default=None, description="Kind of the next round: Short or Long.",
+        json_schema_extra={"enum": ["Short", "Long"]},
+    )
+    lambda_: Decimal | None = Field(
+        default=None, alias="lambda", description="SAGC's dual variable (the straggler price)."
+    )
+    straggler_rate: Decimal | None = Field(
+        default=None, description="Straggler steps over the last groupControl.windowSteps steps."
+    )
+    posteriors: list[Posterior] = Field(
+        default_factory=list, max_length=16, description="SAGC's belief per candidate G."
+    )
+    long_queue: int = Field(default=0, ge=0, description="Prompts waiting for a long round.")
+    long_rounds: int = Field(default=0, ge=0, description="Long rounds started so far.")
+    rollout: RolloutStatus = Field(
+        default_factory=RolloutStatus, description="Rollout capacity: desired and ready."
+    )
+    scale_actions: list[ScaleAction] = Field(
+        default_factory=list, max_length=MAX_SCALE_ACTIONS,
+        description=f"The last {MAX_SCALE_ACTIONS} rollout scale actions, newest last.",
+    )
+    last_report_time: str | None = Field(
+        default=None, description="When the last step report was accepted (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    controller_state: str | None = Field(
+        default=None, max_length=1_048_576,
+        description=(
+            "The job controller's state as the control layer serialised it (JSON, bit-exact):"
+            " an operator restart continues from exactly this."
+        ),
+    )
+
+
+TERMINAL = (ConditionType.SUCCEEDED, ConditionType.FAILED)
+
+
+def truncate(message: str, limit: int = MAX_MESSAGE) -> str:
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+def find(conditions: Sequence[Condition], type_: ConditionType) -> Condition | None:
+    for c in conditions:
+        if c.type == type_:
+            return c
+    return None
+
+
+def is_true(conditions: Sequence[Condition], type_: ConditionType) -> bool:
+    c = find(conditions, type_)
+    return c is not None and c.status == ConditionStatus.TRUE
+
+
+def is_terminal(conditions: Sequence[Condition]) -> bool:
+    """Succeeded or Failed: nothing more happens to the job except TTL cleanup."""
+    return any(is_true(conditions, t) for t in TERMINAL)
+
+
+def set_condition(
+    conditions: Sequence[Condition],
+    type_: ConditionType,
+    status: bool | ConditionStatus,
+    reason: Reason | str,
+    message: str,
+    now: str,
+    generation: int | None,
+) -> tuple[list[Condition], bool]:
+    """Return (new conditions, whether the status of this type flipped).
+
+    ``lastTransitionTime`` changes only when the status flips; reason and message follow the
+    latest call. Order is stable (new types are appended).
+    """
+    st = status if isinstance(status, ConditionStatus) else (
+        ConditionStatus.TRUE if status else ConditionStatus.FALSE
+    )
+    reason_s = reason.value if isinstance(reason, Reason) else reason
+    msg = truncate(message)
+    out: list[Condition] = []
+    flipped = True
+    found = False
+    for c in conditions:
+        if c.type != type_:
+            out.append(c)
+            continue
+        found = True
+        flipped = c.status != st
+        out.append(
+            Condition(
+                type=type_, status=st, reason=reason_s, message=msg,
+                last_transition_time=now if flipped else c.last_transition_time,
+                observed_generation=generation,
+            )
+        )
+    if not found:
+        out.append(
+            Condition(
+                type=type_, status=st, reason=reason_s, message=msg,
+                last_transition_time=now, observed_generation=generation,
+            )
+        )
+    return out, flipped
+
+
+def summarize(conditions: Sequence[Condition]) -> Summary:
+    """The one-word summary, derived from the conditions (first match wins)."""
+    if is_true(conditions, ConditionType.FAILED):
+        return Summary.FAILED
+    if is_true(conditions, ConditionType.SUCCEEDED):
+        return Summary.SUCCEEDED
+    if is_true(conditions, ConditionType.SUSPENDED):
+        return Summary.SUSPENDED
+    training = find(conditions, ConditionType.TRAINING)
+    if training is not None and training.reason == Reason.RESTARTING.value:
+        return Summary.RESTARTING
+    if is_true(conditions, ConditionType.LONG_ROUND):
+        return Summary.LONG_ROUND
+    if is_true(conditions, ConditionType.TRAINING):
+        return Summary.RUNNING
+    if is_true(conditions, ConditionType.ADMITTED):
+        return Summary.STARTING
+    return Summary.PENDING
+
+
+def posteriors_from(
+    group_sizes: Sequence[int], alphas: Sequence[float], betas: Sequence[float]
+) -> list[Posterior]:
+    return [
+        Posterior(
+            group_size=g, alpha=format_decimal(a), beta=format_decimal(b),
+            mean=format_decimal(a / (a + b) if a + b > 0 else 0.0),
+        )
+        for g, a, b in zip(group_sizes, alphas, betas, strict=True)
+    ]

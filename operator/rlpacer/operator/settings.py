@@ -1,0 +1,143 @@
+"""The operator's configuration: one documented pydantic object, from env and flags.
+
+Every field reads ``RLPACER_OPERATOR_<FIELD>`` from the environment (the Helm chart sets
+these), and ``rlpacer operator --<field>`` overrides it. Lists are comma-separated in env.
+Invalid values fail at start with the field named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "RLPACER_OPERATOR_"
+
+
+class OperatorSettings(BaseModel):
+    """Configuration of one operator process."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespaces: list[str] = Field(
+        default_factory=list,
+        description="Namespaces to watch; empty watches the whole cluster.",
+    )
+    kubeconfig: str | None = Field(
+        default=None,
+        description="Kubeconfig file; unset uses KUBECONFIG, then in-cluster credentials.",
+    )
+    report_host: str = Field(default="0.0.0.0", description="Listen address of step reports.")
+    report_port: int = Field(default=8080, ge=0, le=65535, description="Step-report port (0: any).")
+    report_url: str | None = Field(
+        default=None,
+        description=(
+            "Base URL the pods use to reach the step-report endpoint (RLPACER_REPORT_URL);"
+            " default http://<service_name>.<operator_namespace>.svc:<report_port>."
+        ),
+    )
+    metrics_host: str = Field(default="0.0.0.0", description="Listen address of /metrics.")
+    metrics_port: int = Field(
+        default=9090, ge=0, le=65535,
+        description="Port of /metrics, /healthz and /readyz (0: any).",
+    )
+    service_name: str = Field(default="rlpacer-operator", description="The operator's Service.")
+    operator_namespace: str = Field(
+        default_factory=lambda: os.environ.get("POD_NAMESPACE", "rlpacer-system"),
+        description="Namespace the operator runs in (its Lease lives there).",
+    )
+    leader_election: bool = Field(
+        default=True,
+        description="Act only while holding the Lease (two replicas never act at once).",
+    )
+    lease_name: str = Field(default="rlpacer-operator", description="Name of the Lease.")
+    lease_duration_seconds: float = Field(
+        default=15.0, gt=0, description="A leader silent this long is replaced."
+    )
+    lease_renew_seconds: float = Field(default=5.0, gt=0, description="Renewal period.")
+    lease_retry_seconds: float = Field(default=2.0, gt=0, description="Standby poll period.")
+    identity: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
+        description="This replica's identity in the Lease.",
+    )
+    field_manager: str = Field(
+        default="rlpacer-operator", description="Field manager of every server-side apply."
+    )
+    resync_seconds: float = Field(
+        default=10.0, gt=0,
+        description="Each job is reconciled at least this often (and on every child event).",
+    )
+    finished_grace_seconds: float = Field(
+        default=0.0, ge=0, description="Extra wait before ttlSecondsAfterFinished deletion."
+    )
+    webhook_enabled: bool = Field(
+        default=False, description="Serve admission webhooks (policy; issue 6)."
+    )
+    webhook_host: str = Field(default="0.0.0.0", description="Webhook listen address.")
+    webhook_port: int = Field(default=9443, ge=0, le=65535, description="Webhook port.")
+    webhook_url: str | None = Field(
+        default=None, description="URL the API server uses for webhooks (tests: loopback)."
+    )
+    log_level: str = Field(default="INFO", description="Python logging level.")
+
+    @model_validator(mode="after")
+    def _lease(self) -> OperatorSettings:
+        if self.lease_renew_seconds >= self.lease_duration_seconds:
+            raise ValueError("lease_renew_seconds must be < lease_duration_seconds")
+        return self
+
+    def pod_report_url(self) -> str:
+        if self.report_url:
+            return self.report_url.rstrip("/")
+        return (
+            f"http://{self.service_name}.{self.operator_namespace}.svc:{self.report_port}"
+        )
+
+    @classmethod
+    def load(
+        cls, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+    ) -> OperatorSettings:
+        """Settings from ``env`` (default ``os.environ``) then ``overrides`` (flags)."""
+        env = os.environ if env is None else env
+        raw: dict[str, Any] = {}
+        for name, field in cls.model_fields.items():
+            key = ENV_PREFIX + name.upper()
+            if key in env:
+                value: Any = env[key]
+                if field.annotation == list[str]:
+                    value = [v.strip() for v in value.split(",") if v.strip()]
+                raw[name] = value
+        for k, v in (overrides or {}).items():
+            if v is not None:
+                raw[k] = v
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as err:
+            lines = [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()]
+            raise SystemExit("invalid operator settings:\n" + "\n".join(lines)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per settings field (overrides the env)."""
+    for name, field in OperatorSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_ = f"{field.description} (env {ENV_PREFIX}{name.upper()})"
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, default=None,
+                                action=argparse.BooleanOptionalAction, help=help_)
+        elif field.annotation == list[str]:
+            parser.add_argument(flag, dest=name, default=None, action="append", help=help_)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=help_)
+
+
+def from_args(args: argparse.Namespace) -> OperatorSettings:
+    overrides = {
+        name: getattr(args, name) for name in OperatorSettings.model_fields if hasattr(args, name)
+    }
+    return OperatorSettings.load(overrides=overrides)
