@@ -32,6 +32,7 @@ import yaml
 from pydantic import BaseModel
 
 from rlpacer.api import job as job_api
+from rlpacer.api import policy as policy_api
 from rlpacer.api.status import RLTrainingJobStatus
 
 HEADER = (
@@ -322,6 +323,7 @@ class CRDFile:
 #: Every CRD the project ships (issue 6 adds the policy CRD here).
 CRDS: list[CRDFile] = [
     CRDFile(f"{job_api.GROUP}_{job_api.PLURAL}.yaml", rltrainingjob_crd),
+    CRDFile(f"{policy_api.GROUP}_{policy_api.PLURAL}.yaml", policy_api.rltrainingpolicy_crd),
 ]
 
 

@@ -218,7 +218,13 @@ class SchedulingDefaults(APIModel):
 
 
 class PolicyDefaults(APIModel):
-    """Values the mutating webhook fills into a job's spec where the job leaves them unset."""
+    """Values the mutating webhook fills into a job's spec where the job leaves them unset.
+
+    The API server applies the CRD's own scalar defaults before admission webhooks run, so a
+    policy default lands where no CRD default exists: a ``groupControl`` or
+    ``tailBatching.longRound`` the job leaves out entirely (inside one the job writes, the
+    CRD's defaults already filled the rest), and the scheduling and deadline fields.
+    """
 
     group_control: GroupControlDefaults | None = Field(
         default=None, description="Defaults of spec.groupControl."
@@ -228,9 +234,6 @@ class PolicyDefaults(APIModel):
     )
     scheduling: SchedulingDefaults | None = Field(
         default=None, description="Defaults of spec.scheduling."
-    )
-    backoff_limit: int | None = Field(
-        default=None, ge=0, le=1000, description="Default spec.backoffLimit."
     )
     active_deadline_seconds: int | None = Field(
         default=None, ge=1, description="Default spec.activeDeadlineSeconds."
@@ -331,3 +334,99 @@ def parse_policy(obj: dict[str, Any]) -> RLTrainingPolicy:
         return RLTrainingPolicy.model_validate(obj)
     except ValidationError as err:
         raise ManifestError("invalid RLTrainingPolicy:\n" + format_validation_error(err)) from None
+
+
+def rltrainingpolicy_crd() -> dict[str, Any]:
+    """The RLTrainingPolicy CRD, built by the same generator as the job's
+    (:mod:`rlpacer.api.crd` lists it in ``CRDS``; imported here lazily to avoid a cycle).
+
+    CEL rules repeat the decimal range checks (the API server enforces them even when the
+    operator, which also validates policies in its webhook, is down). The cross-field checks
+    (defaults obey the limits) are the webhook's and :class:`RLTrainingPolicySpec`'s.
+    """
+    from rlpacer.api import crd
+
+    def between(field: str, low: str, high: str, closed_high: bool) -> dict[str, str]:
+        op = "<=" if closed_high else "<"
+        return {
+            "rule": f"!has(self.{field}) || (double(self.{field}) > {low}"
+                    f" && double(self.{field}) {op} {high})",
+            "message": f"{field} must be in ({low.rstrip('.0') or '0'},"
+                       f" {high.rstrip('.0') or '0'}{']' if closed_high else ')'}",
+            "fieldPath": f".{field}",
+            "reason": "FieldValueInvalid",
+        }
+
+    rules = {
+        "StragglerSLO": [
+            between("maxTargetStragglerRate", "0.0", "1.0", False),
+            between("maxObservedStragglerRate", "0.0", "1.0", True),
+        ],
+        "GroupControlDefaults": [
+            between("targetStragglerRate", "0.0", "1.0", False),
+            {"rule": "!has(self.stragglerRatio) || double(self.stragglerRatio) > 1.0",
+             "message": "stragglerRatio must be > 1", "fieldPath": ".stragglerRatio",
+             "reason": "FieldValueInvalid"},
+        ],
+    }
+    spec = crd.model_schema(RLTrainingPolicySpec, rules, "spec")
+    spec["description"] = (
+        "Limits, SLOs and defaults for the RLTrainingJobs of this namespace."
+    )
+    root: dict[str, Any] = {
+        "description": (
+            "RLTrainingPolicy sets, for the RLTrainingJobs of its namespace, the allowed group"
+            " sizes, the loosest straggler target, capacity limits of long rounds, the straggler"
+            " and step-time SLOs, and defaults. Enforced by the operator's admission webhook and"
+            " at run time; every policy of a namespace applies."
+        ),
+        "type": "object",
+        "properties": {
+            "apiVersion": {"description": "APIVersion defines the versioned schema of this"
+                           " representation of an object.", "type": "string"},
+            "kind": {"description": "Kind is a string value representing the REST resource"
+                     " this object represents.", "type": "string"},
+            "metadata": {"description": "Standard object metadata.", "type": "object"},
+            "spec": spec,
+        },
+    }
+    columns = [
+        {"name": "Action", "type": "string", "jsonPath": ".spec.action",
+         "description": "Enforce or Warn."},
+        {"name": "Max-Delta", "type": "string",
+         "jsonPath": ".spec.stragglerSLO.maxTargetStragglerRate",
+         "description": "Loosest straggler target a job may ask for."},
+        {"name": "Max-Replicas", "type": "integer",
+         "jsonPath": ".spec.longRounds.maxRolloutReplicas",
+         "description": "Most rollout replicas in a long round."},
+        {"name": "Max-GPUs", "type": "integer", "jsonPath": ".spec.longRounds.maxGPUs",
+         "description": "Most GPUs a job may hold at its peak."},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{PLURAL}.{GROUP}",
+            "labels": {"app.kubernetes.io/name": "rlpacer", "app.kubernetes.io/part-of": "rlpacer"},
+        },
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["rlpacer"],
+            },
+            "scope": "Namespaced",
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": root},
+                "additionalPrinterColumns": columns,
+            }],
+        },
+    }

@@ -94,18 +94,18 @@ def test_every_policy_of_the_namespace_applies() -> None:
 
 DEFAULTS = {"groupControl": {"mode": "SAGC", "candidates": [4, 8, 16],
                              "targetStragglerRate": "0.2"},
-            "backoffLimit": 5, "scheduling": {"queueName": "gpu-queue"}}
+            "activeDeadlineSeconds": 5, "scheduling": {"queueName": "gpu-queue"}}
 
 
 def test_defaults_fill_only_unset_fields_and_keep_the_input() -> None:
     spec = {"model": {"source": "x"}, "data": {"source": "y"}, "steps": 1, "promptsPerStep": 1,
-            "groupControl": {"targetStragglerRate": "0.1"}, "backoffLimit": 0}
+            "groupControl": {"targetStragglerRate": "0.1"}, "activeDeadlineSeconds": 60}
     before = repr(spec)
     out = apply_defaults(spec, policy(defaults=DEFAULTS))
     assert repr(spec) == before
     assert out.spec["groupControl"] == {"targetStragglerRate": "0.1", "mode": "SAGC",
                                         "candidates": [4, 8, 16]}
-    assert out.spec["backoffLimit"] == 0  # set by the job: 0 is a value, not "unset"
+    assert out.spec["activeDeadlineSeconds"] == 60  # set by the job
     assert out.spec["scheduling"] == {"queueName": "gpu-queue"}
     assert set(out.filled) == {"spec.groupControl.mode", "spec.groupControl.candidates",
                                "spec.scheduling.queueName"}
@@ -131,10 +131,11 @@ def test_defaults_never_make_a_job_invalid() -> None:
 
 
 def test_first_policy_that_sets_a_default_wins() -> None:
-    a = policy("a", defaults={"backoffLimit": 1})
-    b = policy("b", defaults={"backoffLimit": 2, "ttlSecondsAfterFinished": 60})
+    a = policy("a", defaults={"ttlSecondsAfterFinished": 0})
+    b = policy("b", defaults={"ttlSecondsAfterFinished": 60, "activeDeadlineSeconds": 600})
     out = apply_defaults({}, [a, b])
-    assert out.spec == {"backoffLimit": 1, "ttlSecondsAfterFinished": 60}
+    # 0 is a value, not "unset".
+    assert out.spec == {"ttlSecondsAfterFinished": 0, "activeDeadlineSeconds": 600}
 
 
 # --- clamp -------------------------------------------------------------------------------
