@@ -1,0 +1,221 @@
+#!/usr/bin/env bash
+# Builds the local Kubernetes control plane's binaries at the versions pinned in hack/versions.env,
+# from the Go module proxy, into a cache folder outside the repo:
+#
+#   ${RLPACER_CACHE:-~/.cache/rlpacer}/bin/{etcd,kube-apiserver,kube-controller-manager,
+#                                           kube-scheduler,kwok,helm}
+#
+# Each binary carries a stamp (bin/.<name>.stamp: version, toolchain, recipe); a binary whose stamp
+# matches is skipped, so a warm run costs seconds. Binaries are built one at a time (2-core
+# machines). k8s.io/kubernetes and etcd's server module carry local `replace` directives, so they
+# are built from small generated wrapper modules (in ${RLPACER_CACHE}/build).
+#
+# Usage: bash hack/build-binaries.sh [--check] [NAME...]
+#   NAME     build only these (etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm)
+#   --check  build nothing; exit 1 and list what is missing or stale
+# Env: RLPACER_CACHE (cache root), GO (go binary), RLPACER_BUILD_FORCE=1 (ignore stamps).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=versions.env
+source "$ROOT/hack/versions.env"
+CACHE="${RLPACER_CACHE:-$HOME/.cache/rlpacer}"
+BIN="$CACHE/bin"
+BUILD="$CACHE/build"
+RECIPE_REV=1
+mkdir -p "$BIN" "$BUILD"
+
+GO="${GO:-$(command -v go || true)}"
+[[ -n "$GO" ]] || GO=/usr/local/go/bin/go
+if [[ ! -x "$GO" ]]; then
+  echo "error: no Go toolchain found (looked on PATH and at /usr/local/go/bin/go); set GO=/path/to/go" >&2
+  exit 1
+fi
+export CGO_ENABLED=0
+export GOFLAGS=-mod=mod
+# Keep the Go build cache small-ish and memory-friendly on small machines.
+export GOMAXPROCS="${GOMAXPROCS:-$(nproc)}"
+
+ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm)
+CHECK=0
+WANT=()
+for a in "$@"; do
+  case "$a" in
+    --check) CHECK=1 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) WANT+=("$a") ;;
+  esac
+done
+[[ ${#WANT[@]} -gt 0 ]] || WANT=("${ALL[@]}")
+
+stamp_for() {
+  case "$1" in
+    etcd) echo "etcd $ETCD_VERSION toolchain=$ETCD_GOTOOLCHAIN rev=$RECIPE_REV" ;;
+    kube-apiserver|kube-controller-manager|kube-scheduler)
+      echo "$1 $KUBERNETES_VERSION toolchain=$KUBERNETES_GOTOOLCHAIN rev=$RECIPE_REV" ;;
+    kwok) echo "kwok $KWOK_VERSION toolchain=$KWOK_GOTOOLCHAIN rev=$RECIPE_REV" ;;
+    helm) echo "helm $HELM_VERSION toolchain=$HELM_GOTOOLCHAIN rev=$RECIPE_REV" ;;
+    *) echo "error: unknown binary '$1' (known: ${ALL[*]})" >&2; return 1 ;;
+  esac
+}
+
+up_to_date() {
+  local name=$1 want
+  want=$(stamp_for "$name")
+  [[ "${RLPACER_BUILD_FORCE:-0}" != 1 && -x "$BIN/$name" && -f "$BIN/.$name.stamp" \
+     && "$(cat "$BIN/.$name.stamp")" == "$want" ]]
+}
+
+if [[ $CHECK == 1 ]]; then
+  missing=()
+  for n in "${WANT[@]}"; do up_to_date "$n" || missing+=("$n"); done
+  if [[ ${#missing[@]} -gt 0 ]]; then
+    echo "missing or stale in $BIN: ${missing[*]} (run: bash scripts/setup.sh, or bash hack/build-binaries.sh)" >&2
+    exit 1
+  fi
+  echo "all present in $BIN: ${WANT[*]}"
+  exit 0
+fi
+
+# One build at a time per cache (setup.sh may run from several shells).
+exec 9>"$CACHE/.build.lock"
+if ! flock -n 9; then
+  echo "==> another build holds $CACHE/.build.lock; waiting for it"
+  flock 9
+fi
+
+log() { printf '%s %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+# gotc TOOLCHAIN go-args...: run go with the chosen toolchain.
+gotc() { local tc=$1; shift; GOTOOLCHAIN="$tc" "$GO" "$@"; }
+
+# Writes a wrapper module in $1 requiring k8s.io/kubernetes with staging modules replaced.
+k8s_wrapper() {
+  local dir=$1 v=$KUBERNETES_VERSION tc=$KUBERNETES_GOTOOLCHAIN
+  local staging_v="v0.${v#v1.}"
+  [[ -f "$dir/.ready" && "$(cat "$dir/.ready")" == "$v rev=$RECIPE_REV" ]] && return 0
+  rm -rf "$dir"; mkdir -p "$dir"
+  local modfile
+  modfile=$(cd "$dir" && gotc "$tc" mod download -json "k8s.io/kubernetes@$v" | jq -r .GoMod)
+  [[ -f "$modfile" ]] || { echo "error: could not download k8s.io/kubernetes@$v's go.mod" >&2; return 1; }
+  local staging
+  staging=$(grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging/src/k8s\.io/[a-z0-9-]+' "$modfile" \
+            | awk '{print $1}' | sort -u)
+  [[ -n "$staging" ]] || { echo "error: no staging replaces found in $modfile" >&2; return 1; }
+  {
+    echo "module rlpacer.local/build/kubernetes"
+    echo
+    echo "go $(grep -E '^go ' "$modfile" | awk '{print $2}')"
+    echo
+    echo "require k8s.io/kubernetes $v"
+    echo
+    echo "replace ("
+    for m in $staging; do echo "	$m => $m $staging_v"; done
+    echo ")"
+  } > "$dir/go.mod"
+  cat > "$dir/tools.go" <<'EOF'
+//go:build tools
+
+// Package tools pins the commands this wrapper module builds.
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+)
+EOF
+  log "resolving k8s.io/kubernetes $v module graph (staging modules -> $staging_v)"
+  (cd "$dir" && gotc "$tc" mod tidy)
+  echo "$v rev=$RECIPE_REV" > "$dir/.ready"
+}
+
+k8s_ldflags() {
+  local v=$KUBERNETES_VERSION major minor commit date info
+  major=$(echo "${v#v}" | cut -d. -f1); minor=$(echo "${v#v}" | cut -d. -f2)
+  info=$(gotc "$KUBERNETES_GOTOOLCHAIN" mod download -json "k8s.io/kubernetes@$v" 2>/dev/null || true)
+  commit=$(echo "$info" | jq -r '.Origin.Hash // empty' 2>/dev/null || true)
+  date=$(echo "$info" | jq -r '.Time // empty' 2>/dev/null || true)
+  [[ -n "$date" ]] || date=1970-01-01T00:00:00Z
+  local f="-s -w"
+  for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+    f+=" -X $pkg.gitVersion=$v -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
+    f+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$date"
+    [[ -n "$commit" ]] && f+=" -X $pkg.gitCommit=$commit"
+  done
+  echo "$f"
+}
+
+build_k8s() {
+  local name=$1 dir="$BUILD/kubernetes"
+  k8s_wrapper "$dir"
+  (cd "$dir" && gotc "$KUBERNETES_GOTOOLCHAIN" build -trimpath -ldflags "$(k8s_ldflags)" \
+      -o "$BIN/$name.tmp" "k8s.io/kubernetes/cmd/$name")
+}
+
+build_etcd() {
+  local dir="$BUILD/etcd" v=$ETCD_VERSION tc=$ETCD_GOTOOLCHAIN
+  if [[ ! -f "$dir/.ready" || "$(cat "$dir/.ready")" != "$v rev=$RECIPE_REV" ]]; then
+    rm -rf "$dir"; mkdir -p "$dir"
+    local modfile
+    modfile=$(cd "$dir" && gotc "$tc" mod download -json "go.etcd.io/etcd/server/v3@$v" | jq -r .GoMod)
+    cat > "$dir/go.mod" <<EOF
+module rlpacer.local/build/etcd
+
+go $(grep -E '^go ' "$modfile" | awk '{print $2}')
+
+require go.etcd.io/etcd/server/v3 $v
+EOF
+    cat > "$dir/main.go" <<'EOF'
+// Command etcd is etcd's server, built from go.etcd.io/etcd/server/v3 at the pinned version
+// (the upstream module's local replace directives rule out `go install`).
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+EOF
+    log "resolving go.etcd.io/etcd/server/v3 $v module graph"
+    (cd "$dir" && gotc "$tc" mod tidy)
+    echo "$v rev=$RECIPE_REV" > "$dir/.ready"
+  fi
+  (cd "$dir" && gotc "$tc" build -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" .)
+}
+
+# go install-able modules (no replace directives): build in a scratch GOBIN, then move.
+build_install() {
+  local name=$1 pkg=$2 v=$3 tc=$4 ldflags=$5 gobin="$BUILD/gobin-$1"
+  rm -rf "$gobin"; mkdir -p "$gobin"
+  (cd "$BUILD" && GOFLAGS= GOBIN="$gobin" gotc "$tc" install -trimpath -ldflags "$ldflags" "$pkg@$v")
+  mv "$gobin/$name" "$BIN/$name.tmp"
+  rm -rf "$gobin"
+}
+
+total_start=$(date +%s)
+built=()
+for name in "${WANT[@]}"; do
+  stamp=$(stamp_for "$name")
+  if up_to_date "$name"; then
+    log "$name: up to date ($stamp)"
+    continue
+  fi
+  log "$name: building ($stamp)"
+  t0=$(date +%s)
+  rm -f "$BIN/$name.tmp"
+  case "$name" in
+    etcd) build_etcd ;;
+    kube-apiserver|kube-controller-manager|kube-scheduler) build_k8s "$name" ;;
+    kwok) build_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "$KWOK_GOTOOLCHAIN" \
+            "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$KUBERNETES_VERSION" ;;
+    helm) build_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_GOTOOLCHAIN" \
+            "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean" ;;
+  esac
+  mv -f "$BIN/$name.tmp" "$BIN/$name"
+  echo "$stamp" > "$BIN/.$name.stamp"
+  built+=("$name")
+  log "$name: built in $(( $(date +%s) - t0 )) s -> $BIN/$name ($(du -h "$BIN/$name" | cut -f1))"
+done
+log "done in $(( $(date +%s) - total_start )) s; built: ${built[*]:-nothing}; binaries in $BIN"
