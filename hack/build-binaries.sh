@@ -130,11 +130,15 @@ EOF
 }
 
 k8s_ldflags() {
-  local v=$KUBERNETES_VERSION major minor commit date info
+  local v=$KUBERNETES_VERSION major minor commit="" date="" info
   major=$(echo "${v#v}" | cut -d. -f1); minor=$(echo "${v#v}" | cut -d. -f2)
-  info=$(gotc "$KUBERNETES_GOTOOLCHAIN" mod download -json "k8s.io/kubernetes@$v" 2>/dev/null || true)
-  commit=$(echo "$info" | jq -r '.Origin.Hash // empty' 2>/dev/null || true)
-  date=$(echo "$info" | jq -r '.Time // empty' 2>/dev/null || true)
+  # The proxy's .info file holds the release's commit time and (for recent modules) its hash.
+  info=$(gotc "$KUBERNETES_GOTOOLCHAIN" mod download -json "k8s.io/kubernetes@$v" 2>/dev/null \
+         | jq -r '.Info // empty' 2>/dev/null || true)
+  if [[ -n "$info" && -f "$info" ]]; then
+    commit=$(jq -r '.Origin.Hash // empty' "$info" 2>/dev/null || true)
+    date=$(jq -r '.Time // empty' "$info" 2>/dev/null | sed -E 's/\.[0-9]+//' || true)
+  fi
   [[ -n "$date" ]] || date=1970-01-01T00:00:00Z
   local f="-s -w"
   for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
