@@ -1,0 +1,276 @@
+"""Policy admission webhooks for RLTrainingJobs and RLTrainingPolicies (Kopf handlers).
+
+Thin handlers: each translates an admission request into a call of the pure logic in
+:mod:`rlpacer.control.policy` and the answer back into Kopf's terms (``kopf.AdmissionError``
+to reject, ``warnings`` to warn, ``patch`` to mutate). Three webhooks, each at the URL path
+``/<id>`` of the operator's webhook server (Kopf routes a request to the handler whose id is
+the path; the Helm chart's webhook configurations use the same ids):
+
+* ``validate-rltrainingjob`` (CREATE, UPDATE): a job that breaks an ``Enforce`` policy of its
+  namespace is rejected with every violation named (field, value, limit, policy); ``Warn``
+  policies add warnings (``kubectl`` prints them) and admit. Updates that leave the spec
+  unchanged (finalizers, annotations, Kopf's own bookkeeping) and objects being deleted are
+  always admitted, so a policy tightened later can never wedge a running job's lifecycle.
+* ``mutate-rltrainingjob`` (CREATE): fills the policies' defaults into fields the job leaves
+  unset, records which policies did so in the ``rlpacer.io/defaulted-by`` annotation and
+  tells the user in a warning.
+* ``validate-rltrainingpolicy`` (CREATE, UPDATE): rejects a policy whose cross-field checks
+  fail (defaults that break the policy's own limits); the CRD's schema and CEL rules catch the
+  rest even while the operator is down.
+
+Design decisions:
+
+* Webhook configurations belong to the Helm chart, not to Kopf (``settings.admission.managed``
+  stays None): the operator needs no RBAC on admissionregistration objects, and
+  ``failurePolicy`` is a reviewed chart value, not code.
+* Policies are looked up from the API server on each request (one namespaced list), not from
+  an in-memory index: an index is empty for a moment after each start, and a validating
+  webhook must not admit what it has not checked.
+* TLS: the chart mounts the serving certificate (``tls.crt``, ``tls.key``) into
+  ``webhook_cert_dir``; Kopf's server re-reads the files when they change (renewals).
+  Without a certificate directory, :func:`webhook_server` makes a self-signed one with
+  ``openssl`` (local runs only) and writes the CA bundle next to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+from rlpacer.api import policy as policy_api
+from rlpacer.api.job import GROUP, PLURAL, VERSION, ManifestError, parse_spec
+from rlpacer.api.policy import PolicyAction, RLTrainingPolicy, parse_policy
+from rlpacer.control.policy import apply_defaults, validate_job
+
+logger = logging.getLogger(__name__)
+
+#: Handler ids = URL paths (``/<id>``) of the three webhooks; the chart uses the same.
+VALIDATE_JOB = "validate-rltrainingjob"
+MUTATE_JOB = "mutate-rltrainingjob"
+VALIDATE_POLICY = "validate-rltrainingpolicy"
+WEBHOOK_IDS = (VALIDATE_JOB, MUTATE_JOB, VALIDATE_POLICY)
+
+#: Annotation naming the policies whose defaults the mutating webhook filled in.
+DEFAULTED_BY = "rlpacer.io/defaulted-by"
+
+#: Returns the raw RLTrainingPolicy objects of a namespace.
+PolicyLister = Callable[[str], Awaitable[Sequence[Mapping[str, Any]]]]
+
+
+class PolicyLookupError(RuntimeError):
+    """The namespace's policies could not be read; the job is not admitted unchecked."""
+
+
+class InvalidStoredPolicyError(RuntimeError):
+    """A stored policy does not validate (e.g. created before a stricter operator version)."""
+
+
+def kubernetes_lister(api_client: Any) -> PolicyLister:
+    """A :data:`PolicyLister` over the ``kubernetes`` client (blocking calls in a thread)."""
+    from kubernetes import client as k8s
+
+    api = k8s.CustomObjectsApi(api_client)
+
+    def _list(namespace: str) -> list[Mapping[str, Any]]:
+        out: Any = api.list_namespaced_custom_object(
+            policy_api.GROUP, policy_api.VERSION, namespace, policy_api.PLURAL
+        )
+        return list(out.get("items", []))
+
+    async def lister(namespace: str) -> Sequence[Mapping[str, Any]]:
+        return await asyncio.to_thread(_list, namespace)
+
+    return lister
+
+
+def parse_policies(items: Sequence[Mapping[str, Any]]) -> list[RLTrainingPolicy]:
+    """Policies in name order (the order defaults are taken in); invalid ones raise."""
+    out = []
+    def _name(o: Mapping[str, Any]) -> str:
+        return str((o.get("metadata") or {}).get("name", ""))
+
+    for item in sorted(items, key=_name):
+        raw = {k: item[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in item}
+        raw["metadata"] = {k: v for k, v in raw.get("metadata", {}).items()
+                           if k in ("name", "namespace", "labels", "annotations")}
+        try:
+            out.append(parse_policy(raw))
+        except ManifestError as err:
+            meta = item.get("metadata", {})
+            raise InvalidStoredPolicyError(
+                f"{policy_api.KIND} {meta.get('namespace')}/{meta.get('name')} is invalid, so"
+                f" jobs in its namespace cannot be checked; fix or delete it: {err}"
+            ) from None
+    return out
+
+
+class PolicyAdmission:
+    """The admission handlers, bound to a way of listing a namespace's policies."""
+
+    def __init__(self, lister: PolicyLister) -> None:
+        self._lister = lister
+
+    async def policies(self, namespace: str) -> list[RLTrainingPolicy]:
+        try:
+            items = await self._lister(namespace)
+        except Exception as err:  # API errors of any client: fail closed, say why
+            raise PolicyLookupError(
+                f"cannot read the {policy_api.PLURAL} of namespace {namespace}: {err}"
+            ) from err
+        return parse_policies(items)
+
+    def register(self, registry: kopf.OperatorRegistry | None = None) -> None:
+        """Attach the three handlers to a Kopf registry (default: Kopf's global one)."""
+        reg = registry if registry is not None else kopf.get_default_registry()
+        kopf.on.validate(GROUP, VERSION, PLURAL, id=VALIDATE_JOB,
+                         operations=["CREATE", "UPDATE"], registry=reg)(self.validate_job)
+        kopf.on.mutate(GROUP, VERSION, PLURAL, id=MUTATE_JOB,
+                       operations=["CREATE"], registry=reg)(self.mutate_job)
+        kopf.on.validate(policy_api.GROUP, policy_api.VERSION, policy_api.PLURAL,
+                         id=VALIDATE_POLICY, operations=["CREATE", "UPDATE"],
+                         registry=reg)(self.validate_policy)
+
+    # -- handlers (Kopf calls them with keyword arguments) --------------------------------
+
+    async def validate_job(self, **kw: Any) -> None:
+        body: kopf.Body = kw["body"]
+        old: kopf.Body | None = kw.get("old")
+        operation: str | None = kw.get("operation")
+        name: str | None = kw.get("name")
+        namespace: str | None = kw.get("namespace")
+        warnings: list[str] = kw["warnings"]
+        spec = body.get("spec") or {}
+        if operation == "UPDATE" and (
+            body.get("metadata", {}).get("deletionTimestamp")
+            or (old is not None and (old.get("spec") or {}) == spec)
+        ):
+            return  # not a change a user asks for: never block a job's own lifecycle
+        try:
+            parsed = parse_spec(copy.deepcopy(dict(spec)))
+        except ManifestError as err:
+            raise kopf.AdmissionError(str(err), code=422) from None
+        ns = namespace or "default"
+        policies = await self.policies(ns)
+        violations = validate_job(parsed, policies)
+        warned = [v for v in violations if v.action is PolicyAction.WARN]
+        enforced = [v for v in violations if v.action is PolicyAction.ENFORCE]
+        warnings.extend(f"policy (Warn): {v.message}" for v in warned)
+        if enforced:
+            raise kopf.AdmissionError(
+                f"RLTrainingJob {ns}/{name} breaks its namespace's policy: "
+                + "; ".join(v.message for v in enforced),
+                code=403,
+            )
+
+    async def mutate_job(self, **kw: Any) -> None:
+        body: kopf.Body = kw["body"]
+        patch: kopf.Patch = kw["patch"]
+        namespace: str | None = kw.get("namespace")
+        warnings: list[str] = kw["warnings"]
+        spec = copy.deepcopy(dict(body.get("spec") or {}))
+        policies = await self.policies(namespace or "default")
+        out = apply_defaults(spec, policies)
+        if not out.filled:
+            return
+        for key, value in out.spec.items():
+            if spec.get(key) != value:
+                patch.setdefault("spec", {})[key] = value
+        patch.setdefault("metadata", {}).setdefault("annotations", {})[DEFAULTED_BY] = ",".join(
+            ref.split(" ", 1)[1].split("/", 1)[1] for ref in out.policies
+        )
+        warnings.append(
+            f"defaults filled in by {', '.join(out.policies)}: {', '.join(out.filled)}"
+        )
+
+    async def validate_policy(self, **kw: Any) -> None:
+        body: kopf.Body = kw["body"]
+        raw = {k: body[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in body}
+        raw["metadata"] = {k: v for k, v in dict(raw.get("metadata", {})).items()
+                           if k in ("name", "namespace", "labels", "annotations")}
+        try:
+            parse_policy(copy.deepcopy(raw))
+        except ManifestError as err:
+            raise kopf.AdmissionError(str(err), code=422) from None
+
+
+# --- the webhook server --------------------------------------------------------------
+
+
+def self_signed(cert_dir: Path, hostnames: Sequence[str], days: int = 365) -> Path:
+    """Write ``tls.crt``/``tls.key`` (self-signed, SANs for ``hostnames``) with ``openssl``.
+
+    For local runs without the chart; the certificate is its own CA bundle (``ca.crt``).
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError(
+            "the webhook needs a TLS certificate: set webhook_cert_dir (the chart mounts one)"
+            " or install openssl to generate a self-signed one"
+        )
+    cert_dir.mkdir(parents=True, exist_ok=True)
+    sans = []
+    for h in hostnames:
+        is_ip = h.replace(".", "").isdigit() or ":" in h
+        sans.append(f"IP:{h}" if is_ip else f"DNS:{h}")
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", "tls.key", "-out", "tls.crt", "-days", str(days),
+         "-subj", f"/CN={hostnames[0]}", "-addext", "subjectAltName=" + ",".join(sans)],
+        cwd=cert_dir, check=True, capture_output=True,
+    )
+    (cert_dir / "ca.crt").write_bytes((cert_dir / "tls.crt").read_bytes())
+    return cert_dir
+
+
+def webhook_server(
+    *,
+    host: str = "0.0.0.0",
+    port: int = 9443,
+    url: str | None = None,
+    cert_dir: str | Path | None = None,
+) -> kopf.WebhookServer:
+    """Kopf's HTTPS webhook server on ``host:port`` with the certificate in ``cert_dir``.
+
+    ``url`` (the chart's ``webhook.url``, loopback in local runs) only names the host a
+    generated certificate must cover; the API server's URL comes from the chart's webhook
+    configurations.
+    """
+    from urllib.parse import urlsplit
+
+    if cert_dir is None:
+        names = [urlsplit(url).hostname or "127.0.0.1"] if url else ["127.0.0.1"]
+        if "127.0.0.1" not in names:
+            names.append("127.0.0.1")
+        cert_dir = self_signed(Path(tempfile.mkdtemp(prefix="rlpacer-webhook-")), names)
+        logger.warning("webhook: generated a self-signed certificate in %s", cert_dir)
+    d = Path(cert_dir)
+    for f in ("tls.crt", "tls.key"):
+        if not (d / f).is_file():
+            raise RuntimeError(f"webhook certificate directory {d} has no {f}")
+    return kopf.WebhookServer(
+        addr=host, port=port, certfile=str(d / "tls.crt"), pkeyfile=str(d / "tls.key"),
+        cafile=str(d / "ca.crt") if (d / "ca.crt").is_file() else None,
+    )
+
+
+def configure(
+    settings: kopf.OperatorSettings,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 9443,
+    url: str | None = None,
+    cert_dir: str | Path | None = None,
+) -> None:
+    """Set Kopf's admission settings for the chart-managed webhooks (call from a startup
+    handler): serve on ``host:port`` over TLS; never create or patch webhook configurations."""
+    settings.admission.server = webhook_server(host=host, port=port, url=url, cert_dir=cert_dir)
+    settings.admission.managed = None
