@@ -85,6 +85,11 @@ TOKEN_PATH = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
 #: unset: checkpoints then survive a driver restart but not the loss of the pod).
 CHECKPOINT_DIR = "/checkpoints"
 
+# --- entrypoint ---------------------------------------------------------------------------
+
+#: Every pod runs ``python -m <this>``; the module reads :data:`ENV_ROLE` and the rest.
+POD_ENTRYPOINT_MODULE = "rlpacer_trainer.pod"
+
 # --- labels ---------------------------------------------------------------------------------
 
 #: The owning job's name (a valid label value: job names are limited to 63 characters).

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from rlpacer.api._base import APIModel, Decimal, format_decimal
+from rlpacer.api._base import APIModel, Decimal
 
 #: Messages are truncated to this many characters (Events and conditions stay readable).
 MAX_MESSAGE = 1024
@@ -36,7 +36,7 @@ class ConditionType(enum.StrEnum):
     ADMITTED = "Admitted"
     #: The short-round rollout capacity is ready. Reasons: ReplicasReady, WaitingForReplicas.
     ROLLOUT_READY = "RolloutReady"
-    #: The driver runs steps. Reasons: Running, Restarting, Stopped.
+    #: The driver runs steps. Reasons: Starting, Running, Restarting, Stopped.
     TRAINING = "Training"
     #: A long round is planned or running. Reasons: ScalingUp, Running, ScaleUpTimedOut,
     #: Finished.
@@ -62,6 +62,7 @@ class Reason(enum.StrEnum):
     INVALID_SPEC = "InvalidSpec"
     REPLICAS_READY = "ReplicasReady"
     WAITING_FOR_REPLICAS = "WaitingForReplicas"
+    STARTING = "Starting"
     RUNNING = "Running"
     RESTARTING = "Restarting"
     STOPPED = "Stopped"
@@ -113,8 +114,12 @@ class Posterior(APIModel):
     """SAGC's belief about the straggler probability at one group size."""
 
     group_size: int = Field(ge=1, description="The candidate group size G.")
-    alpha: Decimal = Field(description="Beta posterior alpha (straggler pseudo-count).")
-    beta: Decimal = Field(description="Beta posterior beta (non-straggler pseudo-count).")
+    alpha: Decimal | None = Field(
+        default=None, description="Beta posterior alpha (straggler pseudo-count); SAGC only."
+    )
+    beta: Decimal | None = Field(
+        default=None, description="Beta posterior beta (non-straggler pseudo-count); SAGC only."
+    )
     mean: Decimal = Field(description="Posterior mean straggler probability p(G).")
 
 
@@ -301,15 +306,3 @@ def summarize(conditions: Sequence[Condition]) -> Summary:
     if is_true(conditions, ConditionType.ADMITTED):
         return Summary.STARTING
     return Summary.PENDING
-
-
-def posteriors_from(
-    group_sizes: Sequence[int], alphas: Sequence[float], betas: Sequence[float]
-) -> list[Posterior]:
-    return [
-        Posterior(
-            group_size=g, alpha=format_decimal(a), beta=format_decimal(b),
-            mean=format_decimal(a / (a + b) if a + b > 0 else 0.0),
-        )
-        for g, a, b in zip(group_sizes, alphas, betas, strict=True)
-    ]

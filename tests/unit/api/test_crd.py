@@ -44,8 +44,10 @@ def test_structural_no_floats_no_refs_no_unions() -> None:
         for bad in ("$ref", "anyOf", "allOf", "oneOf", "title", "$defs"):
             assert bad not in node, (path, bad)
         if node.get("type") == "object" and path != ".metadata":
-            assert "properties" in node or "additionalProperties" in node or node.get(
-                "x-kubernetes-preserve-unknown-fields"
+            assert (
+                "properties" in node
+                or "additionalProperties" in node
+                or node.get("x-kubernetes-preserve-unknown-fields")
             ), path
             assert node.get("additionalProperties") is not False, path
         if node.get("type") == "array":

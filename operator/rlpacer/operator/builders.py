@@ -1,0 +1,328 @@
+"""Pure builders of a job's children: plain dicts, no I/O, no clocks, no randomness.
+
+``build_children(inputs)`` returns every object the job should have *now*: the run-config
+ConfigMap, the token Secret, the Services and, while the job runs (not suspended, not
+finished), the workloads:
+
+* Ray head    StatefulSet ``<job>-head`` (1 replica) + headless Service ``<job>-head``
+* learners    StatefulSet ``<job>-learner`` (spec.trainer.replicas, GPUs)
+* rollout     StatefulSet ``<job>-rollout`` (the plan's desired replicas; the operator scales
+              it for long rounds; ``podManagementPolicy: Parallel`` so a long round's extra
+              replicas start together)
+* driver      Pod ``<job>-driver-<attempt>`` (restartPolicy Never: its exit decides the job;
+              a failure starts attempt+1 from the last checkpoint)
+
+Everything carries an owner reference to the job (garbage collection on deletion) and the
+labels of :mod:`rlpacer.operator.names`. The handlers apply these with server-side apply under
+one field manager, so applying the same inputs twice changes nothing (idempotent on replay).
+The pod contract (env names, paths, roles) is :mod:`rlpacer.api.contract`.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from rlpacer.api import contract
+from rlpacer.api.job import API_VERSION, KIND, RLTrainingJobSpec
+from rlpacer.operator import names
+
+Obj = dict[str, Any]
+
+#: The module the trainer image runs in every pod (it reads the env of rlpacer.api.contract).
+POD_COMMAND = ["python", "-m", contract.POD_ENTRYPOINT_MODULE]
+GPU_TOLERATION = {"key": contract.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+
+#: Kinds of children the operator creates, for listing and cleanup: (apiVersion, kind, plural).
+WORKLOAD_KINDS = (("apps/v1", "StatefulSet", "statefulsets"), ("v1", "Pod", "pods"))
+
+
+@dataclass(frozen=True)
+class BuildInputs:
+    """Everything the builders need, already decided by the reconciler."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: RLTrainingJobSpec
+    attempt: int
+    rollout_replicas: int
+    report_url: str
+    #: False while suspended or finished: only ConfigMap, Secret and Services remain.
+    workloads: bool = True
+
+
+def owner_reference(inputs: BuildInputs) -> Obj:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": inputs.name,
+        "uid": inputs.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(inputs: BuildInputs, name: str, role: contract.Role | None = None) -> Obj:
+    return {
+        "name": name,
+        "namespace": inputs.namespace,
+        "labels": names.labels(inputs.name, role),
+        "ownerReferences": [owner_reference(inputs)],
+    }
+
+
+def run_config(inputs: BuildInputs) -> str:
+    """The run config the pods load: the job's manifest (``rlpacer run`` format)."""
+    doc = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": inputs.name, "namespace": inputs.namespace},
+        "spec": inputs.spec.to_wire(),
+    }
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def config_map(inputs: BuildInputs) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(inputs, names.config_map(inputs.name)),
+        "data": {contract.CONFIG_KEY: run_config(inputs)},
+    }
+
+
+def token_secret(inputs: BuildInputs, token: str) -> Obj:
+    """The per-job Secret with the step-report token (immutable: never rotated under a run)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(inputs, names.secret(inputs.name)),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {contract.TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def head_service(inputs: BuildInputs) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(inputs, names.head_service(inputs.name), contract.Role.HEAD),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": names.selector(inputs.name, contract.Role.HEAD),
+            "ports": [
+                {"name": "gcs", "port": contract.RAY_GCS_PORT, "protocol": "TCP"},
+                {"name": "client", "port": contract.RAY_CLIENT_PORT, "protocol": "TCP"},
+                {"name": "dashboard", "port": contract.RAY_DASHBOARD_PORT, "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def workers_service(inputs: BuildInputs) -> Obj:
+    """Headless Service governing the learner and rollout StatefulSets (pod DNS names)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(inputs, names.workers_service(inputs.name)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": names.selector(inputs.name),
+            "ports": [
+                {"name": "metrics", "port": contract.TRAINER_METRICS_PORT, "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def ray_address(inputs: BuildInputs) -> str:
+    svc = names.head_service(inputs.name)
+    return f"{svc}.{inputs.namespace}.svc:{contract.RAY_GCS_PORT}"
+
+
+def _env(inputs: BuildInputs, role: contract.Role, world_size: int) -> list[Obj]:
+    env: list[Obj] = [
+        {"name": contract.ENV_JOB, "value": inputs.name},
+        {"name": contract.ENV_NAMESPACE, "value": inputs.namespace},
+        {"name": contract.ENV_ROLE, "value": role.value},
+    ]
+    if role in (contract.Role.LEARNER, contract.Role.ROLLOUT):
+        env.append({
+            "name": contract.ENV_RANK,
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
+        })
+    else:
+        env.append({"name": contract.ENV_RANK, "value": "0"})
+    env += [
+        {"name": contract.ENV_WORLD_SIZE, "value": str(world_size)},
+        {"name": contract.ENV_CONFIG, "value": contract.CONFIG_PATH},
+        {"name": contract.ENV_CHECKPOINT_DIR, "value": contract.CHECKPOINT_DIR},
+    ]
+    if role is not contract.Role.HEAD:
+        env.append({"name": contract.ENV_RAY_ADDRESS, "value": ray_address(inputs)})
+    if role is contract.Role.DRIVER:
+        env += [
+            {"name": contract.ENV_ATTEMPT, "value": str(inputs.attempt)},
+            {"name": contract.ENV_REPORT_URL, "value": inputs.report_url},
+            {"name": contract.ENV_TOKEN_FILE, "value": contract.TOKEN_PATH},
+        ]
+    return env
+
+
+def _pod_spec(
+    inputs: BuildInputs, role: contract.Role, image: str, gpus: int, world_size: int
+) -> Obj:
+    spec = inputs.spec
+    sched = spec.scheduling
+    mounts: list[Obj] = [
+        {"name": "config", "mountPath": contract.CONFIG_MOUNT_DIR, "readOnly": True}
+    ]
+    volumes: list[Obj] = [
+        {"name": "config", "configMap": {"name": names.config_map(inputs.name)}}
+    ]
+    if role is contract.Role.DRIVER:
+        mounts.append(
+            {"name": "token", "mountPath": contract.TOKEN_MOUNT_DIR, "readOnly": True}
+        )
+        volumes.append({"name": "token", "secret": {"secretName": names.secret(inputs.name)}})
+    if role in (contract.Role.DRIVER, contract.Role.LEARNER):
+        mounts.append({"name": "checkpoints", "mountPath": contract.CHECKPOINT_DIR})
+        claim = spec.checkpoint.volume_claim
+        volumes.append(
+            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}}
+            if claim
+            else {"name": "checkpoints", "emptyDir": {}}
+        )
+    container: Obj = {
+        "name": "main",
+        "image": image,
+        "command": list(POD_COMMAND),
+        "env": _env(inputs, role, world_size),
+        "volumeMounts": mounts,
+    }
+    if role is contract.Role.HEAD:
+        container["ports"] = [
+            {"name": "gcs", "containerPort": contract.RAY_GCS_PORT},
+            {"name": "client", "containerPort": contract.RAY_CLIENT_PORT},
+            {"name": "dashboard", "containerPort": contract.RAY_DASHBOARD_PORT},
+        ]
+    if gpus > 0:
+        qty = str(gpus)
+        container["resources"] = {
+            "limits": {contract.GPU_RESOURCE: qty},
+            "requests": {contract.GPU_RESOURCE: qty},
+        }
+    tolerations = [t.to_wire() for t in (sched.tolerations or [])]
+    if gpus > 0 and GPU_TOLERATION not in tolerations:
+        tolerations.append(dict(GPU_TOLERATION))
+    pod: Obj = {
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if role is contract.Role.DRIVER:
+        pod["restartPolicy"] = "Never"
+        pod["hostname"] = "driver"
+        pod["subdomain"] = names.workers_service(inputs.name)
+    if tolerations:
+        pod["tolerations"] = tolerations
+    if sched.node_selector:
+        pod["nodeSelector"] = dict(sched.node_selector)
+    if sched.priority_class_name:
+        pod["priorityClassName"] = sched.priority_class_name
+    return pod
+
+
+def _pod_labels(inputs: BuildInputs, role: contract.Role) -> dict[str, str]:
+    out = names.labels(inputs.name, role)
+    if inputs.spec.scheduling.queue_name:
+        out[contract.LABEL_KUEUE_QUEUE] = inputs.spec.scheduling.queue_name
+    return out
+
+
+def statefulset(
+    inputs: BuildInputs, role: contract.Role, replicas: int, image: str, gpus: int
+) -> Obj:
+    meta = _meta(inputs, names.statefulset(inputs.name, role), role)
+    meta["labels"] = _pod_labels(inputs, role)
+    service = (
+        names.head_service(inputs.name)
+        if role is contract.Role.HEAD
+        else names.workers_service(inputs.name)
+    )
+    # The template's world size is the short-round count for rollout: changing it with the
+    # replica count would roll every pod on each scale action.
+    world = {
+        contract.Role.HEAD: 1,
+        contract.Role.LEARNER: inputs.spec.trainer.replicas,
+        contract.Role.ROLLOUT: inputs.spec.rollout.replicas,
+    }[role]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta,
+        "spec": {
+            "replicas": replicas,
+            "serviceName": service,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": names.selector(inputs.name, role)},
+            "template": {
+                "metadata": {"labels": _pod_labels(inputs, role)},
+                "spec": _pod_spec(inputs, role, image, gpus, world),
+            },
+        },
+    }
+
+
+def driver_pod(inputs: BuildInputs) -> Obj:
+    role = contract.Role.DRIVER
+    meta = _meta(inputs, names.driver_pod(inputs.name, inputs.attempt), role)
+    meta["labels"] = {
+        **_pod_labels(inputs, role),
+        contract.LABEL_ATTEMPT: str(inputs.attempt),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": _pod_spec(inputs, role, inputs.spec.trainer.image, 0, 1),
+    }
+
+
+def build_children(inputs: BuildInputs) -> list[Obj]:
+    """Every object the job should have now, except the token Secret (created once, by
+    :func:`token_secret`, because its content is random and must never change)."""
+    spec = inputs.spec
+    out = [config_map(inputs), head_service(inputs), workers_service(inputs)]
+    if inputs.workloads:
+        out += [
+            statefulset(inputs, contract.Role.HEAD, 1, spec.trainer.image, 0),
+            statefulset(
+                inputs, contract.Role.LEARNER, spec.trainer.replicas, spec.trainer.image,
+                spec.trainer.gpus_per_replica,
+            ),
+            statefulset(
+                inputs, contract.Role.ROLLOUT, inputs.rollout_replicas, spec.rollout.image,
+                spec.rollout.gpus_per_replica,
+            ),
+            driver_pod(inputs),
+        ]
+    return out
+
+
+def workload_names(name: str, attempt: int) -> list[tuple[str, str, str]]:
+    """(apiVersion, plural, name) of the workloads, for deletion on suspend and finish."""
+    return [
+        ("apps/v1", "statefulsets", names.statefulset(name, contract.Role.HEAD)),
+        ("apps/v1", "statefulsets", names.statefulset(name, contract.Role.LEARNER)),
+        ("apps/v1", "statefulsets", names.statefulset(name, contract.Role.ROLLOUT)),
+        ("v1", "pods", names.driver_pod(name, attempt)),
+    ]

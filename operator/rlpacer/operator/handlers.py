@@ -1,0 +1,169 @@
+"""Kopf handlers: thin translations of watch events into calls on :class:`Jobs`.
+
+Kopf is the watcher and dispatcher; the decisions are pure (``decide``, ``accept_report``,
+``build_children``) and the writes go through ``rlpacer.operator.runtime``. Each job gets a
+*level-based* reconcile loop (an asyncio task owned by :class:`JobLoops`): it reconciles on
+start, whenever something relevant changes (the job's spec, its pods or StatefulSets, a step
+report that changed the desired rollout replicas), when a deadline or timeout falls due, and
+at least every ``resync_seconds``.
+
+Why not ``@kopf.daemon``: Kopf puts a finalizer on every object with a daemon, so deleting a
+job would hang while the operator is down. Nothing outside the API needs flushing on delete
+(children go by owner references; the metrics series are in this process), so rlpacer uses
+no finalizer: the loops are started from watch events and stopped on ``DELETED``.
+
+Admission webhooks (the policy webhook of issue 6) register on the same registry in
+:func:`build_registry` (``kopf.on.validate`` / ``kopf.on.mutate``), served by Kopf's webhook
+server configured from ``OperatorSettings.webhook_*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from rlpacer.api import contract
+from rlpacer.api.job import GROUP, PLURAL, VERSION
+from rlpacer.operator.kube import Credentials
+from rlpacer.operator.runtime import JobGone, Jobs
+from rlpacer.operator.settings import OperatorSettings
+
+log = logging.getLogger("rlpacer.operator")
+
+#: Backoff after a reconcile that raised (seconds, capped).
+ERROR_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class JobLoops:
+    """One reconcile task per job."""
+
+    def __init__(self, jobs: Jobs) -> None:
+        self.jobs = jobs
+        self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+
+    def ensure(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        task = self._tasks.get(key)
+        if task is None or task.done():
+            self._tasks[key] = asyncio.create_task(self._run(namespace, name),
+                                                   name=f"reconcile:{namespace}/{name}")
+        else:
+            self.jobs.poke(namespace, name)
+
+    async def stop(self, namespace: str, name: str) -> None:
+        task = self._tasks.pop((namespace, name), None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.jobs.forget(namespace, name)
+
+    async def stop_all(self) -> None:
+        for key in list(self._tasks):
+            task = self._tasks.pop(key)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _run(self, namespace: str, name: str) -> None:
+        jobs = self.jobs
+        errors = 0
+        while True:
+            rt = await jobs.get(namespace, name)
+            if rt is None:
+                jobs.forget(namespace, name)
+                return
+            rt.wake.clear()
+            try:
+                requeue = await jobs.reconcile(rt)
+                errors = 0
+            except JobGone:
+                jobs.forget(namespace, name)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile %s/%s failed", namespace, name)
+                jobs.metrics.reconcile_errors.labels(namespace, name).inc()
+                requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]
+                errors += 1
+            wait = jobs.settings.resync_seconds if requeue is None else min(
+                max(requeue, 0.05), jobs.settings.resync_seconds)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rt.wake.wait(), timeout=wait)
+
+
+@dataclass
+class OperatorContext:
+    settings: OperatorSettings
+    creds: Credentials
+    jobs: Jobs
+    loops: JobLoops
+
+
+def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
+    """The operator's Kopf handlers, on a registry of their own (no global state)."""
+    registry = kopf.OperatorRegistry()
+    jobs, loops = ctx.jobs, ctx.loops
+    managed = {contract.LABEL_MANAGED_BY: contract.MANAGED_BY}
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Kopf's own bookkeeping in annotations under our group (status has a strict schema).
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        settings.posting.level = logging.WARNING
+        # Leader election is the Lease's job (rlpacer.operator.lease), not peering's.
+        settings.peering.standalone = True
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 60
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        c = ctx.creds
+        return kopf.ConnectionInfo(
+            server=c.server, ca_path=c.ca_path, insecure=c.insecure or None,
+            scheme="Bearer" if c.token else None, token=c.token,
+            certificate_path=c.cert_path, private_key_path=c.key_path,
+        )
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    async def job_event(
+        type: str | None, name: str, namespace: str, body: kopf.Body, **_: Any
+    ) -> None:
+        if type == "DELETED":
+            await loops.stop(namespace, name)
+            return
+        rt = jobs.peek(namespace, name)
+        generation = body.get("metadata", {}).get("generation")
+        if rt is None or rt.generation != generation:
+            loops.ensure(namespace, name)
+
+    def child_event(kind: str) -> Callable[..., Any]:
+        async def handler(
+            type: str | None, labels: kopf.Labels, namespace: str, **_: Any
+        ) -> None:
+            job = labels.get(contract.LABEL_JOB)
+            if not job:
+                return
+            rt = jobs.peek(namespace, job)
+            if rt is not None and type == "DELETED":
+                rt.applied.clear()  # re-apply on the next pass
+            jobs.poke(namespace, job)
+
+        handler.__name__ = f"{kind}_event"
+        return handler
+
+    kopf.on.event("v1", "pods", labels=managed, registry=registry)(child_event("pod"))
+    kopf.on.event("apps", "v1", "statefulsets", labels=managed, registry=registry)(
+        child_event("statefulset"))
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        await loops.stop_all()
+
+    return registry

@@ -1,0 +1,205 @@
+"""A small asyncio Kubernetes client (aiohttp) for the operator's own writes.
+
+Kopf watches and dispatches; the writes the operator makes itself (server-side apply of
+children, status replaced under a resourceVersion precondition, Events, the Lease) go through
+this client so that they run in the same event loop as Kopf and the step-report endpoint,
+without threads. Credentials come from one place (:class:`Credentials`): a kubeconfig file
+or the in-cluster service account; Kopf is given the same ones (``kopf.on.login``).
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+Obj = dict[str, Any]
+
+IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+class ApiError(Exception):
+    """A non-2xx answer from the API server."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+@dataclass
+class Credentials:
+    server: str
+    ca_path: str | None = None
+    cert_path: str | None = None
+    key_path: str | None = None
+    token: str | None = None
+    token_path: str | None = None  # re-read (bound tokens rotate)
+    insecure: bool = False
+
+    @classmethod
+    def load(cls, kubeconfig: str | None = None) -> Credentials:
+        """From ``kubeconfig`` (or $KUBECONFIG / ~/.kube/config), else in-cluster."""
+        from kubernetes import config as kconfig
+        from kubernetes.client import Configuration
+
+        cfg = Configuration()
+        try:
+            kconfig.load_kube_config(
+                config_file=kubeconfig, client_configuration=cfg, persist_config=False
+            )
+            token_path = None
+        except (kconfig.ConfigException, FileNotFoundError, TypeError):
+            if kubeconfig:
+                raise
+            kconfig.load_incluster_config(client_configuration=cfg)
+            token_path = IN_CLUSTER_TOKEN
+        header = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken")
+        token = header.split(" ", 1)[-1] if header else None
+        return cls(
+            server=cfg.host.rstrip("/"),
+            ca_path=cfg.ssl_ca_cert,
+            cert_path=cfg.cert_file,
+            key_path=cfg.key_file,
+            token=token,
+            token_path=token_path,
+            insecure=not cfg.verify_ssl,
+        )
+
+    def ssl_context(self) -> ssl.SSLContext | bool:
+        if not self.server.startswith("https"):
+            return False
+        ctx = ssl.create_default_context(cafile=self.ca_path)
+        if self.insecure:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        if self.cert_path and self.key_path:
+            ctx.load_cert_chain(self.cert_path, self.key_path)
+        return ctx
+
+
+class KubeClient:
+    """Just the calls the operator needs. Paths are API paths (``/api/v1/...``)."""
+
+    def __init__(self, creds: Credentials, timeout: float = 30.0) -> None:
+        self.creds = creds
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._token_read = 0.0
+
+    async def __aenter__(self) -> KubeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self) -> dict[str, str]:
+        c = self.creds
+        if c.token_path and time.monotonic() - self._token_read > 60:
+            c.token = Path(c.token_path).read_text().strip()
+            self._token_read = time.monotonic()
+        return {"Authorization": f"Bearer {c.token}"} if c.token else {}
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            conn = aiohttp.TCPConnector(ssl=self.creds.ssl_context(), limit=64)
+            self._session = aiohttp.ClientSession(connector=conn, timeout=self._timeout)
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Obj | list[Any] | None = None,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Obj:
+        headers = {**self._headers(), "Accept": "application/json"}
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body)
+        async with self._get_session().request(
+            method, self.creds.server + path, data=data, params=params, headers=headers
+        ) as resp:
+            text = await resp.text()
+            if resp.status >= 300:
+                try:
+                    err = json.loads(text)
+                    raise ApiError(resp.status, err.get("reason", ""), err.get("message", text))
+                except ValueError:
+                    raise ApiError(resp.status, resp.reason or "", text) from None
+            return json.loads(text) if text else {}
+
+    # --- helpers ----------------------------------------------------------------------------
+    async def get(self, path: str) -> Obj | None:
+        try:
+            return await self.request("GET", path)
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def apply(self, obj: Obj, field_manager: str) -> Obj:
+        """Server-side apply (force: the operator owns these fields)."""
+        path = object_path(obj["apiVersion"], plural_of(obj["kind"]),
+                           obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        return await self.request(
+            "PATCH", path, obj,
+            params={"fieldManager": field_manager, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
+
+    async def create(self, obj: Obj) -> Obj:
+        path = object_path(obj["apiVersion"], plural_of(obj["kind"]),
+                           obj["metadata"].get("namespace"), None)
+        return await self.request("POST", path, obj)
+
+    async def delete(self, path: str, propagation: str = "Background") -> bool:
+        try:
+            await self.request(
+                "DELETE", path, {"kind": "DeleteOptions", "apiVersion": "v1",
+                                 "propagationPolicy": propagation},
+            )
+            return True
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+
+
+_PLURALS = {
+    "ConfigMap": "configmaps",
+    "Secret": "secrets",
+    "Service": "services",
+    "Pod": "pods",
+    "StatefulSet": "statefulsets",
+    "Event": "events",
+    "Lease": "leases",
+    "RLTrainingJob": "rltrainingjobs",
+}
+
+
+def plural_of(kind: str) -> str:
+    return _PLURALS[kind]
+
+
+def object_path(api_version: str, plural: str, namespace: str | None, name: str | None) -> str:
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    if namespace:
+        base += f"/namespaces/{namespace}"
+    base += f"/{plural}"
+    if name:
+        base += f"/{name}"
+    return base

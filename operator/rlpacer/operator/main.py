@@ -1,0 +1,127 @@
+"""``rlpacer operator``: Kopf, the step-report endpoint and /metrics in one process.
+
+Start order: the HTTP servers first (``/healthz`` answers, ``/readyz`` says standby, reports
+get 503), then the Lease; once leading, Kopf starts (its watches start the per-job reconcile
+loops, which load each job's state from its status) and the report endpoint accepts reports.
+If the Lease is lost the process stops acting and exits with status 1 (the Deployment restarts
+it as a standby). SIGTERM/SIGINT stop cleanly and release the Lease so a standby takes over at
+once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+import kopf
+
+from rlpacer.operator.handlers import JobLoops, OperatorContext, build_registry
+from rlpacer.operator.kube import Credentials, KubeClient
+from rlpacer.operator.lease import LeaderElector
+from rlpacer.operator.metrics import Metrics
+from rlpacer.operator.runtime import Jobs
+from rlpacer.operator.server import LeaderState, metrics_app, report_app, start_site
+from rlpacer.operator.settings import OperatorSettings, from_args
+
+log = logging.getLogger("rlpacer.operator")
+
+EXIT_LOST_LEASE = 1
+
+
+async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -> int:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+    creds = Credentials.load(settings.kubeconfig)
+    kube = KubeClient(creds)
+    metrics = Metrics()
+    leader = LeaderState(leader=False)
+    jobs = Jobs(kube, settings, metrics)
+    loops = JobLoops(jobs)
+    ctx = OperatorContext(settings=settings, creds=creds, jobs=jobs, loops=loops)
+    registry = build_registry(ctx)
+    m_runner, m_port = await start_site(
+        metrics_app(metrics, leader), settings.metrics_host, settings.metrics_port)
+    r_runner, r_port = await start_site(
+        report_app(jobs, leader, metrics), settings.report_host, settings.report_port)
+    log.info("serving step reports on :%d, metrics on :%d (identity %s)", r_port, m_port,
+             settings.identity)
+
+    elector = None
+    if settings.leader_election:
+        elector = LeaderElector(
+            kube, settings.operator_namespace, settings.lease_name, settings.identity,
+            settings.lease_duration_seconds, settings.lease_renew_seconds,
+            settings.lease_retry_seconds)
+    kopf_stop = asyncio.Event()
+    tasks: list[asyncio.Task[Any]] = []
+    kopf_task: asyncio.Task[Any] | None = None
+    code = 0
+    try:
+        stop_task = asyncio.create_task(stop.wait())
+        tasks.append(stop_task)
+        if elector is not None:
+            acquire = asyncio.create_task(elector.acquire())
+            await asyncio.wait({acquire, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not acquire.done():
+                acquire.cancel()
+                return 0
+        leader.leader = True
+        metrics.leader.set(1)
+        kopf_task = asyncio.create_task(kopf.operator(
+            registry=registry,
+            standalone=True,
+            clusterwide=not settings.namespaces,
+            namespaces=settings.namespaces,
+            stop_flag=kopf_stop,
+        ))
+        tasks.append(kopf_task)
+        waits: set[asyncio.Task[Any]] = {kopf_task, stop_task}
+        hold = None
+        if elector is not None:
+            hold = asyncio.create_task(elector.hold())
+            tasks.append(hold)
+            waits.add(hold)
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if hold is not None and hold in done:
+            log.error("leadership lost: stopping")
+            code = EXIT_LOST_LEASE
+        elif kopf_task in done and not stop.is_set():
+            exc = kopf_task.exception()
+            log.error("kopf stopped: %r", exc)
+            code = 2
+    finally:
+        leader.leader = False
+        metrics.leader.set(0)
+        kopf_stop.set()
+        for t in tasks:
+            if t is not kopf_task and not t.done():
+                t.cancel()
+        if kopf_task is not None and not kopf_task.done():
+            try:
+                await asyncio.wait_for(kopf_task, timeout=20)
+            except BaseException:
+                kopf_task.cancel()
+        await loops.stop_all()
+        if elector is not None and code != EXIT_LOST_LEASE:
+            await elector.release()
+        await r_runner.cleanup()
+        await m_runner.cleanup()
+        await kube.close()
+    return code
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    settings = from_args(args)
+    logging.basicConfig(
+        level=getattr(logging, settings.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return asyncio.run(serve(settings))

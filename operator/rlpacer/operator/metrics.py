@@ -1,0 +1,96 @@
+"""Prometheus metrics of the operator (CONVENTIONS.md item 11).
+
+Names carry the ``rlpacer_`` prefix and a unit suffix; per-job series have exactly the labels
+``namespace`` and ``job`` (bounded by the number of jobs) and are removed when the job is
+deleted (:meth:`Metrics.forget`). Each operator process owns one :class:`Metrics` with its own
+registry (tests run several in one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from rlpacer.api.status import RLTrainingJobStatus
+
+JOB_LABELS = ("namespace", "job")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_STEP_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.group_size = Gauge("rlpacer_group_size", "Group size G the plan gives now.",
+                                JOB_LABELS, registry=r)
+        self.lambda_ = Gauge("rlpacer_sagc_lambda", "SAGC's dual variable (straggler price).",
+                             JOB_LABELS, registry=r)
+        self.straggler_rate = Gauge(
+            "rlpacer_straggler_rate_ratio", "Windowed straggler rate (0..1).", JOB_LABELS,
+            registry=r)
+        self.stragglers = Counter("rlpacer_straggler_events_total",
+                                  "Straggler steps reported.", JOB_LABELS, registry=r)
+        self.steps = Counter("rlpacer_steps_total", "Steps reported (accepted, not repeats).",
+                             JOB_LABELS, registry=r)
+        self.step_duration = Histogram(
+            "rlpacer_step_duration_seconds", "Wall-clock time of a step (rollout+reward+train+"
+            "sync) as reported.", JOB_LABELS, buckets=_STEP_BUCKETS, registry=r)
+        self.long_rounds = Counter("rlpacer_long_rounds_total", "Long rounds started.",
+                                   JOB_LABELS, registry=r)
+        self.long_queue = Gauge("rlpacer_long_queue_prompts", "Prompts waiting for a long round.",
+                                JOB_LABELS, registry=r)
+        self.rollout_desired = Gauge("rlpacer_rollout_replicas_desired",
+                                     "Rollout replicas the plan asks for.", JOB_LABELS, registry=r)
+        self.rollout_ready = Gauge("rlpacer_rollout_replicas_ready", "Rollout replicas ready.",
+                                   JOB_LABELS, registry=r)
+        self.scale_actions = Counter("rlpacer_scale_actions_total", "Rollout scale actions.",
+                                     JOB_LABELS, registry=r)
+        self.report_latency = Histogram(
+            "rlpacer_step_report_duration_seconds",
+            "Step-report handling time, state persisted, by HTTP code.", ("code",),
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.reconcile_errors = Counter("rlpacer_reconcile_errors_total",
+                                        "Reconciles that raised.", JOB_LABELS, registry=r)
+        self.reconciles = Counter("rlpacer_reconciles_total", "Reconciles run.", JOB_LABELS,
+                                  registry=r)
+        self.leader = Gauge("rlpacer_leader", "1 while this replica holds the Lease.",
+                            registry=r)
+        self._per_job = [
+            self.group_size, self.lambda_, self.straggler_rate, self.stragglers, self.steps,
+            self.step_duration, self.long_rounds, self.long_queue, self.rollout_desired,
+            self.rollout_ready, self.scale_actions, self.reconcile_errors, self.reconciles,
+        ]
+
+    def observe_status(self, namespace: str, job: str, st: RLTrainingJobStatus) -> None:
+        lab = (namespace, job)
+        if st.group_size is not None:
+            self.group_size.labels(*lab).set(st.group_size)
+        if st.lambda_ is not None:
+            self.lambda_.labels(*lab).set(float(st.lambda_))
+        if st.straggler_rate is not None:
+            self.straggler_rate.labels(*lab).set(float(st.straggler_rate))
+        self.long_queue.labels(*lab).set(st.long_queue)
+        self.rollout_desired.labels(*lab).set(st.rollout.desired_replicas)
+        self.rollout_ready.labels(*lab).set(st.rollout.ready_replicas)
+
+    def forget(self, namespace: str, job: str) -> None:
+        """Remove every series of a deleted job."""
+        for m in self._per_job:
+            with contextlib.suppress(KeyError):
+                m.remove(namespace, job)
+
+    def series_for(self, namespace: str, job: str) -> int:
+        """How many samples mention the job (tests)."""
+        n = 0
+        for fam in self.registry.collect():
+            for s in fam.samples:
+                if s.labels.get("namespace") == namespace and s.labels.get("job") == job:
+                    n += 1
+        return n
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,128 @@
+"""Step reports, the pure part: fold one accepted report into the job's status.
+
+:func:`accept_report` is called inside the runtime's compare-and-swap loop: it reads only its
+arguments, so when the status write loses a race the loop re-runs it on the fresh status
+(whose controller state may have been advanced by another writer; then the report is either
+a repeat, answered identically, or validated against the new state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from rlpacer.api._base import format_decimal
+from rlpacer.api.job import RLTrainingJobSpec
+from rlpacer.api.protocol import Plan, StepReport
+from rlpacer.api.status import (
+    ConditionType,
+    Reason,
+    RLTrainingJobStatus,
+    find,
+    is_terminal,
+    set_condition,
+    summarize,
+)
+from rlpacer.control.plan import ControlPlan, ReportRejected
+from rlpacer.operator import hosting, scaler
+from rlpacer.operator.decide import record_scale_actions
+from rlpacer.operator.scaler import Event
+from rlpacer.operator.timeutil import fmt_time
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The outcome of an accepted report (new or an idempotent repeat)."""
+
+    plan: Plan
+    events: list[Event] = field(default_factory=list)
+    new: bool = True
+    straggler: bool = False
+
+
+def _plan(spec: RLTrainingJobSpec, st: RLTrainingJobStatus, cp: ControlPlan) -> Plan:
+    return Plan(
+        step=cp.step,
+        group_size=cp.group_size,
+        round_kind=cp.round_kind,
+        rollout=scaler.capacity(st.rollout),
+        lambda_=cp.lambda_,
+        straggler_rate=cp.straggler_rate,
+        done=cp.step >= spec.steps,
+    )
+
+
+def current_plan(spec: RLTrainingJobSpec, status: RLTrainingJobStatus) -> Plan:
+    """``GET plan``: the plan for the next step from the persisted state (changes nothing)."""
+    state = status.controller_state or hosting.new_state(spec)
+    return _plan(spec, status, hosting.load(state).plan())
+
+
+def accept_report(
+    spec: RLTrainingJobSpec,
+    status: RLTrainingJobStatus,
+    report: StepReport,
+    now: datetime,
+    generation: int | None,
+) -> tuple[RLTrainingJobStatus, Accepted]:
+    """Return (new status, what to answer).
+
+    Raises :class:`ReportRejected` (nothing changed) for an impossible report, a report of
+    an attempt the operator did not start, or a report to a finished job.
+    """
+    if is_terminal(status.conditions):
+        raise ReportRejected("JobFinished", f"the job is {summarize(status.conditions).value}")
+    if report.attempt != status.attempt:
+        raise ReportRejected(
+            "AttemptMismatch",
+            f"attempt {report.attempt} is not the job's current attempt {status.attempt}"
+            " (RLPACER_ATTEMPT of the running driver)",
+        )
+    state = status.controller_state or hosting.new_state(spec)
+    new_state, cp, ctl = hosting.apply_report(state, report)
+    st = status.model_copy(deep=True)
+    if new_state == state and status.controller_state is not None:
+        return st, Accepted(_plan(spec, st, cp), [], new=False)  # an idempotent repeat
+
+    t = fmt_time(now)
+    gen = generation
+    rollout, actions, events = scaler.plan_round(st.rollout, spec, cp.round_kind, cp.step, now)
+    st.rollout = rollout
+    record_scale_actions(st, actions)
+    st.controller_state = new_state
+    st.step = cp.step
+    st.group_size = cp.group_size
+    st.round_kind = cp.round_kind.value
+    st.lambda_ = format_decimal(cp.lambda_)
+    st.straggler_rate = format_decimal(cp.straggler_rate)
+    st.posteriors = hosting.posteriors(ctl)
+    st.long_queue = report.long_queue
+    st.last_report_time = t
+    if cp.round_kind.value == "Long":
+        if rollout.state == "ScalingUp":
+            reason = Reason.SCALING_UP
+            msg = f"step {cp.step}: waiting for {rollout.desired_replicas} rollout replicas"
+        else:
+            reason, msg = Reason.RUNNING, f"step {cp.step} is a long round"
+        flipped = set_condition(st.conditions, ConditionType.LONG_ROUND, True, reason, msg, t, gen)
+        st.conditions = flipped[0]
+        if flipped[1]:
+            st.long_rounds += 1
+    else:
+        lr = find(st.conditions, ConditionType.LONG_ROUND)
+        if lr is not None and lr.status == "True":
+            st.conditions, _ = set_condition(
+                st.conditions, ConditionType.LONG_ROUND, False, Reason.FINISHED,
+                f"long round done at step {report.step}", t, gen,
+            )
+    training = find(st.conditions, ConditionType.TRAINING)
+    if training is None or training.status != "True":
+        st.conditions, _ = set_condition(
+            st.conditions, ConditionType.TRAINING, True, Reason.RUNNING,
+            f"attempt {st.attempt} reporting", t, gen,
+        )
+    st.summary = summarize(st.conditions)
+    return st, Accepted(_plan(spec, st, cp), events, new=True, straggler=bool(cp.straggler))
+
+
+__all__ = ["Accepted", "ReportRejected", "accept_report", "current_plan"]

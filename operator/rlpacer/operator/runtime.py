@@ -1,0 +1,359 @@
+"""Per-job runtime: the one path through which the operator writes a job's status.
+
+Every status write, from the reconciler or from a step report, goes through
+:meth:`Jobs.commit` under the job's asyncio lock:
+
+1. run a *pure* mutation (``decide`` or ``accept_report``) on the last known status;
+2. ``PUT .../status`` the whole new status with ``metadata.resourceVersion`` of that status
+   (optimistic concurrency: the API server answers 409 if anyone wrote the object since);
+3. on 409, re-read the object and re-run the mutation on what is really stored (a concurrent
+   writer, e.g. a second operator replica in a split brain, can never lose an update: its
+   controller state is the input of our retry);
+4. only after the write succeeded does the caller answer the step report or apply children.
+
+The status is the durable truth (attempt, controller state, desired rollout replicas); the
+children are applied from it after each successful write, so a crash between the two is
+repaired by the next reconcile without double counting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from rlpacer.api import contract
+from rlpacer.api.job import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+    ManifestError,
+    RLTrainingJobSpec,
+    parse_spec,
+)
+from rlpacer.api.status import (
+    ConditionType,
+    Reason,
+    RLTrainingJobStatus,
+    set_condition,
+    summarize,
+)
+from rlpacer.operator import builders, names
+from rlpacer.operator.decide import Decision, Observed, decide
+from rlpacer.operator.kube import ApiError, KubeClient, object_path
+from rlpacer.operator.metrics import Metrics
+from rlpacer.operator.scaler import Event
+from rlpacer.operator.settings import OperatorSettings
+from rlpacer.operator.timeutil import fmt_time, utcnow
+
+log = logging.getLogger("rlpacer.operator")
+
+T = TypeVar("T")
+MAX_CAS_RETRIES = 10
+
+
+class JobGone(Exception):
+    """The job does not exist (any more)."""
+
+
+class ConflictLoop(Exception):
+    """Too many write conflicts in a row (the caller answers 503; the driver retries)."""
+
+
+def job_path(namespace: str, name: str) -> str:
+    return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
+
+
+@dataclass
+class JobRuntime:
+    namespace: str
+    name: str
+    uid: str = ""
+    rv: str = ""
+    generation: int | None = None
+    raw_spec: dict[str, Any] = field(default_factory=dict)
+    spec: RLTrainingJobSpec | None = None
+    spec_error: str | None = None
+    status: RLTrainingJobStatus = field(default_factory=RLTrainingJobStatus)
+    token: str | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: name -> canonical JSON of the child last applied (skip unchanged applies; cleared on
+    #: a child's deletion and every resync so drift is repaired).
+    applied: dict[str, str] = field(default_factory=dict)
+    applied_at: float = 0.0
+
+    def absorb(self, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata", {})
+        uid = meta.get("uid", "")
+        if self.uid and uid != self.uid:
+            self.token = None  # a new object with the same name
+        self.uid = uid
+        self.rv = meta.get("resourceVersion", "")
+        self.generation = meta.get("generation")
+        raw_spec = obj.get("spec") or {}
+        if raw_spec != self.raw_spec or self.spec is None:
+            self.raw_spec = raw_spec
+            try:
+                self.spec, self.spec_error = parse_spec(raw_spec), None
+            except ManifestError as err:
+                self.spec, self.spec_error = None, str(err)
+        try:
+            self.status = RLTrainingJobStatus.model_validate(obj.get("status") or {})
+        except ValueError:
+            log.warning("%s/%s: unreadable status; starting from an empty one",
+                        self.namespace, self.name)
+            self.status = RLTrainingJobStatus()
+
+
+class Jobs:
+    """All jobs this operator hosts, with the kube client and metrics they share."""
+
+    def __init__(self, kube: KubeClient, settings: OperatorSettings, metrics: Metrics) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.metrics = metrics
+        self._jobs: dict[tuple[str, str], JobRuntime] = {}
+        self._loading: dict[tuple[str, str], asyncio.Lock] = {}
+
+    # --- lookup -------------------------------------------------------------------------
+    async def get(self, namespace: str, name: str) -> JobRuntime | None:
+        key = (namespace, name)
+        rt = self._jobs.get(key)
+        if rt is not None:
+            return rt
+        lock = self._loading.setdefault(key, asyncio.Lock())
+        async with lock:
+            rt = self._jobs.get(key)
+            if rt is not None:
+                return rt
+            obj = await self.kube.get(job_path(namespace, name))
+            if obj is None:
+                return None
+            rt = JobRuntime(namespace, name)
+            rt.absorb(obj)
+            self._jobs[key] = rt
+            return rt
+
+    def peek(self, namespace: str, name: str) -> JobRuntime | None:
+        return self._jobs.get((namespace, name))
+
+    def poke(self, namespace: str, name: str) -> None:
+        rt = self._jobs.get((namespace, name))
+        if rt is not None:
+            rt.wake.set()
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._jobs.pop((namespace, name), None)
+        self._loading.pop((namespace, name), None)
+        self.metrics.forget(namespace, name)
+
+    async def refresh(self, rt: JobRuntime) -> None:
+        obj = await self.kube.get(job_path(rt.namespace, rt.name))
+        if obj is None:
+            raise JobGone(f"{rt.namespace}/{rt.name}")
+        rt.absorb(obj)
+
+    # --- the one status write path ------------------------------------------------------
+    async def commit(
+        self,
+        rt: JobRuntime,
+        mutate: Callable[[RLTrainingJobSpec, RLTrainingJobStatus], tuple[RLTrainingJobStatus, T]],
+    ) -> T:
+        """Run ``mutate`` and persist its status with a resourceVersion precondition;
+        re-read and re-run on conflict. Caller holds ``rt.lock``."""
+        for _ in range(MAX_CAS_RETRIES):
+            if rt.spec is None:
+                raise ManifestError(rt.spec_error or "invalid spec")
+            new_status, result = mutate(rt.spec, rt.status)
+            if new_status == rt.status:
+                return result
+            body = {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "metadata": {"name": rt.name, "namespace": rt.namespace,
+                             "resourceVersion": rt.rv},
+                "status": new_status.to_wire(),
+            }
+            try:
+                obj = await self.kube.request(
+                    "PUT", job_path(rt.namespace, rt.name) + "/status", body
+                )
+            except ApiError as e:
+                if e.status == 409:
+                    await self.refresh(rt)
+                    continue
+                if e.status == 404:
+                    raise JobGone(f"{rt.namespace}/{rt.name}") from e
+                raise
+            rt.absorb(obj)
+            self.metrics.observe_status(rt.namespace, rt.name, rt.status)
+            return result
+        raise ConflictLoop(f"{rt.namespace}/{rt.name}: {MAX_CAS_RETRIES} write conflicts")
+
+    # --- token --------------------------------------------------------------------------
+    async def token(self, rt: JobRuntime) -> str | None:
+        """The job's step-report token (from its Secret; None if not created yet)."""
+        if rt.token is None:
+            sec = await self.kube.get(
+                object_path("v1", "secrets", rt.namespace, names.secret(rt.name))
+            )
+            if sec is not None and _owned_by(sec, rt.uid):
+                rt.token = base64.b64decode(sec["data"][contract.TOKEN_KEY]).decode()
+        return rt.token
+
+    async def check_token(self, rt: JobRuntime, presented: str) -> bool:
+        tok = await self.token(rt)
+        return tok is not None and hmac.compare_digest(tok.encode(), presented.encode())
+
+    async def _ensure_token(self, rt: JobRuntime, inputs: builders.BuildInputs) -> None:
+        if await self.token(rt) is not None:
+            return
+        tok = secrets.token_urlsafe(32)
+        try:
+            await self.kube.create(builders.token_secret(inputs, tok))
+            rt.token = tok
+        except ApiError as e:
+            if e.status != 409:
+                raise
+            rt.token = None
+            await self.token(rt)
+
+    # --- events -------------------------------------------------------------------------
+    async def post_events(self, rt: JobRuntime, events: list[Event]) -> None:
+        for ev in events:
+            now = fmt_time(utcnow())
+            body = {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{rt.name[:200]}.", "namespace": rt.namespace},
+                "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": rt.name,
+                                   "namespace": rt.namespace, "uid": rt.uid},
+                "reason": ev.reason,
+                "message": ev.message[:1024],
+                "type": ev.type,
+                "source": {"component": "rlpacer-operator"},
+                "reportingComponent": "rlpacer.io/operator",
+                "reportingInstance": self.settings.identity[:128],
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            }
+            try:
+                await self.kube.request(
+                    "POST", f"/api/v1/namespaces/{rt.namespace}/events", body
+                )
+            except Exception as e:  # Events are best effort
+                log.warning("event %s on %s/%s not posted: %s", ev.reason, rt.namespace,
+                            rt.name, e)
+            if ev.reason in ("ScalingUp", "ScaledDown", "ScaleUpTimedOut"):
+                self.metrics.scale_actions.labels(rt.namespace, rt.name).inc()
+
+    # --- reconcile ----------------------------------------------------------------------
+    async def observe(self, rt: JobRuntime) -> Observed:
+        pod = await self.kube.get(
+            object_path("v1", "pods", rt.namespace, names.driver_pod(rt.name, rt.status.attempt))
+        )
+        phase, message = None, ""
+        if pod is not None and _owned_by(pod, rt.uid):
+            st = pod.get("status") or {}
+            phase = st.get("phase")
+            message = st.get("message") or st.get("reason") or ""
+            for cs in st.get("containerStatuses") or []:
+                term = (cs.get("state") or {}).get("terminated")
+                if term:
+                    code, why = term.get("exitCode"), term.get("reason", "")
+                    message = message or f"exit code {code}: {why}"
+        sts = await self.kube.get(object_path(
+            "apps/v1", "statefulsets", rt.namespace,
+            names.statefulset(rt.name, contract.Role.ROLLOUT)))
+        ready = 0
+        if sts is not None and _owned_by(sts, rt.uid):
+            ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
+        return Observed(driver_phase=phase, driver_message=message, rollout_ready=ready)
+
+    async def reconcile(self, rt: JobRuntime) -> float | None:
+        """One level-based pass; returns seconds until the next needed look (or None)."""
+        async with rt.lock:
+            self.metrics.reconciles.labels(rt.namespace, rt.name).inc()
+            await self.refresh(rt)
+            if rt.spec is None:
+                await self._invalid(rt)
+                return None
+            observed = await self.observe(rt)
+            now = utcnow()
+
+            def mutate(
+                spec: RLTrainingJobSpec, st: RLTrainingJobStatus
+            ) -> tuple[RLTrainingJobStatus, Decision]:
+                d = decide(spec, st, observed, now, rt.generation)
+                return d.status, d
+
+            dec = await self.commit(rt, mutate)
+            spec = rt.spec
+            inputs = builders.BuildInputs(
+                name=rt.name, namespace=rt.namespace, uid=rt.uid, spec=spec,
+                attempt=rt.status.attempt,
+                rollout_replicas=rt.status.rollout.desired_replicas,
+                report_url=self.settings.pod_report_url(),
+                workloads=dec.workloads,
+            )
+            if dec.delete_job:
+                log.info("%s/%s: ttlSecondsAfterFinished passed; deleting", rt.namespace, rt.name)
+                await self.kube.delete(job_path(rt.namespace, rt.name))
+                return None
+            await self._ensure_token(rt, inputs)
+            if time.monotonic() - rt.applied_at > self.settings.resync_seconds:
+                rt.applied.clear()
+                rt.applied_at = time.monotonic()
+            for obj in builders.build_children(inputs):
+                key = f"{obj['kind']}/{obj['metadata']['name']}"
+                text = json.dumps(obj, sort_keys=True)
+                if rt.applied.get(key) == text:
+                    continue
+                await self.kube.apply(obj, self.settings.field_manager)
+                rt.applied[key] = text
+            if not dec.workloads:
+                for api, plural, child in builders.workload_names(rt.name, rt.status.attempt):
+                    if await self.kube.delete(object_path(api, plural, rt.namespace, child)):
+                        rt.applied.clear()
+        if dec.events:
+            await self.post_events(rt, dec.events)
+        return dec.requeue_after
+
+    async def _invalid(self, rt: JobRuntime) -> None:
+        msg = rt.spec_error or "invalid spec"
+        st = rt.status.model_copy(deep=True)
+        now = fmt_time(utcnow())
+        st.conditions, flipped = set_condition(
+            st.conditions, ConditionType.ADMITTED, False, Reason.INVALID_SPEC, msg, now,
+            rt.generation)
+        st.observed_generation = rt.generation
+        st.summary = summarize(st.conditions)
+        if st != rt.status:
+            body = {"apiVersion": API_VERSION, "kind": KIND,
+                    "metadata": {"name": rt.name, "namespace": rt.namespace,
+                                 "resourceVersion": rt.rv},
+                    "status": st.to_wire()}
+            try:
+                rt.absorb(await self.kube.request(
+                    "PUT", job_path(rt.namespace, rt.name) + "/status", body))
+            except ApiError as e:
+                if e.status != 409:
+                    raise
+        if flipped:
+            await self.post_events(rt, [Event("Warning", "InvalidSpec", msg)])
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid for r in refs)

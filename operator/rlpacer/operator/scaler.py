@@ -1,0 +1,135 @@
+"""Elastic rollout capacity for long rounds: a small pure state machine.
+
+States of ``status.rollout.state`` (also the plan's ``rollout.state``):
+
+* ``Ready``     desired replicas are what the next round needs (or nothing is pending).
+* ``ScalingUp`` the plan asked for a long round's replicas; the driver polls ``GET plan``.
+* ``TimedOut``  the long round's extra replicas were not all ready within
+  ``tailBatching.longRound.scaleUpTimeoutSeconds``: the pending ones are scaled back (never a
+  deadlock when GPUs are short) and the round runs on what is ready.
+
+Transitions happen in two places: :func:`plan_round` when a step report says which kind of
+round comes next (scale up for Long, back down for Short), and :func:`observe` when the
+operator sees how many replicas are ready (ScalingUp -> Ready, or -> TimedOut past the
+deadline). Every change of the desired count is a :class:`ScaleAction` (kept in status) and an
+Event. The reconciler applies ``desiredReplicas`` to the rollout StatefulSet; nothing here
+waits or does I/O, so the step-report endpoint never blocks on scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from rlpacer.api.job import RLTrainingJobSpec
+from rlpacer.api.protocol import RolloutCapacity, RolloutState, RoundKind
+from rlpacer.api.status import RolloutStatus, ScaleAction
+from rlpacer.operator.timeutil import fmt_time, parse_time
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to record on the job."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+def short_replicas(spec: RLTrainingJobSpec) -> int:
+    return spec.rollout.replicas
+
+
+def long_replicas(spec: RLTrainingJobSpec) -> int:
+    if not spec.tail_batching.enabled:
+        return spec.rollout.replicas
+    return max(spec.rollout.replicas, spec.tail_batching.long_round.rollout_replicas)
+
+
+def plan_round(
+    rollout: RolloutStatus, spec: RLTrainingJobSpec, next_kind: RoundKind, step: int,
+    now: datetime,
+) -> tuple[RolloutStatus, list[ScaleAction], list[Event]]:
+    """Desired capacity for the next round (called when a report is accepted)."""
+    target = long_replicas(spec) if next_kind is RoundKind.LONG else short_replicas(spec)
+    cur = rollout.desired_replicas
+    t = fmt_time(now)
+    if target > cur:
+        ready = rollout.ready_replicas >= target
+        new = rollout.model_copy(update={
+            "desired_replicas": target,
+            "state": RolloutState.READY.value if ready else RolloutState.SCALING_UP.value,
+            "scale_up_started_at": None if ready else t,
+        })
+        action = ScaleAction(time=t, from_replicas=cur, to_replicas=target,
+                             reason="LongRound", step=step)
+        ev = Event("Normal", "ScalingUp",
+                   f"step {step} is a long round: rollout replicas {cur} -> {target}")
+        return new, [action], [ev]
+    if target < cur or (next_kind is RoundKind.SHORT and rollout.state != RolloutState.READY):
+        new = rollout.model_copy(update={
+            "desired_replicas": target, "state": RolloutState.READY.value,
+            "scale_up_started_at": None,
+        })
+        if target == cur:
+            return new, [], []
+        action = ScaleAction(time=t, from_replicas=cur, to_replicas=target,
+                             reason="LongRoundDone", step=step)
+        ev = Event("Normal", "ScaledDown",
+                   f"step {step} is a short round: rollout replicas {cur} -> {target}")
+        return new, [action], [ev]
+    return rollout, [], []
+
+
+def observe(
+    rollout: RolloutStatus, spec: RLTrainingJobSpec, ready: int, step: int, now: datetime
+) -> tuple[RolloutStatus, list[ScaleAction], list[Event]]:
+    """Fold in the observed ready replicas; resolve a pending scale-up (ready or timed out)."""
+    new = rollout.model_copy(update={"ready_replicas": ready})
+    if new.state != RolloutState.SCALING_UP.value:
+        return new, [], []
+    if ready >= new.desired_replicas:
+        started = parse_time(new.scale_up_started_at) if new.scale_up_started_at else now
+        secs = max(0.0, (now - started).total_seconds())
+        new = new.model_copy(update={"state": RolloutState.READY.value,
+                                     "scale_up_started_at": None})
+        return new, [], [Event("Normal", "ScaledUp",
+                               f"{ready}/{new.desired_replicas} rollout replicas ready"
+                               f" after {secs:.0f}s")]
+    deadline = _deadline(new, spec, now)
+    if now >= deadline:
+        back_to = max(ready, short_replicas(spec))
+        t = fmt_time(now)
+        action = ScaleAction(time=t, from_replicas=new.desired_replicas, to_replicas=back_to,
+                             reason="ScaleUpTimedOut", step=step)
+        ev = Event(
+            "Warning", "ScaleUpTimedOut",
+            f"only {ready} of {new.desired_replicas} rollout replicas ready after"
+            f" {spec.tail_batching.long_round.scale_up_timeout_seconds}s: pending replicas"
+            f" scaled back to {back_to}; the long round runs on what is ready",
+        )
+        new = new.model_copy(update={"desired_replicas": back_to,
+                                     "state": RolloutState.TIMED_OUT.value,
+                                     "scale_up_started_at": None})
+        return new, [action], [ev]
+    return new, [], []
+
+
+def _deadline(rollout: RolloutStatus, spec: RLTrainingJobSpec, now: datetime) -> datetime:
+    started = parse_time(rollout.scale_up_started_at) if rollout.scale_up_started_at else now
+    return started + timedelta(seconds=spec.tail_batching.long_round.scale_up_timeout_seconds)
+
+
+def seconds_to_deadline(rollout: RolloutStatus, spec: RLTrainingJobSpec, now: datetime) -> float:
+    """Seconds until a pending scale-up times out (for requeueing); inf when none pends."""
+    if rollout.state != RolloutState.SCALING_UP.value:
+        return float("inf")
+    return max(0.0, (_deadline(rollout, spec, now) - now).total_seconds())
+
+
+def capacity(rollout: RolloutStatus) -> RolloutCapacity:
+    return RolloutCapacity(
+        desired_replicas=rollout.desired_replicas,
+        ready_replicas=rollout.ready_replicas,
+        state=RolloutState(rollout.state),
+    )

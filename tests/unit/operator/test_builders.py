@@ -1,0 +1,131 @@
+"""Builders: names valid for any job name, owner references, the pod contract, idempotence."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from rlpacer.api import contract
+from rlpacer.api.job import load_manifest, parse_spec
+from rlpacer.operator import builders, names
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[3]
+DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+job_names = hs.from_regex(r"\A[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z", fullmatch=True)
+
+
+def _inputs(name: str = "demo", **kw: object) -> builders.BuildInputs:
+    spec = load_manifest(ROOT / "examples" / "rltrainingjob.yaml").spec
+    args: dict[str, object] = dict(
+        name=name,
+        namespace="team",
+        uid="u-1",
+        spec=spec,
+        attempt=2,
+        rollout_replicas=3,
+        report_url="http://op.sys.svc:8080",
+    )
+    args.update(kw)
+    return builders.BuildInputs(**args)  # type: ignore[arg-type]
+
+
+@settings(max_examples=40, deadline=None)
+@given(job_names)
+def test_child_names_valid_for_any_job_name(job: str) -> None:
+    for role in contract.Role:
+        sts = names.statefulset(job, role)
+        assert len(sts) <= names.STATEFULSET_NAME and DNS1123.match(sts), sts
+    for svc in (names.head_service(job), names.workers_service(job)):
+        assert len(svc) <= 63 and DNS1035.match(svc), svc
+    for other in (names.secret(job), names.config_map(job), names.driver_pod(job, 1000)):
+        assert len(other) <= 63 and DNS1123.match(other), other
+    for v in names.labels(job, contract.Role.DRIVER).values():
+        assert len(v) <= 63 and LABEL_VALUE.match(v)
+
+
+def test_long_names_are_distinct_and_stable() -> None:
+    a, b = "a" * 62 + "x", "a" * 62 + "y"
+    assert names.statefulset(a, contract.Role.ROLLOUT) != names.statefulset(
+        b, contract.Role.ROLLOUT
+    )
+    assert names.head_service("7job") == "r7job-head"
+    assert names.statefulset("short", contract.Role.ROLLOUT) == "short-rollout"
+
+
+def test_children_have_owner_and_labels() -> None:
+    children = builders.build_children(_inputs())
+    kinds = sorted(c["kind"] for c in children)
+    assert kinds == [
+        "ConfigMap",
+        "Pod",
+        "Service",
+        "Service",
+        "StatefulSet",
+        "StatefulSet",
+        "StatefulSet",
+    ]
+    for c in children:
+        ref = c["metadata"]["ownerReferences"][0]
+        assert ref["uid"] == "u-1" and ref["controller"] and ref["kind"] == "RLTrainingJob"
+        assert c["metadata"]["labels"][contract.LABEL_JOB] == "demo"
+        assert c["metadata"]["namespace"] == "team"
+
+
+def test_rollout_statefulset_and_gpus() -> None:
+    children = {c["metadata"]["name"]: c for c in builders.build_children(_inputs())}
+    sts = children["demo-rollout"]
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["resources"]["limits"][contract.GPU_RESOURCE] == "2"
+    assert builders.GPU_TOLERATION in pod["tolerations"]
+    tpl_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert tpl_labels[contract.LABEL_KUEUE_QUEUE] == "gpu-queue"
+    assert sts["spec"]["selector"]["matchLabels"].items() <= tpl_labels.items()
+    learner = children["demo-learner"]["spec"]["template"]["spec"]["containers"][0]
+    assert learner["resources"]["limits"][contract.GPU_RESOURCE] == "4"
+
+
+def test_driver_pod_carries_the_contract() -> None:
+    pod = next(c for c in builders.build_children(_inputs()) if c["kind"] == "Pod")
+    assert pod["metadata"]["name"] == "demo-driver-2"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env[contract.ENV_ATTEMPT] == "2"
+    assert env[contract.ENV_ROLE] == "driver"
+    assert env[contract.ENV_REPORT_URL] == "http://op.sys.svc:8080"
+    assert env[contract.ENV_TOKEN_FILE] == contract.TOKEN_PATH
+    assert env[contract.ENV_CONFIG] == contract.CONFIG_PATH
+    assert env[contract.ENV_RAY_ADDRESS] == "demo-head.team.svc:6379"
+    mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert {contract.CONFIG_MOUNT_DIR, contract.TOKEN_MOUNT_DIR, contract.CHECKPOINT_DIR} <= mounts
+    assert set(env) <= set(contract.ALL_ENV)
+
+
+def test_config_map_is_a_runnable_manifest() -> None:
+    import yaml
+
+    cm = next(c for c in builders.build_children(_inputs()) if c["kind"] == "ConfigMap")
+    doc = yaml.safe_load(cm["data"][contract.CONFIG_KEY])
+    assert doc["kind"] == "RLTrainingJob" and doc["metadata"]["name"] == "demo"
+    assert parse_spec(doc["spec"]) == _inputs().spec
+
+
+def test_suspended_or_finished_has_no_workloads_and_secret_is_separate() -> None:
+    kinds = {c["kind"] for c in builders.build_children(_inputs(workloads=False))}
+    assert kinds == {"ConfigMap", "Service"}
+    sec = builders.token_secret(_inputs(), "tok")
+    assert sec["immutable"] is True and sec["data"][contract.TOKEN_KEY] == "dG9r"
+
+
+def test_pure_and_idempotent() -> None:
+    assert builders.build_children(_inputs()) == builders.build_children(_inputs())

@@ -1,0 +1,133 @@
+"""The reconcile decision and the scaler: lifecycle, restarts, deadlines, long rounds."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from rlpacer.api.job import parse_spec
+from rlpacer.api.protocol import RoundKind
+from rlpacer.api.status import ConditionType, RLTrainingJobStatus, Summary, is_true
+from rlpacer.operator import scaler
+from rlpacer.operator.decide import Observed, decide
+
+pytestmark = pytest.mark.unit
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _spec(**kw: object):
+    base = {
+        "model": {"source": "builtin://tiny"},
+        "data": {"source": "builtin://adder"},
+        "steps": 10,
+        "promptsPerStep": 4,
+        "rollout": {"replicas": 1},
+        "tailBatching": {"longRound": {"rolloutReplicas": 3, "scaleUpTimeoutSeconds": 60}},
+        "backoffLimit": 1,
+    }
+    base.update(kw)
+    return parse_spec(base)
+
+
+def _run(spec, st, obs, t=T0):
+    return decide(spec, st, obs, t, 1)
+
+
+def test_admit_run_succeed_ttl() -> None:
+    spec = _spec(ttlSecondsAfterFinished=30)
+    d = _run(spec, RLTrainingJobStatus(), Observed())
+    assert is_true(d.status.conditions, ConditionType.ADMITTED) and d.workloads
+    assert d.status.summary == Summary.STARTING and d.status.rollout.desired_replicas == 1
+    d = _run(spec, d.status, Observed(driver_phase="Running", rollout_ready=1))
+    assert d.status.summary == Summary.RUNNING
+    assert is_true(d.status.conditions, ConditionType.ROLLOUT_READY)
+    d = _run(spec, d.status, Observed(driver_phase="Succeeded"))
+    assert d.status.summary == Summary.SUCCEEDED and not d.workloads
+    assert d.status.completion_time is not None
+    d2 = _run(spec, d.status, Observed(), T0 + timedelta(seconds=10))
+    assert not d2.delete_job and d2.requeue_after == pytest.approx(20)
+    assert _run(spec, d.status, Observed(), T0 + timedelta(seconds=31)).delete_job
+
+
+def test_restart_within_backoff_then_fail() -> None:
+    spec = _spec()
+    st = _run(spec, RLTrainingJobStatus(), Observed(driver_phase="Running")).status
+    d = _run(spec, st, Observed(driver_phase="Failed", driver_message="OOMKilled"))
+    assert d.status.attempt == 1 and d.status.failures == 1 and d.workloads
+    assert d.status.summary == Summary.RESTARTING
+    assert any(e.reason == "Restarting" for e in d.events)
+    d = _run(spec, d.status, Observed(driver_phase="Failed"))
+    assert d.status.summary == Summary.FAILED and not d.workloads
+    failed = next(c for c in d.status.conditions if c.type == ConditionType.FAILED)
+    assert failed.reason == "BackoffLimitExceeded"
+
+
+def test_suspend_resume_is_a_new_attempt_not_a_failure() -> None:
+    spec = _spec()
+    st = _run(spec, RLTrainingJobStatus(), Observed(driver_phase="Running")).status
+    d = _run(_spec(suspend=True), st, Observed(driver_phase="Running"))
+    assert d.status.summary == Summary.SUSPENDED and not d.workloads
+    d = _run(spec, d.status, Observed(), T0 + timedelta(seconds=5))
+    assert d.status.attempt == 1 and d.status.failures == 0 and d.workloads
+    assert not is_true(d.status.conditions, ConditionType.SUSPENDED)
+
+
+def test_active_deadline() -> None:
+    spec = _spec(activeDeadlineSeconds=100)
+    st = _run(spec, RLTrainingJobStatus(), Observed(driver_phase="Running")).status
+    d = _run(spec, st, Observed(driver_phase="Running"), T0 + timedelta(seconds=50))
+    assert d.requeue_after == pytest.approx(50) and d.workloads
+    d = _run(spec, st, Observed(driver_phase="Running"), T0 + timedelta(seconds=100))
+    assert d.status.summary == Summary.FAILED and not d.workloads
+    assert any(e.reason == "DeadlineExceeded" for e in d.events)
+
+
+def test_long_round_scale_up_ready_then_down() -> None:
+    spec = _spec()
+    ro = RLTrainingJobStatus().rollout.model_copy(
+        update={"desired_replicas": 1, "ready_replicas": 1}
+    )
+    ro, actions, ev = scaler.plan_round(ro, spec, RoundKind.LONG, 5, T0)
+    assert ro.desired_replicas == 3 and ro.state == "ScalingUp" and actions[0].to_replicas == 3
+    ro, _, ev = scaler.observe(ro, spec, 2, 5, T0 + timedelta(seconds=10))
+    assert ro.state == "ScalingUp" and not ev
+    ro, _, ev = scaler.observe(ro, spec, 3, 5, T0 + timedelta(seconds=20))
+    assert ro.state == "Ready" and ev[0].reason == "ScaledUp"
+    ro, actions, ev = scaler.plan_round(ro, spec, RoundKind.SHORT, 6, T0 + timedelta(seconds=30))
+    assert ro.desired_replicas == 1 and actions[0].reason == "LongRoundDone"
+
+
+def test_scale_up_timeout_scales_back_to_what_is_ready() -> None:
+    spec = _spec()
+    ro = RLTrainingJobStatus().rollout.model_copy(
+        update={"desired_replicas": 1, "ready_replicas": 1}
+    )
+    ro, _, _ = scaler.plan_round(ro, spec, RoundKind.LONG, 5, T0)
+    assert scaler.seconds_to_deadline(ro, spec, T0 + timedelta(seconds=45)) == pytest.approx(15)
+    ro, actions, ev = scaler.observe(ro, spec, 2, 5, T0 + timedelta(seconds=61))
+    assert ro.state == "TimedOut" and ro.desired_replicas == 2
+    assert ev[0].type == "Warning" and ev[0].reason == "ScaleUpTimedOut"
+    assert actions[0].from_replicas == 3 and actions[0].to_replicas == 2
+    # the next short round goes back to the short-round capacity
+    ro, actions, _ = scaler.plan_round(ro, spec, RoundKind.SHORT, 6, T0 + timedelta(seconds=90))
+    assert ro.desired_replicas == 1 and ro.state == "Ready"
+
+
+def test_decide_times_out_a_pending_scale_up() -> None:
+    spec = _spec()
+    st = _run(spec, RLTrainingJobStatus(), Observed(driver_phase="Running", rollout_ready=1)).status
+    ro, _, _ = scaler.plan_round(st.rollout, spec, RoundKind.LONG, 0, T0)
+    st = st.model_copy(update={"rollout": ro})
+    d = _run(
+        spec, st, Observed(driver_phase="Running", rollout_ready=1), T0 + timedelta(seconds=30)
+    )
+    assert d.requeue_after is not None and d.requeue_after <= 31
+    d = _run(
+        spec, st, Observed(driver_phase="Running", rollout_ready=1), T0 + timedelta(seconds=61)
+    )
+    assert d.status.rollout.state == "TimedOut" and d.status.rollout.desired_replicas == 1
+    assert d.status.scale_actions[-1].reason == "ScaleUpTimedOut"
+    lr = next(c for c in d.status.conditions if c.type == ConditionType.LONG_ROUND)
+    assert lr.reason == "ScaleUpTimedOut"

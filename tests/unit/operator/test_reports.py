@@ -1,0 +1,351 @@
+"""The step-report endpoint over an in-memory API server: persistence before the answer,
+parity with the control library, idempotency, errors, conflicts, restarts, long rounds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from operator_fakekube import FakeKube
+
+from rlpacer.api import contract
+from rlpacer.api.job import parse_spec
+from rlpacer.api.protocol import plan_path, steps_path
+from rlpacer.control.plan import JobController
+from rlpacer.operator import hosting, names
+from rlpacer.operator.kube import object_path
+from rlpacer.operator.metrics import Metrics
+from rlpacer.operator.runtime import Jobs, job_path
+from rlpacer.operator.server import LeaderState, report_app
+from rlpacer.operator.settings import OperatorSettings
+
+pytestmark = pytest.mark.unit
+
+NS = "team"
+SPEC: dict[str, Any] = {
+    "model": {"source": "builtin://tiny"},
+    "data": {"source": "builtin://adder"},
+    "steps": 100,
+    "promptsPerStep": 4,
+    "rollout": {"replicas": 1},
+    "groupControl": {"stragglerRatio": "4", "targetStragglerRate": "0.2", "seed": 7},
+    "tailBatching": {"longRound": {"rolloutReplicas": 3, "scaleUpTimeoutSeconds": 60}},
+}
+
+
+def add_job(fk: FakeKube, name: str, spec: dict[str, Any] | None = None) -> None:
+    fk.put_object(
+        job_path(NS, name),
+        {
+            "apiVersion": "rlpacer.io/v1alpha1",
+            "kind": "RLTrainingJob",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": spec or SPEC,
+        },
+    )
+
+
+def settings() -> OperatorSettings:
+    return OperatorSettings(leader_election=False, resync_seconds=3600)
+
+
+class Env:
+    def __init__(self, fk: FakeKube, client: TestClient, jobs: Jobs, metrics: Metrics) -> None:
+        self.fk, self.client, self.jobs, self.metrics = fk, client, jobs, metrics
+
+    async def token(self, name: str) -> str:
+        rt = await self.jobs.get(NS, name)
+        assert rt is not None
+        tok = await self.jobs.token(rt)
+        assert tok
+        return tok
+
+    async def post(
+        self, name: str, body: dict[str, Any], token: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        tok = token if token is not None else await self.token(name)
+        r = await self.client.post(
+            steps_path(NS, name), json=body, headers={"Authorization": f"Bearer {tok}"}
+        )
+        return r.status, await r.json()
+
+    async def plan(self, name: str) -> dict[str, Any]:
+        r = await self.client.get(
+            plan_path(NS, name), headers={"Authorization": f"Bearer {await self.token(name)}"}
+        )
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.fk.objects[job_path(NS, name)].get("status", {})
+
+
+async def open_env(fk: FakeKube) -> tuple[Env, Callable[[], Awaitable[None]]]:
+    metrics = Metrics()
+    jobs = Jobs(fk, settings(), metrics)  # type: ignore[arg-type]
+    client = TestClient(TestServer(report_app(jobs, LeaderState(True), metrics)))
+    await client.start_server()
+    return Env(fk, client, jobs, metrics), client.close
+
+
+def report(
+    step: int,
+    g: int,
+    mx: float,
+    med: float = 10.0,
+    attempt: int = 0,
+    kind: str = "Short",
+    nxt: str = "Short",
+) -> dict[str, Any]:
+    return {
+        "attempt": attempt,
+        "step": step,
+        "groupSize": g,
+        "roundKind": kind,
+        "lengths": {"max": mx, "median": med, "p90": min(mx, med * 2), "count": 8 * g},
+        "seconds": {"rollout": 1.0, "train": 0.5},
+        "longQueue": 0,
+        "nextRoundKind": nxt,
+    }
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coro_fn())
+
+
+async def admitted(name: str = "job") -> tuple[Env, Callable[[], Awaitable[None]]]:
+    fk = FakeKube()
+    add_job(fk, name)
+    env, close = await open_env(fk)
+    rt = await env.jobs.get(NS, name)
+    assert rt is not None
+    await env.jobs.reconcile(rt)  # creates children and the token Secret
+    return env, close
+
+
+def test_reconcile_creates_children_and_token() -> None:
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            fk = env.fk
+            assert fk.of_kind("statefulsets") and fk.of_kind("pods") and fk.of_kind("configmaps")
+            sec = fk.objects[object_path("v1", "secrets", NS, names.secret("job"))]
+            assert (
+                sec["metadata"]["ownerReferences"][0]["uid"]
+                == fk.objects[job_path(NS, "job")]["metadata"]["uid"]
+            )
+            st = env.status("job")
+            assert st["summary"] == "Starting" and st["observedGeneration"] == 1
+        finally:
+            await close()
+
+    run(body)
+
+
+def test_reports_follow_the_library_and_persist_before_answer() -> None:
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            lib = JobController(hosting.controller_config(parse_spec(SPEC)))
+            rng = random.Random(3)
+            g = (await env.plan("job"))["groupSize"]
+            assert g == lib.plan().group_size
+            for step in range(40):
+                mx = 10.0 * (8 if rng.random() < (0.1 if g <= 4 else 0.6) else 2)
+                code, plan = await env.post("job", report(step, g, mx))
+                assert code == 200, plan
+                from rlpacer.api.protocol import StepReport
+                from rlpacer.operator.hosting import to_data
+
+                want = lib.observe(to_data(StepReport.model_validate(report(step, g, mx))))
+                assert plan["groupSize"] == want.group_size and plan["step"] == step + 1
+                assert plan["lambda"] == want.lambda_
+                # answered only after persisting: the stored state is the library's, bit-exact
+                assert env.status("job")["controllerState"] == hosting.dumps(lib.state_dict())
+                g = plan["groupSize"]
+            st = env.status("job")
+            assert st["step"] == 40 and st["groupSize"] == g and len(st["posteriors"]) == 3
+        finally:
+            await close()
+
+    run(body)
+
+
+def test_errors_leave_state_unchanged() -> None:
+    async def body() -> None:
+        env, close = await admitted("job")
+        fk = env.fk
+        add_job(fk, "other")
+        rt_other = await env.jobs.get(NS, "other")
+        assert rt_other is not None
+        await env.jobs.reconcile(rt_other)
+        try:
+            g = (await env.plan("job"))["groupSize"]
+            assert (await env.post("job", report(0, g, 20)))[0] == 200
+            before = env.status("job")["controllerState"]
+            code, err = await env.post("job", report(1, g, 20), token="wrong")
+            assert code == 401 and err["reason"] == "Unauthorized"
+            code, _ = await env.post("job", report(1, g, 20), token=await env.token("other"))
+            assert code == 401
+            r = await env.client.post(steps_path(NS, "job"), json=report(1, g, 20))
+            assert r.status == 401
+            code, err = await env.post("nope", report(1, g, 20), token="x")
+            assert code == 404
+            code, err = await env.post("job", report(3, g, 20))
+            assert code == 422 and err["reason"] == "StepOutOfOrder", err
+            code, err = await env.post("job", report(1, g, 5, med=10))
+            assert code == 422 and err["reason"] == "ImpossibleLengths", err
+            code, err = await env.post("job", report(1, 1000, 20))
+            assert code == 422 and err["reason"] == "GroupSizeNotPlanned"
+            code, err = await env.post("job", report(1, g, 20, attempt=5))
+            assert code == 422 and err["reason"] == "AttemptMismatch"
+            r = await env.client.post(
+                steps_path(NS, "job"),
+                data=b"{not json",
+                headers={"Authorization": f"Bearer {await env.token('job')}"},
+            )
+            assert r.status == 422
+            assert env.status("job")["controllerState"] == before
+        finally:
+            await close()
+
+    run(body)
+
+
+def test_retried_report_is_not_double_counted() -> None:
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            g = (await env.plan("job"))["groupSize"]
+            c1, p1 = await env.post("job", report(0, g, 100))
+            state = env.status("job")["controllerState"]
+            writes = sum(1 for m, p in env.fk.calls if m == "PUT")
+            c2, p2 = await env.post("job", report(0, g, 100))
+            assert (c1, p1) == (c2, p2)
+            assert env.status("job")["controllerState"] == state
+            assert sum(1 for m, p in env.fk.calls if m == "PUT") == writes  # nothing written
+            assert env.metrics.steps.labels(NS, "job")._value.get() == 1
+            c3, err = await env.post("job", {**report(0, g, 100), "longQueue": 7})
+            assert c3 == 422 and err["reason"] == "ConflictingRepeat"
+        finally:
+            await close()
+
+    run(body)
+
+
+def test_write_conflicts_are_retried_and_concurrent_writer_wins_nothing() -> None:
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            g = (await env.plan("job"))["groupSize"]
+            env.fk.fail_next_put = 2
+            code, p = await env.post("job", report(0, g, 30))
+            assert code == 200 and env.status("job")["step"] == 1
+            # A second operator (split brain) with its own cache advances the job...
+            env2, close2 = await open_env(env.fk)
+            try:
+                code, p2 = await env2.post("job", report(1, p["groupSize"], 30))
+                assert code == 200
+                # ...the first one's cache is stale: its retry of step 1 re-reads the stored
+                # state and is answered as the repeat it is, not counted again.
+                code, p1b = await env.post("job", report(1, p["groupSize"], 30))
+                assert code == 200 and p1b == p2
+                assert env.status("job")["step"] == 2
+            finally:
+                await close2()
+        finally:
+            await close()
+
+    run(body)
+
+
+def test_restart_continues_exactly() -> None:
+    async def body() -> None:
+        env, close = await admitted()
+        fk = env.fk
+        g = (await env.plan("job"))["groupSize"]
+        seq_a = []
+        for step in range(10):
+            _code, p = await env.post("job", report(step, g, 50 if step % 3 else 15))
+            g = p["groupSize"]
+        await close()
+        # "Restart": a fresh operator process state over the same API server.
+        env_b, close_b = await open_env(fk)
+        # ... and a reference that never restarted
+        ref_fk = FakeKube()
+        ref_fk.objects = json.loads(json.dumps(fk.objects))
+        env_r, close_r = await open_env(ref_fk)
+        try:
+            assert (await env_b.plan("job")) == (await env_r.plan("job"))
+            gb = gr = g
+            for step in range(10, 25):
+                mx = 50 if step % 4 else 15
+                _, pb = await env_b.post("job", report(step, gb, mx))
+                _, pr = await env_r.post("job", report(step, gr, mx))
+                assert pb == pr
+                gb, gr = pb["groupSize"], pr["groupSize"]
+                seq_a.append(gb)
+            assert env_b.status("job")["controllerState"] == env_r.status("job")["controllerState"]
+        finally:
+            await close_b()
+            await close_r()
+
+    run(body)
+
+
+def test_long_round_plan_scales_and_reports_ready() -> None:
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            g = (await env.plan("job"))["groupSize"]
+            _, p = await env.post("job", report(0, g, 20, nxt="Long"))
+            assert p["roundKind"] == "Long" and p["rollout"]["state"] == "ScalingUp"
+            assert p["rollout"]["desiredReplicas"] == 3
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            await env.jobs.reconcile(rt)
+            sts_path = object_path(
+                "apps/v1", "statefulsets", NS, names.statefulset("job", contract.Role.ROLLOUT)
+            )
+            assert env.fk.objects[sts_path]["spec"]["replicas"] == 3
+            env.fk.objects[sts_path]["status"] = {"readyReplicas": 3}
+            await env.jobs.reconcile(rt)
+            plan = await env.plan("job")
+            assert plan["rollout"] == {"desiredReplicas": 3, "readyReplicas": 3, "state": "Ready"}
+            st = env.status("job")
+            assert st["summary"] == "LongRound" and st["longRounds"] == 1
+            _code, p = await env.post("job", report(1, plan["groupSize"], 20, kind="Long"))
+            assert p["roundKind"] == "Short" and p["rollout"]["desiredReplicas"] == 1
+            await env.jobs.reconcile(rt)
+            assert env.fk.objects[sts_path]["spec"]["replicas"] == 1
+            reasons = [a["reason"] for a in env.status("job")["scaleActions"]]
+            assert reasons == ["LongRound", "LongRoundDone"]
+            assert env.metrics.series_for(NS, "job") > 0
+            env.jobs.forget(NS, "job")
+            assert env.metrics.series_for(NS, "job") == 0
+        finally:
+            await close()
+
+    run(body)
+
+
+def test_standby_answers_503() -> None:
+    async def body() -> None:
+        fk = FakeKube()
+        add_job(fk, "job")
+        metrics = Metrics()
+        jobs = Jobs(fk, settings(), metrics)  # type: ignore[arg-type]
+        client = TestClient(TestServer(report_app(jobs, LeaderState(False), metrics)))
+        await client.start_server()
+        try:
+            r = await client.get(plan_path(NS, "job"))
+            assert r.status == 503 and (await r.json())["reason"] == "NotLeader"
+        finally:
+            await client.close()
+
+    run(body)
