@@ -38,7 +38,7 @@ def _crds(args: argparse.Namespace) -> int:
 def _operator(args: argparse.Namespace) -> int:
     from rlpacer.operator.main import run_from_args
 
-    return run_from_args(args)
+    return int(run_from_args(args))
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -25,10 +25,12 @@ from datetime import datetime, timedelta
 
 from rlpacer.api.job import RLTrainingJobSpec
 from rlpacer.api.status import (
+    MAX_SCALE_ACTIONS,
     ConditionType,
     Reason,
     RLTrainingJobStatus,
     RolloutStatus,
+    ScaleAction,
     find,
     is_terminal,
     is_true,
@@ -231,9 +233,7 @@ def decide(
     return d
 
 
-def _record(st: RLTrainingJobStatus, actions: list[scaler.ScaleAction]) -> None:
-    from rlpacer.api.status import MAX_SCALE_ACTIONS
-
+def _record(st: RLTrainingJobStatus, actions: list[ScaleAction]) -> None:
     if actions:
         st.scale_actions = (list(st.scale_actions) + actions)[-MAX_SCALE_ACTIONS:]
 

@@ -121,6 +121,12 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         settings.peering.standalone = True
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
+        if ctx.settings.webhook_enabled:
+            from rlpacer.operator import admission
+
+            s = ctx.settings
+            admission.configure(settings, host=s.webhook_host, port=s.webhook_port,
+                                url=s.webhook_url, cert_dir=s.webhook_cert_dir)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -133,8 +139,10 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def job_event(
-        type: str | None, name: str, namespace: str, body: kopf.Body, **_: Any
+        *, type: str, name: str, namespace: str | None, body: kopf.Body, **_: Any
     ) -> None:
+        if namespace is None:
+            return
         if type == "DELETED":
             await loops.stop(namespace, name)
             return
@@ -161,6 +169,18 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     kopf.on.event("v1", "pods", labels=managed, registry=registry)(child_event("pod"))
     kopf.on.event("apps", "v1", "statefulsets", labels=managed, registry=registry)(
         child_event("statefulset"))
+
+    if ctx.settings.webhook_enabled:
+        from rlpacer.api import policy as policy_api
+        from rlpacer.operator.admission import PolicyAdmission
+
+        async def list_policies(namespace: str) -> list[dict[str, Any]]:
+            path = (f"/apis/{policy_api.GROUP}/{policy_api.VERSION}/namespaces/{namespace}/"
+                    f"{policy_api.PLURAL}")
+            out = await jobs.kube.request("GET", path)
+            return list(out.get("items", []))
+
+        PolicyAdmission(list_policies).register(registry)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:

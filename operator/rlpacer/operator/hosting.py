@@ -28,7 +28,7 @@ from rlpacer.control.plan import (
     StepReportData,
     StepSecondsData,
 )
-from rlpacer.control.sagc import SAGCConfig
+from rlpacer.control.sagc import GroupControlMode, SAGCConfig
 
 __all__ = ["ReportRejected", "apply_report", "controller_config", "dumps", "load", "new_state"]
 
@@ -36,7 +36,7 @@ __all__ = ["ReportRejected", "apply_report", "controller_config", "dumps", "load
 def controller_config(spec: RLTrainingJobSpec) -> JobControllerConfig:
     gc = spec.group_control
     return JobControllerConfig(
-        mode=gc.mode.value,
+        mode=GroupControlMode.parse(gc.mode.value),
         sagc=SAGCConfig(**gc.sagc_kwargs()),
         straggler_window=gc.window_steps,
     )

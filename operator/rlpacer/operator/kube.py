@@ -51,14 +51,14 @@ class Credentials:
 
         cfg = Configuration()
         try:
-            kconfig.load_kube_config(
+            kconfig.load_kube_config(  # type: ignore[no-untyped-call]
                 config_file=kubeconfig, client_configuration=cfg, persist_config=False
             )
             token_path = None
         except (kconfig.ConfigException, FileNotFoundError, TypeError):
             if kubeconfig:
                 raise
-            kconfig.load_incluster_config(client_configuration=cfg)
+            kconfig.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
             token_path = IN_CLUSTER_TOKEN
         header = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken")
         token = header.split(" ", 1)[-1] if header else None

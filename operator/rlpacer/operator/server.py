@@ -179,8 +179,8 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    server = site._server
+    server: Any = site._server
     bound = port
     if server is not None and getattr(server, "sockets", None):
-        bound = server.sockets[0].getsockname()[1]
+        bound = int(server.sockets[0].getsockname()[1])
     return runner, bound

@@ -83,6 +83,10 @@ class OperatorSettings(BaseModel):
     webhook_url: str | None = Field(
         default=None, description="URL the API server uses for webhooks (tests: loopback)."
     )
+    webhook_cert_dir: str | None = Field(
+        default=None,
+        description="Folder with tls.crt/tls.key (ca.crt) for webhooks; unset: self-signed.",
+    )
     log_level: str = Field(default="INFO", description="Python logging level.")
 
     @model_validator(mode="after")

@@ -1,0 +1,224 @@
+"""``rlpacer bench-operator``: step-report round trip under load, against a real control plane.
+
+What it measures: N jobs, each with a client that plays the trainer's driver, POST a step
+report every ``1/rate`` seconds (the G the previous plan gave, lengths drawn so that SAGC
+moves); the round trip is timed at the client. Every answer is sent by the operator only after
+the new controller state is in etcd (the status PUT returned), and at the end the bench checks
+that each job's persisted ``status.step`` equals the reports it got answers for.
+
+Set-up: the local control plane (``rlpacer.testing.cluster``) with etcd on an ordinary data
+directory on disk *with* fsync (the test fixture's ``--unsafe-no-fsync`` is turned off here;
+the flags are printed), the CRDs from ``crds/``, and the operator as a separate process
+(``rlpacer operator``) so the load generator does not share its event loop. ``--kubeconfig``
+uses an existing cluster instead (then etcd's flags are that cluster's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+def bench_job(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "rlpacer.io/v1alpha1",
+        "kind": "RLTrainingJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"source": "builtin://tiny-adder"},
+            "data": {"source": "builtin://adder"},
+            "steps": 1_000_000,
+            "promptsPerStep": 16,
+            "rollout": {"replicas": 1, "gpusPerReplica": 0},
+            "trainer": {"replicas": 1, "gpusPerReplica": 0},
+            "groupControl": {"stragglerRatio": "4"},
+            "tailBatching": {"enabled": False},
+        },
+    }
+
+
+async def _driver(
+    session: Any, base: str, ns: str, name: str, token: str, rate: float, until: float,
+    lat: list[float], errors: list[str], seed: int,
+) -> int:
+    from rlpacer.api.protocol import plan_path, steps_path
+
+    hdr = {"Authorization": f"Bearer {token}"}
+    rng = random.Random(seed)
+    async with session.get(base + plan_path(ns, name), headers=hdr) as r:
+        plan = await r.json()
+    step, g, ok = plan["step"], plan["groupSize"], 0
+    period = 1.0 / rate
+    next_t = time.monotonic() + rng.random() * period  # spread the jobs' phases
+    while True:
+        await asyncio.sleep(max(0.0, next_t - time.monotonic()))
+        if time.monotonic() >= until:
+            return ok
+        next_t += period
+        straggle = rng.random() < (0.1 if g <= 4 else 0.5)
+        med = 100.0
+        body = {
+            "attempt": 0, "step": step, "groupSize": g, "roundKind": "Short",
+            "lengths": {"max": med * (8 if straggle else 2), "median": med, "p90": med * 1.5,
+                        "count": 16 * g},
+            "seconds": {"rollout": 60.0, "train": 20.0}, "longQueue": 0,
+            "nextRoundKind": "Short",
+        }
+        t0 = time.perf_counter()
+        try:
+            async with session.post(base + steps_path(ns, name), json=body, headers=hdr) as r:
+                out = await r.json()
+                dt = time.perf_counter() - t0
+                if r.status != 200:
+                    errors.append(f"{name} step {step}: {r.status} {out}")
+                    continue
+        except Exception as e:  # count and go on
+            errors.append(f"{name} step {step}: {e!r}")
+            continue
+        lat.append(dt)
+        ok += 1
+        step, g = out["step"], out["groupSize"]
+
+
+async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: float,
+                seconds: float) -> dict[str, Any]:
+    import aiohttp
+
+    from rlpacer.operator import names as child_names
+    from rlpacer.operator.kube import Credentials, KubeClient
+    from rlpacer.operator.runtime import job_path
+
+    kube = KubeClient(Credentials.load(kubeconfig))
+    tokens: dict[str, str] = {}
+    deadline = time.monotonic() + 120
+    for n in names:
+        while True:
+            sec = await kube.get(f"/api/v1/namespaces/{ns}/secrets/{child_names.secret(n)}")
+            if sec is not None:
+                tokens[n] = base64.b64decode(sec["data"]["token"]).decode()
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the operator did not create the token Secret of {n}")
+            await asyncio.sleep(0.2)
+    lat: list[float] = []
+    errors: list[str] = []
+    until = time.monotonic() + seconds
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        oks = await asyncio.gather(*[
+            _driver(session, base, ns, n, tokens[n], rate, until, lat, errors, i)
+            for i, n in enumerate(names)
+        ])
+    # every answered report is persisted: status.step == answered reports
+    mismatched = []
+    for n, ok in zip(names, oks, strict=True):
+        obj = await kube.get(job_path(ns, n))
+        st = (obj or {}).get("status") or {}
+        if st.get("step") != ok:
+            mismatched.append(f"{n}: status.step={st.get('step')} answered={ok}")
+    await kube.close()
+    return {"latencies": lat, "errors": errors, "answered": sum(oks), "mismatched": mismatched}
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from rlpacer.testing.cluster import LocalCluster
+
+    cluster = None
+    etcd_flags = "(external cluster: see its etcd)"
+    if args.kubeconfig:
+        kubeconfig = args.kubeconfig
+    else:
+        data = Path(tempfile.mkdtemp(prefix="rlpacer-bench-", dir=os.environ.get("TMPDIR")))
+        cluster = LocalCluster(data, extra_args={"etcd": ["--unsafe-no-fsync=false"]})
+        print(f"starting the local control plane in {data} ...", flush=True)
+        cluster.start()
+        kubeconfig = str(cluster.kubeconfig)
+        etcd_flags = (f"--data-dir={data / 'etcd'} (disk), --unsafe-no-fsync=false (fsync on),"
+                      " --auto-compaction-mode=periodic --auto-compaction-retention=5m,"
+                      " --quota-backend-bytes=4294967296")
+    env = {**os.environ, "KUBECONFIG": kubeconfig}
+    kubectl = ["kubectl", "--kubeconfig", kubeconfig]
+    op = None
+    try:
+        subprocess.run([*kubectl, "apply", "--server-side", "-f", str(ROOT / "crds")],
+                       check=True, capture_output=True)
+        subprocess.run([*kubectl, "wait", "--for=condition=Established", "--timeout=60s",
+                        "crd/rltrainingjobs.rlpacer.io"], check=True, capture_output=True)
+        subprocess.run([*kubectl, "create", "namespace", args.namespace], capture_output=True)
+        subprocess.run([*kubectl, "create", "namespace", "rlpacer-system"], capture_output=True)
+        names = [f"bench-{i:03d}" for i in range(args.jobs)]
+        docs = "\n---\n".join(json.dumps(bench_job(n, args.namespace)) for n in names)
+        subprocess.run([*kubectl, "apply", "-f", "-"], input=docs.encode(), check=True,
+                       capture_output=True)
+        port = _free_port()
+        log = Path(tempfile.mkstemp(prefix="rlpacer-bench-operator-", suffix=".log")[1])
+        op = subprocess.Popen(
+            [sys.executable, "-m", "rlpacer.cli", "operator", "--report-port", str(port),
+             "--metrics-port", "0", "--namespaces", args.namespace,
+             "--operator-namespace", "rlpacer-system", "--log-level", "WARNING"],
+            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        print(f"{args.jobs} jobs, {args.rate}/s each, {args.seconds:.0f}s; operator log {log}",
+              flush=True)
+        res = asyncio.run(_load(kubeconfig, base, args.namespace, names, args.rate,
+                                args.seconds))
+    finally:
+        if op is not None:
+            op.terminate()
+            try:
+                op.wait(20)
+            except subprocess.TimeoutExpired:
+                op.kill()
+        if cluster is not None:
+            cluster.stop()
+    lat = res["latencies"]
+    out = {
+        "jobs": args.jobs, "rate_per_job": args.rate, "seconds": args.seconds,
+        "answered": res["answered"], "errors": len(res["errors"]),
+        "throughput_per_s": round(res["answered"] / args.seconds, 1),
+        "p50_ms": round(_pct(lat, 50) * 1000, 2),
+        "p90_ms": round(_pct(lat, 90) * 1000, 2),
+        "p99_ms": round(_pct(lat, 99) * 1000, 2),
+        "max_ms": round(max(lat) * 1000, 2) if lat else None,
+        "mean_ms": round(statistics.fmean(lat) * 1000, 2) if lat else None,
+        "persisted_mismatches": len(res["mismatched"]),
+        "etcd": etcd_flags,
+        "target": "p99 < 100 ms",
+        "met": bool(lat) and _pct(lat, 99) < 0.1 and not res["mismatched"],
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for k, v in out.items():
+            print(f"{k:>22}: {v}")
+        for e in (res["errors"] + res["mismatched"])[:10]:
+            print("  ", e)
+    return 0 if out["met"] else 1
