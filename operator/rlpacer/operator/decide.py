@@ -46,6 +46,7 @@ from rlpacer.operator.timeutil import fmt_time, parse_time
 class Observed:
     """What the operator saw of the job's children just now."""
 
+    attempt: int = 0  # the attempt whose driver pod was looked at
     driver_phase: str | None = None  # phase of <job>-driver-<attempt>; None: absent
     driver_message: str = ""
     rollout_ready: int = 0
@@ -136,7 +137,7 @@ def decide(
         _cond(st, ConditionType.TRAINING, False, Reason.STARTING, "waiting for the driver",
               t, gen)
         ev.append(Event("Normal", "Resumed", f"attempt {st.attempt} from the last checkpoint"))
-        observed = Observed(rollout_ready=observed.rollout_ready)  # the old driver is gone
+        observed = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready)
     if st.start_time is None:
         st.start_time = t
 

@@ -260,8 +260,9 @@ class Jobs:
 
     # --- reconcile ----------------------------------------------------------------------
     async def observe(self, rt: JobRuntime) -> Observed:
+        attempt = rt.status.attempt
         pod = await self.kube.get(
-            object_path("v1", "pods", rt.namespace, names.driver_pod(rt.name, rt.status.attempt))
+            object_path("v1", "pods", rt.namespace, names.driver_pod(rt.name, attempt))
         )
         phase, message = None, ""
         if pod is not None and _owned_by(pod, rt.uid):
@@ -279,25 +280,36 @@ class Jobs:
         ready = 0
         if sts is not None and _owned_by(sts, rt.uid):
             ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
-        return Observed(driver_phase=phase, driver_message=message, rollout_ready=ready)
+        return Observed(attempt=attempt, driver_phase=phase, driver_message=message,
+                        rollout_ready=ready)
 
     async def reconcile(self, rt: JobRuntime) -> float | None:
-        """One level-based pass; returns seconds until the next needed look (or None)."""
+        """One level-based pass; returns seconds until the next needed look (or None).
+
+        The job's lock is held only around reading and writing its status, so step reports
+        never wait for the child applies. Passes of one job never overlap (one loop task per
+        job), so the applies, made from the status just written, are never stale.
+        """
+        self.metrics.reconciles.labels(rt.namespace, rt.name).inc()
         async with rt.lock:
-            self.metrics.reconciles.labels(rt.namespace, rt.name).inc()
             await self.refresh(rt)
-            if rt.spec is None:
+        if rt.spec is None:
+            async with rt.lock:
                 await self._invalid(rt)
-                return None
-            observed = await self.observe(rt)
-            now = utcnow()
+            return None
+        observed = await self.observe(rt)
+        now = utcnow()
 
-            def mutate(
-                spec: RLTrainingJobSpec, st: RLTrainingJobStatus
-            ) -> tuple[RLTrainingJobStatus, Decision]:
-                d = decide(spec, st, observed, now, rt.generation)
-                return d.status, d
+        def mutate(
+            spec: RLTrainingJobSpec, st: RLTrainingJobStatus
+        ) -> tuple[RLTrainingJobStatus, Decision]:
+            obs = observed
+            if st.attempt != observed.attempt:  # the driver seen belongs to another attempt
+                obs = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready)
+            d = decide(spec, st, obs, now, rt.generation)
+            return d.status, d
 
+        async with rt.lock:
             dec = await self.commit(rt, mutate)
             spec = rt.spec
             inputs = builders.BuildInputs(
@@ -307,27 +319,36 @@ class Jobs:
                 report_url=self.settings.pod_report_url(),
                 workloads=dec.workloads,
             )
-            if dec.delete_job:
-                log.info("%s/%s: ttlSecondsAfterFinished passed; deleting", rt.namespace, rt.name)
-                await self.kube.delete(job_path(rt.namespace, rt.name))
-                return None
-            await self._ensure_token(rt, inputs)
-            if time.monotonic() - rt.applied_at > self.settings.resync_seconds:
-                rt.applied.clear()
-                rt.applied_at = time.monotonic()
-            for obj in builders.build_children(inputs):
-                key = f"{obj['kind']}/{obj['metadata']['name']}"
-                text = json.dumps(obj, sort_keys=True)
-                if rt.applied.get(key) == text:
-                    continue
-                await self.kube.apply(obj, self.settings.field_manager)
-                rt.applied[key] = text
-            if not dec.workloads:
-                for api, plural, child in builders.workload_names(rt.name, rt.status.attempt):
-                    if await self.kube.delete(object_path(api, plural, rt.namespace, child)):
-                        rt.applied.clear()
         if dec.events:
             await self.post_events(rt, dec.events)
+        if dec.delete_job:
+            log.info("%s/%s: ttlSecondsAfterFinished passed; deleting", rt.namespace, rt.name)
+            await self.kube.delete(job_path(rt.namespace, rt.name))
+            return None
+        await self._ensure_token(rt, inputs)
+        if time.monotonic() - rt.applied_at > self.settings.resync_seconds:
+            rt.applied.clear()
+            rt.applied_at = time.monotonic()
+        for obj in builders.build_children(inputs):
+            key = f"{obj['kind']}/{obj['metadata']['name']}"
+            text = json.dumps(obj, sort_keys=True)
+            if rt.applied.get(key) == text:
+                continue
+            try:
+                await self.kube.apply(obj, self.settings.field_manager)
+            except ApiError as e:
+                if e.status == 422 and obj["kind"] == "Pod":
+                    # A running pod's spec is immutable (e.g. the operator's report URL
+                    # changed): it keeps what it has; the next attempt gets the new spec.
+                    log.warning("%s/%s: pod %s not updated: %s", rt.namespace, rt.name,
+                                obj["metadata"]["name"], e.message)
+                else:
+                    raise
+            rt.applied[key] = text
+        if not dec.workloads:
+            for api, plural, child in builders.workload_names(rt.name, inputs.attempt):
+                if await self.kube.delete(object_path(api, plural, rt.namespace, child)):
+                    rt.applied.clear()
         return dec.requeue_after
 
     async def _invalid(self, rt: JobRuntime) -> None:

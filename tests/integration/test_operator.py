@@ -1,0 +1,550 @@
+"""The operator against the real local control plane (etcd, apiserver, controllers, KWOK).
+
+Each test runs its own operator process (``rlpacer operator``) watching only the test's
+namespace, with its Lease there; a test driver plays the trainer over HTTP.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlpacer.api import contract
+from rlpacer.api.job import parse_spec
+from rlpacer.api.protocol import StepReport, plan_path, steps_path
+from rlpacer.control.plan import JobController
+from rlpacer.operator import hosting, names
+from rlpacer.testing.cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP_PATH = "/apis/rlpacer.io/v1alpha1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OperatorProc:
+    """``rlpacer operator`` as a child process (KUBECONFIG = the cluster's admin)."""
+
+    def __init__(self, cluster: LocalCluster, namespace: str, lease: str = "rlpacer-operator",
+                 identity: str = "op-a", report_url: str | None = None) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.lease = lease
+        self.identity = identity
+        self.report_port = _free_port()
+        self.metrics_port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        # Replicas share one URL in a real deployment (the Service); pods keep it.
+        self.report_url = report_url or self.base
+        self.log = Path(tempfile.mkstemp(prefix=f"rlpacer-op-{identity}-", suffix=".log")[1])
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.report_port}"
+
+    def start(self) -> OperatorProc:
+        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
+        args = [
+            sys.executable, "-m", "rlpacer.cli", "operator",
+            "--namespaces", self.namespace, "--operator-namespace", self.namespace,
+            "--report-host", "127.0.0.1", "--report-port", str(self.report_port),
+            "--report-url", self.report_url,
+            "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
+            "--lease-name", self.lease, "--identity", self.identity,
+            "--lease-duration-seconds", "4", "--lease-renew-seconds", "1",
+            "--lease-retry-seconds", "0.5", "--resync-seconds", "2", "--log-level", "INFO",
+        ]
+        self.proc = subprocess.Popen(args, env=env, stdout=self.log.open("ab"),
+                                     stderr=subprocess.STDOUT)
+        return self
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz",
+                                        timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"operator exited: {self.log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"operator not ready: {self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=5) as r:
+            return r.read().decode()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: LocalCluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/rltrainingjobs.rlpacer.io")
+
+
+@pytest.fixture
+def operator(cluster: LocalCluster, crds: None, namespace: str) -> Iterator[OperatorProc]:
+    op = OperatorProc(cluster, namespace).start()
+    op.wait_ready()
+    try:
+        yield op
+    finally:
+        op.kill(signal.SIGTERM)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def small_job(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model": {"source": "builtin://tiny-adder"},
+        "data": {"source": "builtin://adder"},
+        "steps": 100,
+        "promptsPerStep": 8,
+        "rollout": {"replicas": 1, "gpusPerReplica": 0},
+        "trainer": {"replicas": 1, "gpusPerReplica": 0},
+        "groupControl": {"stragglerRatio": "4", "targetStragglerRate": "0.2", "seed": 3},
+        "tailBatching": {"longRound": {"rolloutReplicas": 3, "scaleUpTimeoutSeconds": 30}},
+        "backoffLimit": 1,
+    }
+    for k, v in spec.items():
+        base[k] = v
+    return {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingJob",
+            "metadata": {"name": name, "namespace": namespace}, "spec": base}
+
+
+def apply(cluster: LocalCluster, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+
+
+def get(cluster: LocalCluster, path: str) -> dict[str, Any] | None:
+    code, body = cluster.http.request("GET", path)
+    return body if code == 200 else None
+
+
+def job(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
+    obj = get(cluster, f"{GROUP_PATH}/namespaces/{ns}/rltrainingjobs/{name}")
+    assert obj is not None
+    return obj
+
+
+def status(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
+    return job(cluster, ns, name).get("status") or {}
+
+
+def wait(cluster: LocalCluster, fn: Any, what: str, timeout: float = 60) -> Any:
+    return cluster.wait_for(fn, timeout=timeout, what=what, interval=0.2)
+
+
+def token(cluster: LocalCluster, ns: str, name: str) -> str:
+    sec = wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{ns}/secrets/"
+                                             f"{names.secret(name)}"), "token secret")
+    return base64.b64decode(sec["data"][contract.TOKEN_KEY]).decode()
+
+
+def http(method: str, url: str, tok: str | None, body: Any = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if tok:
+        req.add_header("Authorization", f"Bearer {tok}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def report(step: int, g: int, mx: float, attempt: int = 0, kind: str = "Short",
+           nxt: str = "Short", med: float = 100.0) -> dict[str, Any]:
+    return {"attempt": attempt, "step": step, "groupSize": g, "roundKind": kind,
+            "lengths": {"max": mx, "median": med, "p90": min(mx, med * 1.5), "count": 8 * g},
+            "seconds": {"rollout": 30.0, "train": 10.0}, "longQueue": 0, "nextRoundKind": nxt}
+
+
+class Driver:
+    """Plays the trainer's driver: GET plan, POST steps with the job's token."""
+
+    def __init__(self, op: OperatorProc, ns: str, name: str, tok: str) -> None:
+        self.op, self.ns, self.name, self.tok = op, ns, name, tok
+
+    def plan(self) -> dict[str, Any]:
+        code, body = http("GET", self.op.base + plan_path(self.ns, self.name), self.tok)
+        assert code == 200, body
+        return body
+
+    def post(self, body: dict[str, Any], tok: str | None = None) -> tuple[int, Any]:
+        return http("POST", self.op.base + steps_path(self.ns, self.name),
+                    self.tok if tok is None else tok, body)
+
+
+def kube_events(cluster: LocalCluster, ns: str, name: str) -> list[dict[str, Any]]:
+    body = get(cluster, f"/api/v1/namespaces/{ns}/events?fieldSelector=involvedObject.name={name}")
+    return (body or {}).get("items", [])
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+
+def test_invalid_manifests_are_rejected_with_field_messages(
+    cluster: LocalCluster, crds: None, namespace: str
+) -> None:
+    bad = {
+        "spec.groupControl.targetStragglerRate": {"groupControl": {"targetStragglerRate": "1.5"}},
+        "spec.groupControl.initial": {"groupControl": {"candidates": [4, 8], "initial": 16}},
+        "spec.groupControl.candidates": {"groupControl": {"candidates": [8, 4], "initial": 8}},
+        "spec.tailBatching.longRound.rolloutReplicas": {
+            "rollout": {"replicas": 4, "gpusPerReplica": 0},
+            "tailBatching": {"longRound": {"rolloutReplicas": 2}}},
+        "spec.rollout.topP": {"rollout": {"topP": "0", "gpusPerReplica": 0}},
+        "spec.algorithm.name": {"algorithm": {"name": "PPO"}},
+        "spec.algorithm.learningRate": {"algorithm": {"learningRate": 0.001}},
+        "spec.steps": {"steps": 0},
+    }
+    for field, patch in bad.items():
+        obj = small_job("bad", namespace)
+        obj["spec"].update(patch)
+        r = cluster.kubectl("apply", "-f", "-", input=json.dumps(obj), check=False)
+        assert r.returncode != 0, f"{field} accepted"
+        assert field in r.stderr, (field, r.stderr)
+    long_name = "a" * 64
+    r = cluster.kubectl("apply", "-f", "-", input=json.dumps(small_job(long_name, namespace)),
+                        check=False)
+    assert r.returncode != 0 and "metadata.name" in r.stderr, r.stderr
+    # kubectl explain teaches the API from the CRD's descriptions
+    out = cluster.kubectl("explain", "rltj.spec.groupControl.stragglerRatio").stdout
+    assert "straggler" in out.lower()
+
+
+def test_example_job_children_owners_and_status(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "rltrainingjob.yaml").read_text())
+    doc["metadata"]["namespace"] = namespace
+    apply(cluster, doc)
+    name = doc["metadata"]["name"]
+    uid = job(cluster, namespace, name)["metadata"]["uid"]
+    st = wait(cluster, lambda: status(cluster, namespace, name).get("summary") in
+              ("Starting", "Running") and status(cluster, namespace, name), "admitted")
+    assert st["observedGeneration"] == 1
+    ns_api = f"/api/v1/namespaces/{namespace}"
+    apps = f"/apis/apps/v1/namespaces/{namespace}"
+    children = {
+        "head": f"{apps}/statefulsets/{names.statefulset(name, contract.Role.HEAD)}",
+        "learner": f"{apps}/statefulsets/{names.statefulset(name, contract.Role.LEARNER)}",
+        "rollout": f"{apps}/statefulsets/{names.statefulset(name, contract.Role.ROLLOUT)}",
+        "driver": f"{ns_api}/pods/{names.driver_pod(name, 0)}",
+        "config": f"{ns_api}/configmaps/{names.config_map(name)}",
+        "secret": f"{ns_api}/secrets/{names.secret(name)}",
+        "head-svc": f"{ns_api}/services/{names.head_service(name)}",
+        "workers-svc": f"{ns_api}/services/{names.workers_service(name)}",
+    }
+    objs = {k: wait(cluster, lambda p=p: get(cluster, p), k) for k, p in children.items()}
+    for k, o in objs.items():
+        refs = o["metadata"]["ownerReferences"]
+        assert refs[0]["uid"] == uid and refs[0]["controller"], k
+    rollout = objs["rollout"]["spec"]
+    assert rollout["replicas"] == 2
+    c = rollout["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"][contract.GPU_RESOURCE] == "2"
+    env = {e["name"]: e.get("value") for e in objs["driver"]["spec"]["containers"][0]["env"]}
+    assert env[contract.ENV_REPORT_URL] == operator.report_url
+    assert env[contract.ENV_ATTEMPT] == "0"
+    # one field manager for every applied child
+    managers = {m["manager"] for m in objs["rollout"]["metadata"]["managedFields"]
+                if m["operation"] == "Apply"}
+    assert managers == {"rlpacer-operator"}
+    # KWOK runs the pods: the driver goes Running and the job is Running
+    wait(cluster, lambda: status(cluster, namespace, name).get("summary") == "Running",
+         "Running", timeout=90)
+    out = cluster.kubectl("get", "rltj", "-n", namespace).stdout
+    assert "Running" in out and "STRAGGLERS" in out
+    conds = {c["type"]: c for c in status(cluster, namespace, name)["conditions"]}
+    assert conds["Admitted"]["status"] == "True" and conds["Training"]["status"] == "True"
+
+
+def test_step_reports_drive_sagc_exactly_like_the_library(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    apply(cluster, small_job("sagc", namespace))
+    drv = Driver(operator, namespace, "sagc", token(cluster, namespace, "sagc"))
+    spec = parse_spec(small_job("sagc", namespace)["spec"])
+    lib = JobController(hosting.controller_config(spec))
+    plan = drv.plan()
+    assert plan["groupSize"] == lib.plan().group_size
+    g, gs = plan["groupSize"], []
+    # 25 straggler-heavy steps (max/median 8 > tau 4), then 40 quiet ones
+    for step in range(65):
+        mx = 800.0 if step < 25 else 150.0
+        body = report(step, g, mx)
+        code, plan = drv.post(body)
+        assert code == 200, plan
+        want = lib.observe(hosting.to_data(StepReport.model_validate(body)))
+        assert (plan["groupSize"], plan["lambda"]) == (want.group_size, want.lambda_)
+        g = plan["groupSize"]
+        gs.append(g)
+    assert min(gs[10:25]) == 4, gs  # stragglers drive G down
+    assert gs[-1] == 16, gs  # quiet steps drive it back up
+    st = status(cluster, namespace, "sagc")
+    assert st["controllerState"] == hosting.dumps(lib.state_dict())  # bit-exact
+    assert st["step"] == 65 and st["groupSize"] == g
+    # a retried report is answered identically and not counted again
+    code, again = drv.post(report(64, gs[-2], 150.0))
+    assert code == 200 and again == plan
+    assert status(cluster, namespace, "sagc")["controllerState"] == st["controllerState"]
+    # errors: wrong token 401, unknown job 404, impossible 422; state unchanged
+    assert drv.post(report(65, g, 150.0), tok="nope")[0] == 401
+    code, err = http("POST", operator.base + steps_path(namespace, "ghost"), "x", report(0, 4, 1))
+    assert code == 404
+    code, err = drv.post(report(70, g, 150.0))
+    assert code == 422 and err["reason"] == "StepOutOfOrder"
+    code, err = drv.post(report(65, g, 50.0))
+    assert code == 422 and err["reason"] == "ImpossibleLengths"
+    assert status(cluster, namespace, "sagc")["controllerState"] == st["controllerState"]
+    m = operator.metrics()
+    assert f'rlpacer_group_size{{job="sagc",namespace="{namespace}"}}' in m
+
+
+def _sts(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
+    return get(cluster, f"/apis/apps/v1/namespaces/{ns}/statefulsets/"
+                        f"{names.statefulset(name, contract.Role.ROLLOUT)}") or {}
+
+
+def test_long_round_scales_up_kwok_runs_then_scales_down(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    apply(cluster, small_job("lr", namespace))
+    drv = Driver(operator, namespace, "lr", token(cluster, namespace, "lr"))
+    wait(cluster, lambda: (_sts(cluster, namespace, "lr").get("status") or {})
+         .get("readyReplicas") == 1, "rollout replica 1 ready", 90)
+    g = drv.plan()["groupSize"]
+    code, plan = drv.post(report(0, g, 150.0, nxt="Long"))
+    assert code == 200 and plan["roundKind"] == "Long"
+    assert plan["rollout"]["desiredReplicas"] == 3 and plan["rollout"]["state"] == "ScalingUp"
+    t0 = time.monotonic()
+    wait(cluster, lambda: drv.plan()["rollout"]["state"] == "Ready", "long-round capacity", 60)
+    scale_up_s = time.monotonic() - t0
+    assert (_sts(cluster, namespace, "lr")["status"]).get("readyReplicas") == 3
+    code, plan = drv.post(report(1, drv.plan()["groupSize"], 400.0, kind="Long"))
+    assert plan["roundKind"] == "Short" and plan["rollout"]["desiredReplicas"] == 1
+    wait(cluster, lambda: _sts(cluster, namespace, "lr")["spec"]["replicas"] == 1, "scaled down")
+    st = status(cluster, namespace, "lr")
+    assert [a["reason"] for a in st["scaleActions"]] == ["LongRound", "LongRoundDone"]
+    reasons = {e["reason"] for e in kube_events(cluster, namespace, "lr")}
+    assert {"ScalingUp", "ScaledUp", "ScaledDown"} <= reasons, reasons
+    print(f"long-round scale-up to Ready took {scale_up_s:.1f}s")
+
+
+def test_gpus_short_scale_up_times_out_and_scales_back(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    # 2 GPU nodes x 8 GPUs: three 8-GPU replicas cannot all be scheduled.
+    obj = small_job("short", namespace,
+                    rollout={"replicas": 1, "gpusPerReplica": 8, "tensorParallelSize": 8},
+                    tailBatching={"longRound": {"rolloutReplicas": 3,
+                                                "scaleUpTimeoutSeconds": 5}})
+    apply(cluster, obj)
+    drv = Driver(operator, namespace, "short", token(cluster, namespace, "short"))
+    wait(cluster, lambda: (_sts(cluster, namespace, "short").get("status") or {})
+         .get("readyReplicas") == 1, "rollout replica ready", 90)
+    g = drv.plan()["groupSize"]
+    code, plan = drv.post(report(0, g, 150.0, nxt="Long"))
+    assert plan["rollout"]["state"] == "ScalingUp"
+    plan = wait(cluster, lambda: (p := drv.plan())["rollout"]["state"] == "TimedOut" and p,
+                "scale-up timeout", 30)
+    ready = plan["rollout"]["readyReplicas"]
+    assert ready < 3 and plan["rollout"]["desiredReplicas"] == max(ready, 1)
+    wait(cluster, lambda: _sts(cluster, namespace, "short")["spec"]["replicas"] == max(ready, 1),
+         "pending replicas scaled back")
+    ev = [e for e in kube_events(cluster, namespace, "short") if e["reason"] == "ScaleUpTimedOut"]
+    assert ev and ev[0]["type"] == "Warning"
+    # the round runs on what is ready; afterwards back to short-round capacity
+    code, plan = drv.post(report(1, drv.plan()["groupSize"], 300.0, kind="Long"))
+    assert code == 200 and plan["rollout"]["desiredReplicas"] == 1
+
+
+def test_operator_killed_mid_job_continues_exactly(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    apply(cluster, small_job("rs", namespace))
+    drv = Driver(operator, namespace, "rs", token(cluster, namespace, "rs"))
+    spec = parse_spec(small_job("rs", namespace)["spec"])
+    lib = JobController(hosting.controller_config(spec))
+    g = drv.plan()["groupSize"]
+    step = 0
+    timings = []
+    for _ in range(3):
+        for _ in range(8):
+            body = report(step, g, 800.0 if step % 3 == 0 else 150.0)
+            code, plan = drv.post(body)
+            assert code == 200
+            want = lib.observe(hosting.to_data(StepReport.model_validate(body)))
+            assert (plan["groupSize"], plan["lambda"]) == (want.group_size, want.lambda_)
+            g, step = plan["groupSize"], step + 1
+        # SIGKILL right after an answer, start a new one, check nothing was lost
+        operator.kill(signal.SIGKILL)
+        t0 = time.monotonic()
+        operator.start()
+        operator.wait_ready()
+        timings.append(time.monotonic() - t0)
+        assert status(cluster, namespace, "rs")["controllerState"] == hosting.dumps(
+            lib.state_dict())
+        plan = drv.plan()
+        assert plan["step"] == step and plan["groupSize"] == lib.plan().group_size
+        # the last report, retried against the new process, is not double counted
+        code, again = drv.post(body)
+        assert code == 200 and again["step"] == step
+    assert status(cluster, namespace, "rs")["step"] == 24
+    print(f"operator restart to ready: {', '.join(f'{t:.1f}s' for t in timings)}")
+
+
+def test_driver_failure_restarts_then_backoff_limit_fails(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    apply(cluster, small_job("fl", namespace))
+    drv = Driver(operator, namespace, "fl", token(cluster, namespace, "fl"))
+    pod0 = names.driver_pod("fl", 0)
+    wait(cluster, lambda: (get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod0}") or {})
+         .get("status", {}).get("phase") == "Running", "driver 0 running", 90)
+    g = drv.plan()["groupSize"]
+    assert drv.post(report(0, g, 150.0))[0] == 200
+    cluster.mark_pod_exit(namespace, pod0, 1)
+    wait(cluster, lambda: status(cluster, namespace, "fl").get("attempt") == 1, "attempt 1")
+    pod1 = names.driver_pod("fl", 1)
+    p1 = wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod1}"),
+              "driver 1")
+    env = {e["name"]: e.get("value") for e in p1["spec"]["containers"][0]["env"]}
+    assert env[contract.ENV_ATTEMPT] == "1"
+    # the old attempt may not report any more; the new one continues from a checkpoint
+    code, err = drv.post(report(1, g, 150.0, attempt=0))
+    assert code == 422 and err["reason"] == "AttemptMismatch"
+    code, plan = drv.post(report(1, g, 150.0, attempt=1))
+    assert code == 200 and plan["step"] == 2
+    wait(cluster, lambda: (get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod1}") or {})
+         .get("status", {}).get("phase") == "Running", "driver 1 running", 90)
+    cluster.mark_pod_exit(namespace, pod1, 2)
+    st = wait(cluster, lambda: (s := status(cluster, namespace, "fl")).get("summary") == "Failed"
+              and s, "Failed", 60)
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded"
+    wait(cluster, lambda: not _sts(cluster, namespace, "fl"), "workloads deleted")
+
+
+def test_suspend_resume_and_success_with_ttl(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    apply(cluster, small_job("su", namespace, ttlSecondsAfterFinished=2))
+    pod0 = names.driver_pod("su", 0)
+    wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod0}"), "driver")
+    cluster.kubectl("patch", "rltj", "su", "-n", namespace, "--type=merge",
+                    "-p", '{"spec":{"suspend":true}}')
+    wait(cluster, lambda: status(cluster, namespace, "su").get("summary") == "Suspended",
+         "Suspended")
+    wait(cluster, lambda: not _sts(cluster, namespace, "su"), "pods deleted")
+    cluster.kubectl("patch", "rltj", "su", "-n", namespace, "--type=merge",
+                    "-p", '{"spec":{"suspend":false}}')
+    st = wait(cluster, lambda: (s := status(cluster, namespace, "su")).get("attempt") == 1 and s,
+              "resumed as attempt 1")
+    assert st["failures"] == 0
+    pod1 = names.driver_pod("su", 1)
+    wait(cluster, lambda: (get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod1}") or {})
+         .get("status", {}).get("phase") == "Running", "driver 1 running", 90)
+    cluster.mark_pod_exit(namespace, pod1, 0)
+    wait(cluster, lambda: status(cluster, namespace, "su").get("summary") == "Succeeded",
+         "Succeeded")
+    wait(cluster, lambda: get(cluster, f"{GROUP_PATH}/namespaces/{namespace}/rltrainingjobs/su")
+         is None, "deleted after ttlSecondsAfterFinished", 30)
+
+
+def test_active_deadline_fails_the_job(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    apply(cluster, small_job("dl", namespace, activeDeadlineSeconds=3))
+    st = wait(cluster, lambda: (s := status(cluster, namespace, "dl")).get("summary") == "Failed"
+              and s, "deadline", 30)
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "DeadlineExceeded"
+
+
+def test_delete_garbage_collects_children_and_metrics(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    apply(cluster, small_job("gc", namespace))
+    drv = Driver(operator, namespace, "gc", token(cluster, namespace, "gc"))
+    assert drv.post(report(0, drv.plan()["groupSize"], 150.0))[0] == 200
+    assert f'job="gc",namespace="{namespace}"' in operator.metrics()
+    wait(cluster, lambda: _sts(cluster, namespace, "gc"), "children")
+    cluster.kubectl("delete", "rltj", "gc", "-n", namespace, "--wait=true")
+    wait(cluster, lambda: not _sts(cluster, namespace, "gc") and not get(
+        cluster, f"/api/v1/namespaces/{namespace}/secrets/{names.secret('gc')}"),
+        "children garbage-collected", 60)
+    wait(cluster, lambda: f'job="gc",namespace="{namespace}"' not in operator.metrics(),
+         "metrics series removed", 30)
+
+
+def test_two_replicas_never_act_at_once_standby_takes_over(
+    cluster: LocalCluster, crds: None, namespace: str
+) -> None:
+    a = OperatorProc(cluster, namespace, identity="op-a").start()
+    a.wait_ready()
+    b = OperatorProc(cluster, namespace, identity="op-b", report_url=a.base).start()
+    try:
+        time.sleep(3)
+        assert a.ready() and not b.ready()
+        apply(cluster, small_job("ha", namespace))
+        tok = token(cluster, namespace, "ha")
+        code, err = http("GET", b.base + plan_path(namespace, "ha"), tok)
+        assert code == 503 and err["reason"] == "NotLeader"
+        da = Driver(a, namespace, "ha", tok)
+        assert da.post(report(0, da.plan()["groupSize"], 150.0))[0] == 200
+        a.kill(signal.SIGKILL)  # no release: b must wait out the lease (4 s)
+        t0 = time.monotonic()
+        b.wait_ready(30)
+        took = time.monotonic() - t0
+        db = Driver(b, namespace, "ha", tok)
+        plan = db.plan()
+        assert plan["step"] == 1
+        assert db.post(report(1, plan["groupSize"], 150.0))[0] == 200
+        print(f"standby took over after {took:.1f}s")
+    finally:
+        a.kill(signal.SIGTERM)
+        b.kill(signal.SIGTERM)
+
+
