@@ -94,9 +94,11 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
             log.error("leadership lost: stopping")
             code = EXIT_LOST_LEASE
         elif kopf_task in done and not stop.is_set():
+            # Kopf handles SIGTERM/SIGINT itself once running: a clean return is a stop.
             exc = kopf_task.exception()
-            log.error("kopf stopped: %r", exc)
-            code = 2
+            if exc is not None:
+                log.error("kopf failed: %r", exc)
+                code = 2
     finally:
         leader.leader = False
         metrics.leader.set(0)

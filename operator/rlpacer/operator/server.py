@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -136,7 +137,16 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
     async def steps_route(request: web.Request) -> web.StreamResponse:
         return await timed(request, post_steps)
 
-    app = web.Application()
+    @web.middleware
+    async def unavailable(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except (ApiError, aiohttp.ClientError, OSError) as e:
+            # The API server is unreachable or failing: nothing was persisted, retry.
+            log.warning("step-report endpoint: API server unavailable: %s", e)
+            return _error(503, "Unavailable", f"API server unavailable, retry: {e}")
+
+    app = web.Application(middlewares=[unavailable])
     app.router.add_get(BASE + "/plan", plan_route)
     app.router.add_post(BASE + "/steps", steps_route)
     return app
