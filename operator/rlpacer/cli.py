@@ -1,18 +1,33 @@
-"""The `rlpacer` command line. Sub-commands register themselves here."""
+"""The `rlpacer` command line.
+
+Each sub-command lives in its own module, which exposes ``register(subparsers)``: it adds its
+parser and sets ``func`` (``args -> exit code``). Keep ``register`` light (no heavy imports:
+import torch, Ray or Kubernetes clients inside ``func``) so ``rlpacer --help`` stays fast.
+To add a sub-command, add its module to ``COMMANDS``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+COMMANDS: tuple[str, ...] = (
+    "rlpacer.sim.bench",  # rlpacer bench
+    "rlpacer.operator.commands",  # rlpacer crds, operator, bench-operator
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlpacer", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module in COMMANDS:
+        importlib.import_module(module).register(subparsers)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlpacer", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    from rlpacer.operator import commands as operator_commands
-
-    operator_commands.register(sub)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return int(args.func(args))
 
 

@@ -108,12 +108,12 @@ class SAGCConfig:
     """First group size; must be a candidate."""
     seed: int = 0
     """Seed of the Thompson-sampling generator (>= 0)."""
-    prior_alpha: float = 1.0
-    """Beta prior pseudo-count of straggler steps (> 0)."""
-    prior_beta: float = 1.0
-    """Beta prior pseudo-count of normal steps (> 0)."""
-    decay_unchosen: bool = True
-    """Unchosen arms decay toward the prior each step (see the module docstring)."""
+    prior_mean: float | None = None
+    """Prior mean of every p(G), in (0, 1); None = ``delta`` (see the module docstring)."""
+    prior_strength: float = 2.0
+    """Prior pseudo-count alpha0 + beta0 (> 0): how many steps of evidence it is worth."""
+    decay_unchosen: bool = False
+    """Unchosen arms also decay toward the prior each step (see the module docstring)."""
 
     def __post_init__(self) -> None:
         cands = self.candidates
@@ -142,9 +142,24 @@ class SAGCConfig:
         if self.initial not in cands:
             raise ConfigError("initial", f"must be one of candidates {cands}, got {self.initial}")
         require_int("seed", self.seed, minimum=0)
-        require_float("prior_alpha", self.prior_alpha, low=0, low_open=True)
-        require_float("prior_beta", self.prior_beta, low=0, low_open=True)
+        if self.prior_mean is not None:
+            require_float(
+                "prior_mean", self.prior_mean, low=0, high=1, low_open=True, high_open=True
+            )
+        require_float("prior_strength", self.prior_strength, low=0, low_open=True)
         require_bool("decay_unchosen", self.decay_unchosen)
+
+    @property
+    def alpha0(self) -> float:
+        """Prior pseudo-count of straggler steps."""
+        mean = self.delta if self.prior_mean is None else self.prior_mean
+        return self.prior_strength * mean
+
+    @property
+    def beta0(self) -> float:
+        """Prior pseudo-count of normal steps."""
+        mean = self.delta if self.prior_mean is None else self.prior_mean
+        return self.prior_strength * (1.0 - mean)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -231,8 +246,8 @@ class SAGCController:
             raise ConfigError("config", f"must be an SAGCConfig, got {type(cfg).__name__}")
         self._cfg = cfg
         n = len(cfg.candidates)
-        self._alpha = [float(cfg.prior_alpha)] * n
-        self._beta = [float(cfg.prior_beta)] * n
+        self._alpha = [cfg.alpha0] * n
+        self._beta = [cfg.beta0] * n
         self._lambda = 0.0
         self._index = cfg.candidates.index(cfg.initial)
         self._pending: int | None = None
@@ -333,8 +348,8 @@ class SAGCController:
                 self._alpha[i] = max(gamma * self._alpha[i] + s, _MIN_PSEUDO_COUNT)
                 self._beta[i] = max(gamma * self._beta[i] + (1.0 - s), _MIN_PSEUDO_COUNT)
             elif cfg.decay_unchosen:
-                self._alpha[i] = gamma * self._alpha[i] + (1.0 - gamma) * cfg.prior_alpha
-                self._beta[i] = gamma * self._beta[i] + (1.0 - gamma) * cfg.prior_beta
+                self._alpha[i] = gamma * self._alpha[i] + (1.0 - gamma) * cfg.alpha0
+                self._beta[i] = gamma * self._beta[i] + (1.0 - gamma) * cfg.beta0
         self._lambda = min(max(self._lambda + cfg.dual_step * (s - cfg.delta), 0.0), cfg.lambda_max)
         self._index = chosen
         self._pending = None
@@ -421,7 +436,9 @@ class FixedConfig:
     forgetting: float = 0.95
     """Forgetting factor of the reported p(G) posterior, in (0, 1]."""
     prior_alpha: float = 1.0
+    """Prior pseudo-count of straggler steps of the reported p(G) (> 0)."""
     prior_beta: float = 1.0
+    """Prior pseudo-count of normal steps of the reported p(G) (> 0)."""
 
     def __post_init__(self) -> None:
         require_int("group_size", self.group_size, minimum=1)
@@ -575,8 +592,8 @@ def make_controller(
             group_size=cfg.initial,
             tau=cfg.tau,
             forgetting=cfg.forgetting,
-            prior_alpha=cfg.prior_alpha,
-            prior_beta=cfg.prior_beta,
+            prior_alpha=cfg.alpha0,
+            prior_beta=cfg.beta0,
         )
     )
 

@@ -1,0 +1,349 @@
+"""``rlpacer bench``: every scheduling policy on the same prompts and seeds, as ratios.
+
+Policies (all drive the production code: :class:`rlpacer.control.plan.JobController` with the
+SAGC or fixed controller, and :class:`rlpacer.control.tail_batching.TailBatchingPlanner`,
+enabled or as the plain synchronous batcher):
+
+    fixed4, fixed8, fixed16   fixed G, synchronous batches of P0 prompts (veRL-style baseline)
+    sagc                      SAGC picks G each step, synchronous batches
+    tail8                     tail batching at fixed G=8 (isolates tail batching)
+    sagc_tail                 SAGC + tail batching (long rounds do not feed SAGC)
+
+Every policy trains the same ``steps * P0`` prompts exactly once (queued prompts are flushed by
+final long rounds), so wall clock is comparable; speedups are against ``fixed16`` from the same
+run. ``--ablations`` adds ``sagc_tail_feed`` (long rounds feed SAGC) to measure that choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlpacer.control.plan import (
+    JobController,
+    JobControllerConfig,
+    LengthStats,
+    StepReportData,
+    StepSecondsData,
+)
+from rlpacer.control.sagc import GroupControlMode, SAGCConfig
+from rlpacer.control.tail_batching import (
+    RoundKind,
+    TailBatchingConfig,
+    TailBatchingPlanner,
+)
+from rlpacer.sim.rollout import RoundSimulator
+from rlpacer.sim.workload import SCENARIOS, Scenario, Workload, scenario
+
+POLICY_NAMES = ("fixed4", "fixed8", "fixed16", "sagc", "tail8", "sagc_tail")
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    mode: GroupControlMode
+    group_size: int | None  # fixed G (None: SAGC starting at the scenario's initial)
+    tail: bool
+    long_rounds_feed_sagc: bool = False
+
+
+def policies(ablations: bool = False) -> list[Policy]:
+    out = [
+        Policy("fixed4", GroupControlMode.FIXED, 4, False),
+        Policy("fixed8", GroupControlMode.FIXED, 8, False),
+        Policy("fixed16", GroupControlMode.FIXED, 16, False),
+        Policy("sagc", GroupControlMode.SAGC, None, False),
+        Policy("tail8", GroupControlMode.FIXED, 8, True),
+        Policy("sagc_tail", GroupControlMode.SAGC, None, True),
+    ]
+    if ablations:
+        out.append(Policy("sagc_tail_feed", GroupControlMode.SAGC, None, True, True))
+    return out
+
+
+@dataclass
+class PolicyRun:
+    name: str
+    group_size: list[int] = field(default_factory=list)
+    lambda_: list[float] = field(default_factory=list)
+    straggler: list[bool] = field(default_factory=list)
+    straggler_rate_windowed: list[float] = field(default_factory=list)
+    bubble: list[float] = field(default_factory=list)
+    rollout_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    kind: list[str] = field(default_factory=list)
+    max_len: list[int] = field(default_factory=list)
+    median_len: list[float] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    aborted: list[int] = field(default_factory=list)
+    prompts_trained: int = 0
+    posterior: dict[int, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        wall = float(sum(self.step_s))
+        roll = float(sum(self.rollout_s))
+        n = len(self.step_s)
+        bubble = sum(b * r for b, r in zip(self.bubble, self.rollout_s, strict=True)) / roll
+        return {
+            "wall_clock_s": wall,
+            "straggler_rate": sum(self.straggler) / n,
+            "bubble_fraction": bubble,
+            "mean_group_size": float(np.mean(self.group_size)),
+            "responses_per_s": sum(self.kept) / wall,
+            "prompts_trained": self.prompts_trained,
+            "steps": n,
+            "long_rounds": self.kind.count(RoundKind.LONG.value),
+            "rollout_share": roll / wall,
+            "aborted_responses": int(sum(self.aborted)),
+            "posterior_means": {str(g): p for g, p in self.posterior.items()},
+        }
+
+
+def _sagc_config(
+    scn: Scenario, seed: int, initial: int | None = None, tau: float | None = None
+) -> SAGCConfig:
+    cands = scn.candidates if initial is None or initial in scn.candidates else (initial,)
+    return SAGCConfig(
+        candidates=cands,
+        delta=scn.delta,
+        tau=scn.tau if tau is None else tau,
+        forgetting=scn.forgetting,
+        decay_unchosen=scn.decay_unchosen,
+        dual_step=scn.dual_step,
+        lambda_max=scn.lambda_max,
+        radius=1,
+        initial=scn.initial if initial is None else initial,
+        seed=seed,
+    )
+
+
+def run_policy(
+    scn: Scenario, pol: Policy, seed: int, workload: Workload | None = None
+) -> PolicyRun:
+    """Train the scenario's whole dataset under ``pol``; one JobController step per round."""
+    num_prompts = scn.steps * scn.prompts_per_step
+    wl = Workload(scn, num_prompts, seed) if workload is None else workload
+    jc = JobController(
+        JobControllerConfig(
+            mode=pol.mode,
+            sagc=_sagc_config(scn, seed, pol.group_size, scn.tail_tau if pol.tail else None),
+            straggler_window=scn.window,
+            long_rounds_feed_sagc=pol.long_rounds_feed_sagc,
+        )
+    )
+    planner = TailBatchingPlanner(
+        TailBatchingConfig(
+            prompts_per_step=scn.prompts_per_step,
+            prompt_overprovision=scn.prompt_overprovision,
+            extra_responses=scn.extra_responses,
+            enabled=pol.tail,
+        ),
+        num_prompts=num_prompts,
+        seed=seed,
+    )
+    cost = scn.cost
+    sim = RoundSimulator(cost, scn.engines, scn.prompt_len, cost.saturation_batch(scn.ctx_ref))
+    drawn = np.zeros(num_prompts, dtype=np.int64)  # pool entries used per prompt
+    out = PolicyRun(pol.name)
+    plan = jc.plan()
+    step = 0
+    while not planner.done:
+        g = plan.group_size
+        rp = planner.start_round(g)
+        progress = planner.consumed / planner.total_prompts
+        lengths = []
+        for p in rp.prompts:
+            lengths.append(wl.lengths(p, int(drawn[p]), rp.responses_per_prompt, progress))
+            drawn[p] += rp.responses_per_prompt
+        engines = scn.engines
+        if rp.kind is RoundKind.LONG and scn.long_round_engines is not None:
+            engines = scn.long_round_engines
+        oc = sim.run(planner, rp.prompts, lengths, engines)
+        res = planner.finish_round()
+        kept = np.asarray(oc.kept_lengths, dtype=np.float64)
+        tokens = float(kept.sum()) + scn.prompt_len * len(kept)
+        seconds = StepSecondsData(
+            rollout=oc.rollout_s,
+            reward=scn.reward_s,
+            train=scn.train_fixed_s + scn.train_s_per_ktok * tokens / 1000.0,
+            sync=scn.sync_s,
+        )
+        report = StepReportData(
+            attempt=0,
+            step=step,
+            group_size=g,
+            round_kind=rp.kind,
+            lengths=LengthStats(
+                max=float(kept.max()),
+                median=float(np.median(kept)),
+                p90=float(np.percentile(kept, 90)),
+                count=len(kept),
+                aborted=res.aborted_responses,
+            ),
+            seconds=seconds,
+            long_queue=planner.long_queue_len,
+            next_round_kind=planner.next_round_kind,
+        )
+        plan = jc.observe(report)
+        out.group_size.append(g)
+        out.lambda_.append(plan.lambda_)
+        out.straggler.append(bool(report.lengths.max > scn.tau * report.lengths.median))
+        recent = out.straggler[-scn.window :]
+        out.straggler_rate_windowed.append(sum(recent) / len(recent))
+        out.bubble.append(1.0 - oc.busy_fraction)
+        out.rollout_s.append(oc.rollout_s)
+        out.step_s.append(seconds.rollout + seconds.reward + seconds.train + seconds.sync)
+        out.kind.append(rp.kind.value)
+        out.max_len.append(int(kept.max()))
+        out.median_len.append(float(np.median(kept)))
+        out.kept.append(len(kept))
+        out.aborted.append(res.aborted_responses)
+        step += 1
+    out.prompts_trained = planner.consumed
+    out.posterior = jc.posterior_means()
+    return out
+
+
+def run_bench(
+    scn: Scenario, seed: int = 0, ablations: bool = False
+) -> tuple[dict[str, Any], dict[str, PolicyRun]]:
+    """Run every policy on the same workload; returns (the JSON report, the per-step runs)."""
+    wl = Workload(scn, scn.steps * scn.prompts_per_step, seed)
+    runs = {pol.name: run_policy(scn, pol, seed, wl) for pol in policies(ablations)}
+    summaries = {name: run.summary() for name, run in runs.items()}
+    base = summaries["fixed16"]["wall_clock_s"]
+    for s in summaries.values():
+        s["speedup_vs_fixed16"] = base / s["wall_clock_s"]
+    report = {
+        "scenario": scn.name,
+        "delta": scn.delta,
+        "tau": scn.tau,
+        "seed": seed,
+        "steps": scn.steps,
+        "prompts_per_step": scn.prompts_per_step,
+        "cost_profile": scn.cost_profile,
+        "tail_tau": scn.tail_tau,
+        "window": scn.window,
+        "policies": summaries,
+    }
+    return report, runs
+
+
+def format_table(report: dict[str, Any]) -> str:
+    pol = report["policies"]
+    head = (
+        f"{'policy':<15}{'wall clock':>12}{'vs fixed16':>11}{'straggler':>11}{'bubble':>8}"
+        f"{'mean G':>8}{'resp/s':>8}{'prompts':>9}{'steps':>7}{'long':>6}{'rollout%':>9}"
+    )
+    lines = [
+        f"scenario {report['scenario']} (cost profile {report['cost_profile']}), seed"
+        f" {report['seed']}, {report['steps']} baseline steps x {report['prompts_per_step']}"
+        f" prompts; tau={report['tau']:g} delta={report['delta']:g}",
+        head,
+        "-" * len(head),
+    ]
+    for name, s in pol.items():
+        lines.append(
+            f"{name:<15}{_hours(s['wall_clock_s']):>12}{s['speedup_vs_fixed16']:>10.2f}x"
+            f"{s['straggler_rate']:>11.3f}{s['bubble_fraction']:>8.3f}{s['mean_group_size']:>8.2f}"
+            f"{s['responses_per_s']:>8.2f}{s['prompts_trained']:>9d}{s['steps']:>7d}"
+            f"{s['long_rounds']:>6d}{100 * s['rollout_share']:>8.1f}%"
+        )
+    p = {g: pol[f"fixed{g}"]["straggler_rate"] for g in (4, 8, 16) if f"fixed{g}" in pol}
+    binds = p.get(4, 0.0) < report["delta"] < p.get(16, 1.0)
+    lines.append(
+        "measured p(G) at tau={:g}: {}  (constraint {}: p(4) {} delta < p(16))".format(
+            report["tau"],
+            ", ".join(f"p({g})={v:.2f}" for g, v in p.items()),
+            "binds" if binds else "DOES NOT bind",
+            "<" if binds else "?",
+        )
+    )
+    ratio = pol["tail8"]["wall_clock_s"]
+    lines.append(
+        "ratios: sagc_tail {:.2f}x fixed16, tail8 {:.2f}x fixed8, sagc {:.2f}x fixed16".format(
+            pol["sagc_tail"]["speedup_vs_fixed16"],
+            pol["fixed8"]["wall_clock_s"] / ratio,
+            pol["sagc"]["speedup_vs_fixed16"],
+        )
+    )
+    return "\n".join(lines)
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds:.0f} s"
+
+
+def plot(runs: dict[str, PolicyRun], path: str, report: dict[str, Any]) -> None:
+    """Group size, lambda, windowed straggler rate and bubble fraction over steps (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    series = (
+        ("group size G", "group_size"),
+        ("lambda", "lambda_"),
+        (f"straggler rate (last {report['window']} steps)", "straggler_rate_windowed"),
+        ("bubble fraction", "bubble"),
+    )
+    for ax, (label, attr) in zip(axes, series, strict=True):
+        for name, run in runs.items():
+            ax.plot(getattr(run, attr), label=name, linewidth=1.0)
+        ax.set_ylabel(label)
+    axes[2].axhline(report["delta"], color="black", linestyle="--", linewidth=0.8, label="delta")
+    axes[0].set_yscale("log", base=2)
+    axes[-1].set_xlabel("step")
+    axes[0].legend(ncol=4, fontsize=8)
+    fig.suptitle(f"rlpacer bench: scenario {report['scenario']}, tau={report['tau']:g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    scn = scenario(args.scenario)
+    if args.steps is not None:
+        if args.steps < 1:
+            print("error: --steps must be >= 1", file=sys.stderr)
+            return 2
+        scn = scn.with_steps(args.steps)
+    t0 = time.perf_counter()
+    report, runs = run_bench(scn, seed=args.seed, ablations=args.ablations)
+    report["bench_seconds"] = time.perf_counter() - t0
+    print(format_table(report))
+    print(f"(simulated in {report['bench_seconds']:.1f} s)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2, sort_keys=False)
+            fh.write("\n")
+    if args.plot:
+        plot(runs, args.plot, report)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``bench`` to the ``rlpacer`` command line."""
+    p = subparsers.add_parser(
+        "bench",
+        help="simulate every scheduling policy on the same work and print ratios",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--scenario", default="default", choices=sorted(SCENARIOS))
+    p.add_argument("--steps", type=int, default=None, help="baseline steps (dataset size / P0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--plot", metavar="FILE", help="draw G, lambda, straggler rate, bubble (PNG)")
+    p.add_argument(
+        "--ablations", action="store_true", help="also run sagc_tail_feed (long rounds feed SAGC)"
+    )
+    p.set_defaults(func=main)
+

@@ -1,0 +1,267 @@
+"""Event-driven simulation of one rollout round on N continuous-batching engines.
+
+The round is driven by the real :class:`rlpacer.control.tail_batching.TailBatchingPlanner`:
+every response that finishes is reported to it in finish order, and its decisions (abort
+these responses, defer these prompts, the round is complete) are applied at that instant.
+
+Engines advance as a fluid between events: all running sequences on an engine emit one token
+per decode step, so an engine's state is a token counter ``n`` and a step costs
+``CostProfile.step_s(b, kv)`` with ``kv = sum_offsets + b * n`` (every running sequence's
+context grows by one token per step). Time between events is the closed-form integral of that
+cost; an abort at a given time inverts it. Events are a sequence finishing, the KV cache
+filling (preempt the latest admitted sequences), and aborts from the planner. A prompt's
+responses all go to one engine (prefix sharing); prompts are spread round-robin.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from rlpacer.control.tail_batching import TailBatchingPlanner
+from rlpacer.sim.cost import CostProfile
+
+_EPS = 1e-9
+# After a KV overflow, preempt until usage is this far below capacity (batches preemptions as
+# vLLM's scheduler does within one step, and keeps the event count bounded).
+_PREEMPT_HEADROOM = 0.02
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    rollout_s: float
+    busy_fraction: float
+    kept_lengths: list[int]
+    aborted: int
+    preemptions: int
+
+
+class _Engine:
+    __slots__ = (
+        "b", "busy", "cap", "heap", "n", "next_n", "next_overflow", "next_t", "prof", "running",
+        "sat", "sum_off", "t", "waiting",
+    )
+
+    def __init__(self, prof: CostProfile, sat: int) -> None:
+        self.prof = prof
+        self.sat = float(sat)
+        self.cap = float(prof.kv_capacity_tokens)
+        self.t = 0.0
+        self.n = 0.0
+        self.b = 0
+        self.sum_off = 0.0
+        self.running: dict[int, tuple[float, float]] = {}  # rid -> (kv offset, finish counter)
+        self.heap: list[tuple[float, int]] = []
+        self.waiting: deque[int] = deque()
+        self.busy = 0.0
+        self.next_t = math.inf
+        self.next_n = math.inf
+        self.next_overflow = False
+
+    def _cost_at(self, n: float) -> float:
+        p = self.prof
+        return p.base_s + p.per_seq_s * self.b + p.per_kv_token_s * (self.sum_off + self.b * n)
+
+    def _time_between(self, n0: float, n1: float) -> float:
+        p = self.prof
+        return self._cost_at(n0) * (n1 - n0) + 0.5 * p.per_kv_token_s * self.b * (n1 - n0) ** 2
+
+    def _busy_rate(self) -> float:
+        return min(1.0, self.b / self.sat)
+
+    def advance_time(self, t: float) -> None:
+        """Bring the engine's clock to ``t`` (no event in between)."""
+        dt = t - self.t
+        if dt <= 0:
+            return
+        if self.b:
+            bcost = self._cost_at(self.n)
+            a2 = self.prof.per_kv_token_s * self.b
+            x = 2 * dt / (bcost + math.sqrt(bcost * bcost + 2 * a2 * dt))
+            self.n = min(self.n + x, self.next_n)
+            self.busy += self._busy_rate() * dt
+        self.t = t
+
+    def advance_counter(self, n1: float) -> None:
+        if self.b and n1 > self.n:
+            dt = self._time_between(self.n, n1)
+            self.busy += self._busy_rate() * dt
+            self.t += dt
+        self.n = max(self.n, n1)
+
+    def usage(self) -> float:
+        return self.sum_off + self.b * self.n
+
+    def start(self, rid: int, prompt_len: int, generated: int, length: int) -> None:
+        ctx = prompt_len + generated
+        off = ctx - self.n
+        fin = self.n + (length - generated)
+        self.running[rid] = (off, fin)
+        heapq.heappush(self.heap, (fin, rid))
+        self.b += 1
+        self.sum_off += off
+        stall = self.prof.prefill_s_per_token * ctx
+        self.t += stall
+        self.busy += stall
+
+    def remove(self, rid: int) -> float:
+        """Stop a running sequence; returns its kv offset."""
+        off, _ = self.running.pop(rid)
+        self.b -= 1
+        self.sum_off -= off
+        return off
+
+    def refresh(self) -> None:
+        """Recompute the next event (finish or KV overflow)."""
+        heap, running = self.heap, self.running
+        while heap and (heap[0][1] not in running or running[heap[0][1]][1] != heap[0][0]):
+            heapq.heappop(heap)
+        if not self.b:
+            self.next_t, self.next_n, self.next_overflow = math.inf, math.inf, False
+            return
+        n_fin = heap[0][0]
+        n_over = (self.cap - self.sum_off) / self.b
+        if n_over < n_fin:
+            self.next_n, self.next_overflow = max(n_over, self.n), True
+        else:
+            self.next_n, self.next_overflow = n_fin, False
+        self.next_t = self.t + self._time_between(self.n, self.next_n)
+
+    def pop_finished(self) -> list[int]:
+        out = []
+        heap, running = self.heap, self.running
+        while heap:
+            fin, rid = heap[0]
+            if rid not in running or running[rid][1] != fin:
+                heapq.heappop(heap)
+                continue
+            if fin > self.n + _EPS:
+                break
+            heapq.heappop(heap)
+            self.remove(rid)
+            out.append(rid)
+        return out
+
+
+class RoundSimulator:
+    """Runs rounds for one policy: lengths in, planner decisions applied, outcome out."""
+
+    def __init__(self, prof: CostProfile, engines: int, prompt_len: int, sat_batch: int) -> None:
+        self.prof = prof
+        self.engines = engines
+        self.prompt_len = prompt_len
+        self.sat = sat_batch
+
+    def run(
+        self,
+        planner: TailBatchingPlanner,
+        prompts: list[int],
+        lengths: list[list[int]],
+        engines: int | None = None,
+    ) -> RoundOutcome:
+        """Simulate the round ``planner`` has started. ``lengths[i][j]`` is the length of
+        response j of ``prompts[i]``. Stops when the planner says the round is complete."""
+        n_eng = self.engines if engines is None else engines
+        engs = [_Engine(self.prof, self.sat) for _ in range(n_eng)]
+        req_prompt: list[int] = []
+        req_idx: list[int] = []
+        req_len: list[int] = []
+        req_gen: list[int] = []
+        req_eng: list[int] = []
+        by_pair: dict[tuple[int, int], int] = {}
+        by_prompt: dict[int, list[int]] = {}
+        for k, (p, lens) in enumerate(zip(prompts, lengths, strict=True)):
+            e = k % n_eng
+            rids = []
+            for j, ln in enumerate(lens):
+                rid = len(req_len)
+                req_prompt.append(p)
+                req_idx.append(j)
+                req_len.append(int(ln))
+                req_gen.append(0)
+                req_eng.append(e)
+                by_pair[(p, j)] = rid
+                rids.append(rid)
+                engs[e].waiting.append(rid)
+            by_prompt[p] = rids
+        dead: set[int] = set()
+        prof = self.prof
+        limit = prof.kv_capacity_tokens * (1.0 - prof.kv_watermark)
+        plen = self.prompt_len
+
+        def admit(eng: _Engine) -> None:
+            w = eng.waiting
+            while w and eng.b < prof.max_num_seqs:
+                rid = w[0]
+                if rid in dead:
+                    w.popleft()
+                    continue
+                need = plen + req_gen[rid]
+                if eng.b and eng.usage() + need > limit:
+                    break
+                w.popleft()
+                eng.start(rid, plen, req_gen[rid], req_len[rid])
+            eng.refresh()
+
+        def abort(rid: int, now: float, touched: set[int]) -> None:
+            if rid in dead:
+                return
+            dead.add(rid)
+            eng = engs[req_eng[rid]]
+            if rid in eng.running:
+                eng.advance_time(now)
+                eng.remove(rid)
+                touched.add(req_eng[rid])
+
+        for eng in engs:
+            admit(eng)
+        kept: list[int] = []
+        preemptions = 0
+        now = 0.0
+        complete = False
+        while not complete:
+            eng = min(engs, key=lambda x: x.next_t)
+            if eng.next_t == math.inf:
+                raise RuntimeError("simulated round stalled before the planner saw it complete")
+            now = eng.next_t
+            ei = engs.index(eng)
+            eng.advance_counter(eng.next_n)
+            touched = {ei}
+            if eng.next_overflow:
+                target = prof.kv_capacity_tokens * (1.0 - _PREEMPT_HEADROOM)
+                while eng.b > 1 and eng.usage() > target:
+                    victim = next(reversed(eng.running))
+                    off = eng.remove(victim)
+                    req_gen[victim] = int(off + eng.n) - plen
+                    eng.waiting.appendleft(victim)
+                    preemptions += 1
+                # A single sequence alone may not fit: let it run past the bound.
+                if eng.b == 1 and eng.usage() > target:
+                    eng.cap = math.inf
+            else:
+                for rid in eng.pop_finished():
+                    dead.add(rid)
+                    d = planner.on_response_finished(req_prompt[rid], req_idx[rid])
+                    if d.keep:
+                        kept.append(req_len[rid])
+                    for pair in d.abort_responses:
+                        abort(by_pair[pair], now, touched)
+                    for p in d.abort_prompts:
+                        for r in by_prompt[p]:
+                            abort(r, now, touched)
+                    if d.round_complete:
+                        complete = True
+                        break
+            if complete:
+                break
+            for i in touched:
+                admit(engs[i])
+        busy = 0.0
+        for eng in engs:
+            eng.advance_time(now)
+            busy += eng.busy
+        aborted = len(req_len) - len(kept)
+        frac = min(1.0, busy / (n_eng * now)) if now > 0 else 1.0
+        return RoundOutcome(now, frac, kept, aborted, preemptions)
