@@ -157,10 +157,9 @@ def run_policy(
         g = plan.group_size
         rp = planner.start_round(g)
         progress = planner.consumed / planner.total_prompts
-        lengths = []
-        for p in rp.prompts:
-            lengths.append(wl.lengths(p, int(drawn[p]), rp.responses_per_prompt, progress))
-            drawn[p] += rp.responses_per_prompt
+        firsts = drawn[rp.prompts].tolist()
+        lengths = wl.lengths_many(rp.prompts, firsts, rp.responses_per_prompt, progress)
+        drawn[rp.prompts] += rp.responses_per_prompt
         engines = scn.engines
         if rp.kind is RoundKind.LONG and scn.long_round_engines is not None:
             engines = scn.long_round_engines
@@ -292,11 +291,14 @@ def plot(runs: dict[str, PolicyRun], path: str, report: dict[str, Any]) -> None:
         ("group size G", "group_size"),
         ("lambda", "lambda_"),
         (f"straggler rate (last {report['window']} steps)", "straggler_rate_windowed"),
-        ("bubble fraction", "bubble"),
+        ("bubble fraction (10-step mean)", "bubble"),
     )
     for ax, (label, attr) in zip(axes, series, strict=True):
         for name, run in runs.items():
-            ax.plot(getattr(run, attr), label=name, linewidth=1.0)
+            values = np.asarray(getattr(run, attr), dtype=np.float64)
+            if attr == "bubble" and len(values) >= 10:
+                values = np.convolve(values, np.ones(10) / 10, mode="valid")
+            ax.plot(values, label=name, linewidth=1.0)
         ax.set_ylabel(label)
     axes[2].axhline(report["delta"], color="black", linestyle="--", linewidth=0.8, label="delta")
     axes[0].set_yscale("log", base=2)

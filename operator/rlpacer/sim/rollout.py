@@ -68,9 +68,6 @@ class _Engine:
         p = self.prof
         return self._cost_at(n0) * (n1 - n0) + 0.5 * p.per_kv_token_s * self.b * (n1 - n0) ** 2
 
-    def _busy_rate(self) -> float:
-        return min(1.0, self.b / self.sat)
-
     def advance_time(self, t: float) -> None:
         """Bring the engine's clock to ``t`` (no event in between)."""
         dt = t - self.t
@@ -81,13 +78,13 @@ class _Engine:
             a2 = self.prof.per_kv_token_s * self.b
             x = 2 * dt / (bcost + math.sqrt(bcost * bcost + 2 * a2 * dt))
             self.n = min(self.n + x, self.next_n)
-            self.busy += self._busy_rate() * dt
+            self.busy += (self.b / self.sat if self.b < self.sat else 1.0) * dt
         self.t = t
 
     def advance_counter(self, n1: float) -> None:
         if self.b and n1 > self.n:
             dt = self._time_between(self.n, n1)
-            self.busy += self._busy_rate() * dt
+            self.busy += (self.b / self.sat if self.b < self.sat else 1.0) * dt
             self.t += dt
         self.n = max(self.n, n1)
 
@@ -168,24 +165,19 @@ class RoundSimulator:
         req_prompt: list[int] = []
         req_idx: list[int] = []
         req_len: list[int] = []
-        req_gen: list[int] = []
         req_eng: list[int] = []
-        by_pair: dict[tuple[int, int], int] = {}
         by_prompt: dict[int, list[int]] = {}
         for k, (p, lens) in enumerate(zip(prompts, lengths, strict=True)):
             e = k % n_eng
-            rids = []
-            for j, ln in enumerate(lens):
-                rid = len(req_len)
-                req_prompt.append(p)
-                req_idx.append(j)
-                req_len.append(int(ln))
-                req_gen.append(0)
-                req_eng.append(e)
-                by_pair[(p, j)] = rid
-                rids.append(rid)
-                engs[e].waiting.append(rid)
+            first, n = len(req_len), len(lens)
+            rids = list(range(first, first + n))
+            req_prompt.extend([p] * n)
+            req_idx.extend(range(n))
+            req_len.extend(lens)
+            req_eng.extend([e] * n)
+            engs[e].waiting.extend(rids)
             by_prompt[p] = rids
+        req_gen = [0] * len(req_len)
         dead: set[int] = set()
         prof = self.prof
         limit = prof.kv_capacity_tokens * (1.0 - prof.kv_watermark)
@@ -246,8 +238,8 @@ class RoundSimulator:
                     d = planner.on_response_finished(req_prompt[rid], req_idx[rid])
                     if d.keep:
                         kept.append(req_len[rid])
-                    for pair in d.abort_responses:
-                        abort(by_pair[pair], now, touched)
+                    for p, j in d.abort_responses:
+                        abort(by_prompt[p][j], now, touched)
                     for p in d.abort_prompts:
                         for r in by_prompt[p]:
                             abort(r, now, touched)

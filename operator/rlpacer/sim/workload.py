@@ -145,10 +145,18 @@ class Workload:
 
     def lengths(self, prompt: int, first: int, count: int, progress: float) -> list[int]:
         """Lengths of responses ``first .. first+count-1`` of ``prompt`` at ``progress``."""
+        return self.lengths_many([prompt], [first], count, progress)[0]
+
+    def lengths_many(
+        self, prompts: list[int], firsts: list[int], count: int, progress: float
+    ) -> list[list[int]]:
+        """``lengths`` for many prompts at once (one row per prompt)."""
         s = self.scn
-        idx = np.arange(first, first + count) % _POOL
+        p = np.asarray(prompts, dtype=np.int64)[:, None]
+        idx = (np.asarray(firsts, dtype=np.int64)[:, None] + np.arange(count)) % _POOL
         base = s.median_tokens * (1.0 + s.drift * progress)
-        length = base * np.exp(self.difficulty[prompt] + s.response_sigma * self.z[prompt, idx])
-        ramble = self.coin[prompt, idx] < self.q[prompt]
-        length = np.where(ramble, length * s.tail_min * self.pareto[prompt, idx], length)
-        return [int(x) for x in np.clip(np.rint(length), 1, s.cap)]
+        length = base * np.exp(self.difficulty[p] + s.response_sigma * self.z[p, idx])
+        ramble = self.coin[p, idx] < self.q[p]
+        length = np.where(ramble, length * s.tail_min * self.pareto[p, idx], length)
+        out: list[list[int]] = np.clip(np.rint(length), 1, s.cap).astype(np.int64).tolist()
+        return out
