@@ -295,7 +295,7 @@ def plot(runs: dict[str, PolicyRun], path: str, report: dict[str, Any]) -> None:
     )
     for ax, (label, attr) in zip(axes, series, strict=True):
         for name, run in runs.items():
-            values = np.asarray(getattr(run, attr), dtype=np.float64)
+            values: np.ndarray[Any, Any] = np.asarray(getattr(run, attr), dtype=np.float64)
             if attr == "bubble" and len(values) >= 10:
                 values = np.convolve(values, np.ones(10) / 10, mode="valid")
             ax.plot(values, label=name, linewidth=1.0)
