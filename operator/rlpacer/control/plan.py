@@ -257,6 +257,11 @@ class JobController:
     def posterior_means(self) -> dict[int, float]:
         return self._ctl.posterior_means()
 
+    @property
+    def last_report(self) -> StepReportData | None:
+        """The last accepted report (a repeat of it gets the same answer)."""
+        return None if self._last_report is None else StepReportData.from_dict(self._last_report)
+
     def plan(self, *, straggler: bool | None = None) -> ControlPlan:
         """The plan for the next step. Pure: calling it changes nothing."""
         g = self._ctl.pending

@@ -1,0 +1,316 @@
+"""Tail batching: exactly-once training, long rounds at P0, aborts at any event, state."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlpacer.control.errors import ConfigError, StateError
+from rlpacer.control.tail_batching import (
+    PlannerError,
+    RoundKind,
+    TailBatchingConfig,
+    TailBatchingPlanner,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _events(planner: TailBatchingPlanner, rng: random.Random) -> list[tuple[int, int]]:
+    plan = planner.current_round
+    assert plan is not None
+    events = [(p, i) for p in plan.prompts for i in range(plan.responses_per_prompt)]
+    rng.shuffle(events)
+    return events
+
+
+def run_round(
+    planner: TailBatchingPlanner, g: int, rng: random.Random, abort_at: int | None = None
+) -> dict[int, list[int]] | None:
+    """Start a round and feed it shuffled finish events, applying aborts as a driver would.
+    Returns the kept groups, or None when the round was aborted after ``abort_at`` events."""
+    plan = planner.start_round(g)
+    aborted: set[tuple[int, int]] = set()
+    for n, (p, i) in enumerate(_events(planner, rng)):
+        if abort_at is not None and n == abort_at:
+            planner.abort_round()
+            return None
+        if (p, i) in aborted and rng.random() < 0.8:
+            continue  # mostly the abort wins; sometimes the response finished first
+        d = planner.on_response_finished(p, i)
+        aborted.update(d.abort_responses)
+        for q in d.abort_prompts:
+            aborted.update((q, j) for j in range(plan.responses_per_prompt))
+        if d.round_complete:
+            break
+    return planner.finish_round().kept
+
+
+def train_all(
+    planner: TailBatchingPlanner, g: int, seed: int, abort_prob: float = 0.0
+) -> tuple[Counter[tuple[int, int]], list[RoundKind]]:
+    """Run rounds until done; returns (epoch, prompt) training counts and the round kinds."""
+    rng = random.Random(seed)
+    trained: Counter[tuple[int, int]] = Counter()
+    kinds = []
+    while not planner.done:
+        abort_at = None
+        if rng.random() < abort_prob:
+            abort_at = rng.randrange(0, 40)
+        epoch = planner.epoch
+        kind = planner.next_round_kind
+        kept = run_round(planner, g, rng, abort_at)
+        if kept is None:
+            continue
+        kinds.append(kind)
+        for p, idx in kept.items():
+            assert len(idx) == g and len(set(idx)) == g
+            trained[(epoch, p)] += 1
+    return trained, kinds
+
+
+# --- configuration errors -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"prompts_per_step": 0}, "prompts_per_step"),
+        ({"prompt_overprovision": 0.9}, "prompt_overprovision"),
+        ({"prompt_overprovision": float("inf")}, "prompt_overprovision"),
+        ({"extra_responses": -1}, "extra_responses"),
+        ({"enabled": 1}, "enabled"),
+    ],
+)
+def test_bad_config(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        TailBatchingConfig(**kwargs)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"num_prompts": 0}, "num_prompts"), ({"epochs": 0}, "epochs"), ({"seed": -3}, "seed")],
+)
+def test_bad_planner_arguments(kwargs: dict[str, Any], field: str) -> None:
+    args: dict[str, Any] = {"num_prompts": 10, "seed": 0, "epochs": 1} | kwargs
+    with pytest.raises(ConfigError, match=field):
+        TailBatchingPlanner(TailBatchingConfig(), **args)
+
+
+def test_launch_count_is_ceil_eta_p0() -> None:
+    assert TailBatchingConfig(prompts_per_step=32, prompt_overprovision=1.25).launched_prompts == 40
+    assert TailBatchingConfig(prompts_per_step=10, prompt_overprovision=1.21).launched_prompts == 13
+    assert TailBatchingConfig(prompts_per_step=7, enabled=False).launched_prompts == 7
+
+
+# --- a short round, step by step ------------------------------------------------------------
+def test_short_round_keeps_first_finishers_and_defers_the_rest() -> None:
+    cfg = TailBatchingConfig(prompts_per_step=2, prompt_overprovision=1.5, extra_responses=1)
+    planner = TailBatchingPlanner(cfg, num_prompts=6, seed=0)
+    plan = planner.start_round(group_size=2)
+    assert plan.kind is RoundKind.SHORT
+    assert len(plan.prompts) == 3 and plan.responses_per_prompt == 3
+    assert plan.keep_per_prompt == 2 and plan.target_prompts == 2
+    a, b, c = plan.prompts
+    assert planner.on_response_finished(a, 2).keep
+    d = planner.on_response_finished(a, 0)  # a's group is complete: abort its straggler
+    assert d.keep and d.abort_responses == [(a, 1)] and not d.round_complete
+    late = planner.on_response_finished(a, 1)  # it raced the abort: discarded
+    assert not late.keep
+    with pytest.raises(PlannerError, match="twice"):
+        planner.on_response_finished(a, 1)
+    assert planner.on_response_finished(c, 1).keep
+    planner.on_response_finished(b, 0)  # b has one finished response; it will be deferred
+    d = planner.on_response_finished(c, 2)
+    assert d.round_complete and d.abort_prompts == [b] and d.abort_responses == [(c, 0)]
+    assert not planner.on_response_finished(b, 1).keep  # after completion: discarded
+    res = planner.finish_round()
+    assert res.kept == {a: [2, 0], c: [1, 2]}
+    assert res.deferred == [b]
+    assert res.aborted_responses == 9 - 4
+    assert planner.long_queue == [b]
+    assert planner.consumed == 2
+
+
+def test_calls_out_of_order_raise() -> None:
+    planner = TailBatchingPlanner(TailBatchingConfig(prompts_per_step=2), num_prompts=4)
+    with pytest.raises(PlannerError, match="no round"):
+        planner.on_response_finished(0, 0)
+    with pytest.raises(PlannerError, match="no round"):
+        planner.finish_round()
+    plan = planner.start_round(2)
+    with pytest.raises(PlannerError, match="in progress"):
+        planner.start_round(2)
+    outsider = next(p for p in range(4) if p not in plan.prompts)
+    with pytest.raises(PlannerError, match="not in round"):
+        planner.on_response_finished(outsider, 0)
+    with pytest.raises(PlannerError, match="outside"):
+        planner.on_response_finished(plan.prompts[0], plan.responses_per_prompt)
+    with pytest.raises(PlannerError, match="not complete"):
+        planner.finish_round()
+    with pytest.raises(ConfigError, match="group_size"):
+        TailBatchingPlanner(TailBatchingConfig(), num_prompts=4).start_round(0)
+
+
+def test_start_after_done_raises() -> None:
+    planner = TailBatchingPlanner(TailBatchingConfig(prompts_per_step=4), num_prompts=3)
+    train_all(planner, 2, seed=0)
+    assert planner.done
+    with pytest.raises(PlannerError, match="nothing left"):
+        planner.start_round(2)
+
+
+# --- long rounds ------------------------------------------------------------------------------
+def test_long_round_exactly_when_the_queue_reaches_p0() -> None:
+    # P0=4, eta=1.25: each full short round launches 5 and defers exactly 1.
+    cfg = TailBatchingConfig(prompts_per_step=4, prompt_overprovision=1.25, extra_responses=1)
+    planner = TailBatchingPlanner(cfg, num_prompts=100, seed=1)
+    rng = random.Random(0)
+    kinds = []
+    for _ in range(10):
+        queue_before = planner.long_queue_len
+        expected = RoundKind.LONG if queue_before >= 4 else RoundKind.SHORT
+        assert planner.next_round_kind is expected
+        plan = planner.start_round(3)
+        assert plan.kind is expected
+        kinds.append(plan.kind)
+        planner.abort_round()
+        run_round(planner, 3, rng)
+    assert kinds == [RoundKind.SHORT] * 4 + [RoundKind.LONG] + [RoundKind.SHORT] * 4 + [
+        RoundKind.LONG
+    ]
+
+
+def test_long_round_runs_everything_to_completion() -> None:
+    cfg = TailBatchingConfig(prompts_per_step=2, prompt_overprovision=2.0, extra_responses=2)
+    planner = TailBatchingPlanner(cfg, num_prompts=4, seed=0)
+    run_round(planner, 3, random.Random(0))
+    assert planner.next_round_kind is RoundKind.LONG
+    plan = planner.start_round(3)
+    assert plan.responses_per_prompt == 3 and plan.keep_per_prompt == 3
+    for n, (p, i) in enumerate(_events(planner, random.Random(1))):
+        d = planner.on_response_finished(p, i)
+        assert d.keep and not d.abort_prompts and not d.abort_responses
+        assert d.round_complete == (n == 5)
+    assert planner.finish_round().deferred == []
+    assert planner.long_queue_len == 0 and planner.done
+
+
+def test_final_flush_trains_every_prompt() -> None:
+    cfg = TailBatchingConfig(prompts_per_step=8, prompt_overprovision=1.5)
+    planner = TailBatchingPlanner(cfg, num_prompts=37, seed=4, epochs=2)
+    trained, kinds = train_all(planner, 4, seed=2)
+    assert set(trained) == {(e, p) for e in range(2) for p in range(37)}
+    assert set(trained.values()) == {1}
+    assert planner.consumed == 74 and planner.long_queue_len == 0
+    assert kinds.count(RoundKind.LONG) == planner.long_rounds > 0
+
+
+def test_disabled_is_a_plain_synchronous_batcher() -> None:
+    cfg = TailBatchingConfig(prompts_per_step=5, enabled=False, extra_responses=3)
+    planner = TailBatchingPlanner(cfg, num_prompts=12, seed=0)
+    sizes = []
+    rng = random.Random(0)
+    while not planner.done:
+        plan = planner.start_round(4)
+        assert plan.kind is RoundKind.SHORT and plan.responses_per_prompt == 4
+        sizes.append(len(plan.prompts))
+        for p, i in _events(planner, rng):
+            d = planner.on_response_finished(p, i)
+            assert d.keep and not d.abort_prompts and not d.abort_responses
+        res = planner.finish_round()
+        assert res.deferred == [] and res.aborted_responses == 0
+    assert sizes == [5, 5, 2]
+    assert planner.long_rounds == 0
+
+
+# --- properties -----------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 50),
+    p0=st.integers(1, 10),
+    eta=st.floats(1.0, 2.0),
+    extra=st.integers(0, 3),
+    epochs=st.integers(1, 3),
+    enabled=st.booleans(),
+    g=st.integers(1, 4),
+    abort_prob=st.sampled_from([0.0, 0.3]),
+    seed=st.integers(0, 1000),
+)
+def test_every_prompt_trained_exactly_once_despite_aborts(
+    n: int, p0: int, eta: float, extra: int, epochs: int, enabled: bool, g: int,
+    abort_prob: float, seed: int,
+) -> None:
+    cfg = TailBatchingConfig(
+        prompts_per_step=p0, prompt_overprovision=eta, extra_responses=extra, enabled=enabled
+    )
+    planner = TailBatchingPlanner(cfg, num_prompts=n, seed=seed, epochs=epochs)
+    trained, kinds = train_all(planner, g, seed, abort_prob)
+    assert set(trained) == {(e, p) for e in range(epochs) for p in range(n)}
+    assert set(trained.values()) == {1}
+    assert planner.consumed == n * epochs
+    if not enabled:
+        assert RoundKind.LONG not in kinds
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(5, 40),
+    p0=st.integers(1, 8),
+    rounds_before=st.integers(0, 12),
+    seed=st.integers(0, 1000),
+    mid_round=st.booleans(),
+)
+def test_state_round_trip_continues_identically(
+    n: int, p0: int, rounds_before: int, seed: int, mid_round: bool
+) -> None:
+    cfg = TailBatchingConfig(prompts_per_step=p0, prompt_overprovision=1.5, extra_responses=1)
+    planner = TailBatchingPlanner(cfg, num_prompts=n, seed=seed, epochs=2)
+    rng = random.Random(seed)
+    for _ in range(rounds_before):
+        if planner.done:
+            break
+        run_round(planner, 2, rng)
+    if mid_round and not planner.done:
+        plan = planner.start_round(2)
+        planner.on_response_finished(plan.prompts[0], 0)  # a round in flight at the checkpoint
+    state = json.loads(json.dumps(planner.state_dict()))
+    clone = TailBatchingPlanner.from_state_dict(state)
+    planner.abort_round()  # restoring mid-round is the same as aborting that round
+    assert clone.state_dict() == planner.state_dict()
+    a, b = random.Random(7), random.Random(7)
+    while not planner.done:
+        assert clone.next_round_kind is planner.next_round_kind
+        assert run_round(clone, 2, a) == run_round(planner, 2, b)
+    assert clone.done and clone.state_dict() == planner.state_dict()
+
+
+def test_epoch_orders_are_permutations_and_differ() -> None:
+    planner = TailBatchingPlanner(TailBatchingConfig(), num_prompts=50, seed=3, epochs=2)
+    o0, o1 = planner.epoch_order(0), planner.epoch_order(1)
+    assert sorted(o0) == sorted(o1) == list(range(50))
+    assert o0 != o1
+    assert TailBatchingPlanner(TailBatchingConfig(), 50, seed=3).epoch_order(0) == o0
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda s: s.update(kind="sagc"),
+        lambda s: s.update(version=0),
+        lambda s: s.update(queue=[1, 1]),
+        lambda s: s.update(queue=[999]),
+        lambda s: s.update(position=-1),
+        lambda s: s.pop("epoch"),
+    ],
+)
+def test_corrupt_state_is_rejected(mutate: Any) -> None:
+    state = TailBatchingPlanner(TailBatchingConfig(), num_prompts=10).state_dict()
+    mutate(state)
+    with pytest.raises((StateError, ConfigError)):
+        TailBatchingPlanner.from_state_dict(state)
