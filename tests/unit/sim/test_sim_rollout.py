@@ -1,0 +1,86 @@
+"""The event-driven rollout: timing, busy fraction, KV-bound preemption, planner aborts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rlpacer.control.tail_batching import TailBatchingConfig, TailBatchingPlanner
+from rlpacer.sim.cost import fit_cpu_profile
+from rlpacer.sim.rollout import RoundSimulator
+from rlpacer.sim.workload import Workload, scenario
+
+pytestmark = pytest.mark.unit
+
+CPU = fit_cpu_profile()
+PROMPT = 10
+
+
+def _plain(num_prompts: int, g: int) -> TailBatchingPlanner:
+    cfg = TailBatchingConfig(prompts_per_step=num_prompts, enabled=False)
+    planner = TailBatchingPlanner(cfg, num_prompts=num_prompts)
+    planner.start_round(g)
+    return planner
+
+
+def test_single_sequence_time_and_busy_fraction() -> None:
+    planner = _plain(1, 1)
+    sim = RoundSimulator(CPU, engines=1, prompt_len=PROMPT, sat_batch=100)
+    out = sim.run(planner, planner.current_round.prompts, [[500]])  # type: ignore[union-attr]
+    prefill = CPU.prefill_s_per_token * PROMPT
+    decode = 500 * CPU.step_s(1, 0)
+    assert out.rollout_s == pytest.approx(prefill + decode)
+    assert out.busy_fraction == pytest.approx((prefill + decode / 100) / (prefill + decode))
+    assert out.kept_lengths == [500] and out.aborted == 0
+
+
+def test_batch_shares_decode_steps() -> None:
+    planner = _plain(1, 2)
+    sim = RoundSimulator(CPU, engines=1, prompt_len=PROMPT, sat_batch=100)
+    out = sim.run(planner, planner.current_round.prompts, [[100, 300]])  # type: ignore[union-attr]
+    prefill = 2 * CPU.prefill_s_per_token * PROMPT
+    expected = prefill + 100 * CPU.step_s(2, 0) + 200 * CPU.step_s(1, 0)
+    assert out.rollout_s == pytest.approx(expected)
+    assert sorted(out.kept_lengths) == [100, 300]
+
+
+def test_kv_bound_preempts_and_still_finishes_everything() -> None:
+    small = dataclasses.replace(CPU, kv_capacity_tokens=1200)
+    lengths = [[400, 420, 440, 460]]
+    free = RoundSimulator(CPU, engines=1, prompt_len=PROMPT, sat_batch=4)
+    bound = RoundSimulator(small, engines=1, prompt_len=PROMPT, sat_batch=4)
+    p1, p2 = _plain(1, 4), _plain(1, 4)
+    a = free.run(p1, p1.current_round.prompts, lengths)  # type: ignore[union-attr]
+    b = bound.run(p2, p2.current_round.prompts, lengths)  # type: ignore[union-attr]
+    assert a.preemptions == 0 and b.preemptions > 0
+    assert sorted(b.kept_lengths) == [400, 420, 440, 460]
+    assert b.rollout_s > a.rollout_s
+
+
+def test_planner_decisions_abort_the_rest_of_a_short_round() -> None:
+    cfg = TailBatchingConfig(prompts_per_step=1, prompt_overprovision=2.0, extra_responses=1)
+    planner = TailBatchingPlanner(cfg, num_prompts=2)
+    plan = planner.start_round(1)
+    sim = RoundSimulator(CPU, engines=1, prompt_len=PROMPT, sat_batch=100)
+    out = sim.run(planner, plan.prompts, [[100, 500], [300, 700]])
+    assert out.kept_lengths == [100]
+    assert out.aborted == 3
+    expected = 4 * CPU.prefill_s_per_token * PROMPT + 100 * CPU.step_s(4, 0)
+    assert out.rollout_s == pytest.approx(expected)
+    res = planner.finish_round()
+    assert res.deferred == [plan.prompts[1]]
+
+
+def test_workload_lengths_are_capped_deterministic_and_heavy_tailed() -> None:
+    scn = scenario("default")
+    a, b = Workload(scn, 2000, seed=3), Workload(scn, 2000, seed=3)
+    assert a.lengths(5, 0, 16, 0.5) == b.lengths(5, 0, 16, 0.5)
+    rows = a.lengths_many(list(range(2000)), [0] * 2000, 16, 0.0)
+    flat = sorted(x for row in rows for x in row)
+    median = flat[len(flat) // 2]
+    assert max(flat) == scn.cap
+    assert 0.02 < flat[int(0.75 * len(flat))] / scn.cap < 0.08  # P75: a few % of the cap
+    assert max(flat) / median > 25
+    later = a.lengths_many(list(range(2000)), [0] * 2000, 16, 1.0)
+    assert sorted(x for row in later for x in row)[len(flat) // 2] > median  # drift upward
