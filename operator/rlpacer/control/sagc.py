@@ -511,6 +511,10 @@ class FixedController:
     def posterior_means(self) -> dict[int, float]:
         return {self._cfg.group_size: self._alpha / (self._alpha + self._beta)}
 
+    def posterior(self) -> dict[int, tuple[float, float]]:
+        """``{G: (alpha, beta)}`` of the one size."""
+        return {self._cfg.group_size: (self._alpha, self._beta)}
+
     def is_straggler(self, max_len: float, median_len: float) -> bool:
         return is_straggler(max_len, median_len, self._cfg.tau)
 

@@ -330,7 +330,7 @@ def test_fixed_controller_has_the_same_interface() -> None:
     assert ctl.decide() == 8 and ctl.decide() == 8
     assert ctl.observe(8, 500, 100) is True
     assert ctl.lambda_ == 0.0
-    assert set(ctl.posterior_means()) == {8}
+    assert set(ctl.posterior_means()) == {8} and set(ctl.posterior()) == {8}
     with pytest.raises(ObservationError):
         ctl.observe(8, 500, 100)  # nothing pending
     ctl.decide()
