@@ -1,0 +1,380 @@
+"""The Helm chart with the pinned helm: lint, render, reject bad values, install into the real
+local control plane, prove its RBAC least-privilege with real API requests made with the
+chart's ServiceAccount token, upgrade the CRDs, and uninstall without orphans.
+
+Every release here selects only its own test namespaces in the webhook configurations, so the
+shared session cluster's other tests never meet these webhooks.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from rlpacer.testing import LocalCluster
+from rlpacer.testing.cluster import find_binary, pinned_versions, repo_root
+
+pytestmark = pytest.mark.integration
+
+CHART = repo_root() / "charts" / "rlpacer"
+# helm template/lint assume a cluster version; use the one the local control plane runs
+# (a helm built without Helm's own ldflags would otherwise assume v1.20).
+KUBE_VERSION = pinned_versions().get("KUBERNETES_VERSION", "v1.33.0")
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([str(find_binary("helm")), *args], capture_output=True, text=True,
+                       timeout=120)
+    if check and r.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def sets(values: dict[str, Any]) -> list[str]:
+    return [a for k, v in values.items() for a in ("--set-json", f"{k}={json.dumps(v)}")]
+
+
+def render(values: dict[str, Any] | None = None, namespace: str = "rlpacer-system"
+           ) -> list[dict[str, Any]]:
+    out = helm("template", "rlpacer", str(CHART), "--namespace", namespace,
+               "--kube-version", KUBE_VERSION, *sets(values or {}))
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [d for d in docs
+            if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def container_env(deployment: dict[str, Any]) -> dict[str, str | None]:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value") for e in c["env"]}
+
+
+# --- lint and template (no cluster) ------------------------------------------------------
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "namespaced": {"rbac.scope": "Namespaced", "rbac.watchNamespaces": ["team-a", "team-b"]},
+    "loopback": {"webhook.url": "https://127.0.0.1:9443"},
+    "cert-manager": {"webhook.certs.mode": "CertManager"},
+    "own-secret": {"webhook.certs.mode": "Secret", "webhook.certs.existingSecret": "tls",
+                   "webhook.certs.caBundle": "Zm9v"},
+    "monitoring": {"metrics.serviceMonitor.enabled": True,
+                   "metrics.prometheusRule.enabled": True},
+    "minimal": {"webhook.enabled": False, "leaderElection.enabled": False,
+                "rbac.aggregateToDefaultRoles": False, "metrics.dashboard.enabled": False},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_helm_lint_is_clean(variant: str) -> None:
+    r = helm("lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION,
+             *sets(VARIANTS[variant]))
+    assert "0 chart(s) failed" in r.stdout, r.stdout
+
+
+def test_template_renders_a_hardened_operator_wired_to_its_settings() -> None:
+    docs = render()
+    (dep,) = find(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    # Every variable the chart sets is a field of the operator's settings object.
+    from rlpacer.operator.settings import ENV_PREFIX, OperatorSettings
+    fields = {ENV_PREFIX + f.upper() for f in OperatorSettings.model_fields}
+    ours = {k for k in env if k.startswith(ENV_PREFIX)}
+    assert ours - fields <= {"RLPACER_OPERATOR_WEBHOOK_CERT_DIR"}, ours - fields
+    assert env["RLPACER_OPERATOR_NAMESPACES"] == ""  # cluster scope: everything
+    assert env["RLPACER_OPERATOR_WEBHOOK_ENABLED"] == "true"
+    # The mounted certificate directory holds what the operator's webhook server loads.
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["webhook-tls"] == env["RLPACER_OPERATOR_WEBHOOK_CERT_DIR"]
+    # Monitoring objects are off by default; the dashboard is on.
+    assert not find(docs, "ServiceMonitor") and not find(docs, "PrometheusRule")
+    (dash,) = find(docs, "ConfigMap", "rlpacer-dashboard")
+    assert json.loads(dash["data"]["rlpacer.json"])["uid"] == "rlpacer-jobs"
+
+
+def test_template_webhooks_failure_policy_scope_and_ca() -> None:
+    docs = render({"webhook.url": "https://127.0.0.1:9443"})
+    (vwc,) = find(docs, "ValidatingWebhookConfiguration")
+    (mwc,) = find(docs, "MutatingWebhookConfiguration")
+    hooks = {h["name"]: h for h in vwc["webhooks"] + mwc["webhooks"]}
+    assert {n: h["failurePolicy"] for n, h in hooks.items()} == {
+        "validate.rltrainingjob.rlpacer.io": "Fail",
+        "validate.rltrainingpolicy.rlpacer.io": "Fail",
+        "mutate.rltrainingjob.rlpacer.io": "Ignore",
+    }
+    for h in hooks.values():
+        assert h["clientConfig"]["url"].startswith("https://127.0.0.1:9443/")
+        assert "DELETE" not in h["rules"][0]["operations"]
+        assert h["namespaceSelector"]["matchExpressions"][0] == {
+            "key": "kubernetes.io/metadata.name", "operator": "NotIn",
+            "values": ["rlpacer-system", "kube-system"]}
+    # caBundle is the CA in the Secret, and it signed a certificate naming the loopback IP.
+    (ca_secret,) = find(docs, "Secret", "rlpacer-webhook-ca")
+    (tls,) = find(docs, "Secret", "rlpacer-webhook-tls")
+    ca = ca_secret["data"]["ca.crt"]
+    assert all(h["clientConfig"]["caBundle"] == ca for h in hooks.values())
+    assert tls["data"]["ca.crt"] == ca
+    pem = base64.b64decode(tls["data"]["tls.crt"]).decode()
+    text = subprocess.run(["openssl", "x509", "-noout", "-text"], check=True, text=True,
+                          capture_output=True, input=pem).stdout
+    assert "IP Address:127.0.0.1" in text and "DNS:rlpacer.rlpacer-system.svc" in text
+    # Service mode: the Service, the webhook port, the handler id as path.
+    (svc_hook,) = [h for h in find(render(), "ValidatingWebhookConfiguration")[0]["webhooks"]
+                   if h["name"].startswith("validate.rltrainingjob")]
+    assert svc_hook["clientConfig"]["service"] == {
+        "name": "rlpacer", "namespace": "rlpacer-system", "port": 443,
+        "path": "/validate-rltrainingjob"}
+
+
+def test_template_namespaced_scope_has_no_cluster_wide_operator_rights() -> None:
+    docs = render(VARIANTS["namespaced"], namespace="ops")
+    assert [d["metadata"]["name"] for d in find(docs, "ClusterRole")] == [
+        "rlpacer-rltrainingjob-editor", "rlpacer-rltrainingjob-viewer",
+        "rlpacer-rltrainingpolicy-admin"]  # for people; none is bound to the operator
+    assert not find(docs, "ClusterRoleBinding")
+    roles = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in find(docs, "Role")}
+    assert roles == {("team-a", "rlpacer-operator"), ("team-b", "rlpacer-operator"),
+                     ("ops", "rlpacer-leader-election")}
+    (dep,) = find(docs, "Deployment")
+    assert container_env(dep)["RLPACER_OPERATOR_NAMESPACES"] == "team-a,team-b"
+    (vwc,) = find(docs, "ValidatingWebhookConfiguration")
+    assert vwc["webhooks"][0]["namespaceSelector"]["matchExpressions"] == [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]
+
+
+def test_template_monitoring_objects() -> None:
+    docs = render(VARIANTS["monitoring"])
+    (rule,) = find(docs, "PrometheusRule")
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {"RLPacerStragglerSLOBurn", "RLPacerStepTimeSLOBreached",
+                           "RLPacerJobStuck", "RLPacerOperatorDown"}
+    assert 'reason="StragglerRateAboveSLO"' in alerts["RLPacerStragglerSLOBurn"]["expr"]
+    assert "{{ $labels.job }}" in alerts["RLPacerJobStuck"]["annotations"]["summary"]
+    (sm,) = find(docs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"rbac.scope": "cluster"},
+         "at '/rbac/scope': value must be one of 'Cluster', 'Namespaced'"),
+        ({"webhook.failurePolicy.validating": "Maybe"},
+         "at '/webhook/failurePolicy/validating': value must be one of 'Fail', 'Ignore'"),
+        ({"replicas": 0}, "at '/replicas': minimum: got 0, want 1"),
+        ({"webhook.url": "http://127.0.0.1:9443"}, "at '/webhook/url'"),
+        ({"rbac.watchNamespaces": ["Team_A"]}, "at '/rbac/watchNamespaces/0'"),
+        ({"typo": 1}, "additional properties 'typo' not allowed"),
+    ],
+)
+def test_wrong_values_fail_with_a_clear_message(values: dict[str, Any], needle: str) -> None:
+    r = helm("template", "rlpacer", str(CHART), "--kube-version", KUBE_VERSION, *sets(values),
+             check=False)
+    assert r.returncode != 0
+    assert "values don't meet the specifications of the schema" in r.stderr
+    assert needle in r.stderr, r.stderr
+
+
+# --- against the cluster -----------------------------------------------------------------
+
+
+def _release_values(namespaces: list[str]) -> dict[str, Any]:
+    # Only these test namespaces are selected by the webhooks (no effect on other tests).
+    return {"webhook.namespaceSelectorExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": namespaces}]}
+
+
+@pytest.fixture
+def cluster_release(cluster: LocalCluster) -> Iterator[tuple[str, str, str]]:
+    """A cluster-scope release in its own namespace; yields (release, release ns, job ns)."""
+    suffix = uuid.uuid4().hex[:6]
+    rel, ns, jobs = f"rlp-{suffix}", f"rlp-sys-{suffix}", f"rlp-jobs-{suffix}"
+    cluster.create_namespace(ns)
+    cluster.create_namespace(jobs)
+    cluster.helm("install", rel, str(CHART), "-n", ns, "--wait=false",
+                 *sets(_release_values([jobs])))
+    try:
+        yield rel, ns, jobs
+    finally:
+        cluster.helm("uninstall", rel, "-n", ns, check=False)
+        cluster.delete_namespace(jobs)
+        cluster.delete_namespace(ns)
+
+
+def _can(cluster: LocalCluster, token: str, method: str, path: str, body: Any = None) -> int:
+    ctype = "application/merge-patch+json" if method == "PATCH" else "application/json"
+    status, _ = cluster.request(method, path, body, token=token, content_type=ctype)
+    return status
+
+
+def test_install_rbac_is_sufficient_and_not_excessive(
+    cluster: LocalCluster, cluster_release: tuple[str, str, str]
+) -> None:
+    rel, ns, jobs = cluster_release
+    sa = f"{rel}-rlpacer"
+    token = cluster.service_account_token(ns, sa)
+    # Sufficient: what the operator does, in a job namespace, as the chart's ServiceAccount.
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "run-config"}}
+    assert _can(cluster, token, "POST", f"/api/v1/namespaces/{jobs}/configmaps", cm) == 201
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "job-token"}}
+    assert _can(cluster, token, "POST", f"/api/v1/namespaces/{jobs}/secrets", secret) == 201
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+           "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+    assert _can(cluster, token, "POST", f"/api/v1/namespaces/{jobs}/pods", pod) == 201
+    for path in (f"/apis/rlpacer.io/v1alpha1/namespaces/{jobs}/rltrainingjobs",
+                 "/apis/rlpacer.io/v1alpha1/rltrainingjobs",
+                 f"/apis/rlpacer.io/v1alpha1/namespaces/{jobs}/rltrainingpolicies",
+                 f"/apis/apps/v1/namespaces/{jobs}/statefulsets",
+                 f"/api/v1/namespaces/{jobs}/services"):
+        assert _can(cluster, token, "GET", path) == 200, path
+    event = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": "e"},
+             "involvedObject": {"kind": "Pod", "name": "p", "namespace": jobs},
+             "reason": "Test", "message": "m", "type": "Normal"}
+    assert _can(cluster, token, "POST", f"/api/v1/namespaces/{jobs}/events", event) == 201
+    lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": sa}}
+    assert _can(cluster, token, "POST",
+                f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases", lease) == 201
+    assert _can(cluster, token, "GET",
+                f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{sa}") == 200
+    # Not excessive: RBAC, nodes, namespaces, CRDs, webhooks, policies, other Leases.
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": {"name": f"{rel}-escalate"}, "rules": []}
+    denied = [
+        ("POST", "/apis/rbac.authorization.k8s.io/v1/clusterroles", role),
+        ("POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{jobs}/roles",
+         {**role, "kind": "Role"}),
+        ("GET", "/api/v1/nodes", None),
+        ("PATCH", "/api/v1/nodes/any", {}),
+        ("GET", "/api/v1/namespaces", None),
+        ("DELETE", f"/api/v1/namespaces/{jobs}", None),
+        ("GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", None),
+        ("GET", "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", None),
+        ("POST", f"/apis/rlpacer.io/v1alpha1/namespaces/{jobs}/rltrainingpolicies",
+         {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingPolicy",
+          "metadata": {"name": "mine"}, "spec": {}}),
+        ("GET", f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/someone-else", None),
+        ("GET", f"/apis/coordination.k8s.io/v1/namespaces/{jobs}/leases", None),
+    ]
+    for method, path, body in denied:
+        assert _can(cluster, token, method, path, body) == 403, (method, path)
+
+
+def test_namespaced_install_cannot_touch_other_namespaces(cluster: LocalCluster) -> None:
+    suffix = uuid.uuid4().hex[:6]
+    rel, ns, watched, other = (f"rlp-{suffix}", f"rlp-sys-{suffix}", f"rlp-w-{suffix}",
+                               f"rlp-o-{suffix}")
+    for n in (ns, watched, other):
+        cluster.create_namespace(n)
+    try:
+        cluster.helm("install", rel, str(CHART), "-n", ns, "--wait=false",
+                     *sets({"rbac.scope": "Namespaced", "rbac.watchNamespaces": [watched]}))
+        token = cluster.service_account_token(ns, f"{rel}-rlpacer")
+        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}}
+        assert _can(cluster, token, "POST", f"/api/v1/namespaces/{watched}/configmaps", cm) == 201
+        assert _can(cluster, token, "GET",
+                    f"/apis/rlpacer.io/v1alpha1/namespaces/{watched}/rltrainingjobs") == 200
+        for method, path, body in [
+            ("POST", f"/api/v1/namespaces/{other}/configmaps", cm),
+            ("GET", f"/api/v1/namespaces/{other}/secrets", None),
+            ("GET", f"/api/v1/namespaces/{other}/pods", None),
+            ("GET", f"/apis/rlpacer.io/v1alpha1/namespaces/{other}/rltrainingjobs", None),
+            ("GET", "/apis/rlpacer.io/v1alpha1/rltrainingjobs", None),  # cluster-wide list
+            ("GET", "/api/v1/pods", None),
+            ("GET", f"/api/v1/namespaces/{ns}/secrets", None),  # not even its own namespace
+        ]:
+            assert _can(cluster, token, method, path, body) == 403, (method, path)
+        # The webhooks select exactly the watched namespace.
+        vwc = json.loads(cluster.kubectl("get", "validatingwebhookconfiguration",
+                                         f"{rel}-rlpacer-validating", "-o", "json").stdout)
+        assert vwc["webhooks"][0]["namespaceSelector"]["matchExpressions"] == [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [watched]}]
+    finally:
+        cluster.helm("uninstall", rel, "-n", ns, check=False)
+        for n in (ns, watched, other):
+            cluster.delete_namespace(n)
+
+
+def test_upgrade_keeps_the_ca_and_uninstall_leaves_no_orphans(
+    cluster: LocalCluster, cluster_release: tuple[str, str, str]
+) -> None:
+    rel, ns, jobs = cluster_release
+
+    def ca_bundles() -> set[str]:
+        out = set()
+        for kind in ("validatingwebhookconfiguration", "mutatingwebhookconfiguration"):
+            obj = json.loads(cluster.kubectl("get", kind, f"{rel}-rlpacer-{kind[:-20]}",
+                                             "-o", "json").stdout)
+            out |= {h["clientConfig"]["caBundle"] for h in obj["webhooks"]}
+        return out
+
+    before = ca_bundles()
+    assert len(before) == 1
+    cluster.helm("upgrade", rel, str(CHART), "-n", ns, "--wait=false",
+                 *sets({**_release_values([jobs]), "operator.logLevel": "DEBUG",
+                        "webhook.url": "https://127.0.0.1:9443"}))
+    assert ca_bundles() == before  # the CA was read back and reused
+    dep = json.loads(cluster.kubectl("get", "deploy", f"{rel}-rlpacer", "-n", ns, "-o",
+                                     "json").stdout)
+    assert container_env(dep)["RLPACER_OPERATOR_LOG_LEVEL"] == "DEBUG"
+
+    cluster.helm("uninstall", rel, "-n", ns)
+    selector = f"app.kubernetes.io/instance={rel}"
+    for kinds, scope in [
+        ("clusterroles,clusterrolebindings,validatingwebhookconfigurations,"
+         "mutatingwebhookconfigurations", []),
+        ("deployments,services,secrets,configmaps,serviceaccounts,roles,rolebindings", ["-A"]),
+    ]:
+        left = cluster.kubectl("get", kinds, "-l", selector, *scope, "-o", "name").stdout
+        assert left.strip() == "", left
+    # CRDs stay (Helm never deletes crds/), so users' jobs and policies survive.
+    for name in ("rltrainingjobs.rlpacer.io", "rltrainingpolicies.rlpacer.io"):
+        cluster.kubectl("get", "crd", name)
+
+
+def test_crds_upgrade_with_server_side_apply(cluster: LocalCluster, namespace: str) -> None:
+    """The documented upgrade path: `kubectl apply --server-side --force-conflicts -f crds/`
+    over an older CRD that holds live objects."""
+    path = CHART / "crds" / "rlpacer.io_rltrainingpolicies.yaml"
+    new = yaml.safe_load(path.read_text())
+    old = json.loads(json.dumps(new))
+    version = old["spec"]["versions"][0]
+    del version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["defaults"]
+    version["additionalPrinterColumns"] = version["additionalPrinterColumns"][:1]
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=old-chart",
+                    "-f", "-", input=yaml.safe_dump(old))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/" + new["metadata"]["name"])
+    policy = {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingPolicy",
+              "metadata": {"name": "p", "namespace": namespace},
+              "spec": {"action": "Warn", "stepTimeSLO": {"maxSeconds": 60}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(policy))
+
+    r = cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
+    assert "serverside-applied" in r.stdout
+    live = json.loads(cluster.kubectl("get", "crd", new["metadata"]["name"], "-o", "json").stdout)
+    assert "defaults" in live["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
+        "properties"]["spec"]["properties"]
+    # The old object is intact, and the new field is now stored rather than pruned.
+    policy["spec"]["defaults"] = {"ttlSecondsAfterFinished": 60}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(policy))
+    got = json.loads(cluster.kubectl("get", "rltp", "p", "-n", namespace, "-o", "json").stdout)
+    assert got["spec"]["stepTimeSLO"] == {"maxSeconds": 60}
+    assert got["spec"]["defaults"] == {"ttlSecondsAfterFinished": 60}
