@@ -221,6 +221,8 @@ def missing_descriptions(schema: Schema, path: str = "") -> list[str]:
     out: list[str] = []
     for key, sub in (schema.get("properties") or {}).items():
         p = f"{path}.{key}"
+        if p == ".metadata":
+            continue  # the API server forbids a description on the root's metadata
         if not sub.get("description"):
             out.append(p)
         out.extend(missing_descriptions(sub, p))
@@ -257,7 +259,8 @@ def rltrainingjob_crd() -> dict[str, Any]:
                 " object represents.",
                 "type": "string",
             },
-            "metadata": {"description": "Standard object metadata.", "type": "object"},
+            # The API server allows nothing but the type here (not even a description).
+            "metadata": {"type": "object"},
             "spec": spec,
             "status": status,
         },
@@ -332,6 +335,15 @@ class _Dumper(yaml.SafeDumper):
 
 
 def _str_presenter(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    # PyYAML (YAML 1.1) writes "1e-6" plain, but kubectl's YAML 1.2 reads that as a number:
+    # quote every string that a YAML 1.2 reader could take for a number or keyword.
+    try:
+        float(data)
+        numeric = True
+    except ValueError:
+        numeric = False
+    if numeric or data.lower() in ("true", "false", "null", "yes", "no", "on", "off", "~"):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style='"')
     return dumper.represent_scalar("tag:yaml.org,2002:str", data)
 
 
@@ -343,9 +355,19 @@ def render(obj: dict[str, Any]) -> str:
                               default_flow_style=False)
 
 
+def structural_root(crd_obj: dict[str, Any]) -> dict[str, Any]:
+    """Enforce the API server's rules on the root of every version's schema: ``metadata``
+    may carry nothing but ``type: object`` (a description is rejected)."""
+    for v in crd_obj["spec"]["versions"]:
+        props = v["schema"]["openAPIV3Schema"].get("properties", {})
+        if "metadata" in props:
+            props["metadata"] = {"type": "object"}
+    return crd_obj
+
+
 def rendered() -> dict[str, str]:
     """File name -> YAML text of every CRD."""
-    return {f.filename: render(f.build()) for f in CRDS}
+    return {f.filename: render(structural_root(f.build())) for f in CRDS}
 
 
 def write(out_dirs: Iterable[Path]) -> list[Path]:
