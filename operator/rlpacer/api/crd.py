@@ -55,6 +55,9 @@ def _dec(field: str, op: str, bound: str, message: str) -> dict[str, str]:
     return _rule(f"double(self.{field}) {op} {bound}", f"{field} {message}", field)
 
 
+# The CRD carries no default for a list built by a default_factory: rules fall back to it.
+_DEFAULT_CANDIDATES = list(job_api.GroupControlSpec().candidates)
+
 #: CEL rules per model (by class name), the API server's copy of the pydantic validators.
 CEL_RULES: dict[str, list[dict[str, str]]] = {
     "OverlongPenalty": [_dec("penalty", ">=", "0.0", "must be >= 0")],
@@ -77,12 +80,16 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
     ],
     "GroupControlSpec": [
         _rule(
-            "self.candidates.isSorted() && self.candidates.all(c,"
-            " self.candidates.filter(d, d == c).size() == 1)",
+            "!has(self.candidates) || (self.candidates.isSorted() && self.candidates.all(c,"
+            " self.candidates.filter(d, d == c).size() == 1))",
             "candidates must be strictly increasing, e.g. [4, 8, 16]",
             "candidates",
         ),
-        _rule("self.initial in self.candidates", "initial must be one of candidates", "initial"),
+        _rule(
+            f"self.initial in (has(self.candidates) ? self.candidates : {_DEFAULT_CANDIDATES})",
+            "initial must be one of candidates",
+            "initial",
+        ),
         _rule(
             "double(self.targetStragglerRate) > 0.0 && double(self.targetStragglerRate) < 1.0",
             "targetStragglerRate must be in (0, 1)",
