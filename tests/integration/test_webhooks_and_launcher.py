@@ -37,13 +37,14 @@ class _Handler(BaseHTTPRequestHandler):
         req = review["request"]
         obj = req["object"]
         resp: dict[str, Any] = {"uid": req["uid"], "allowed": True}
-        if self.path == "/validate" and "forbidden" in (obj.get("data") or {}):
+        path = self.path.split("?", 1)[0]  # the API server appends ?timeout=...
+        if path == "/validate" and "forbidden" in (obj.get("data") or {}):
             resp = {
                 "uid": req["uid"],
                 "allowed": False,
                 "status": {"code": 403, "message": "configmaps may not carry the key 'forbidden'"},
             }
-        elif self.path == "/mutate":
+        elif path == "/mutate":
             patch = [
                 {
                     "op": "add",

@@ -762,6 +762,8 @@ class LocalCluster:
             "controller-manager": ("system:kube-controller-manager", ""),
             "scheduler": ("system:kube-scheduler", ""),
             "kwok": ("kwok-controller", "system:masters"),
+            # The aggregation layer's client (kube-apiserver -> aggregated API servers).
+            "front-proxy-client": ("front-proxy-client", ""),
         }
         certs = _make_certs(d / "pki", clients)
         self.ca_file = certs.ca_crt
@@ -770,6 +772,8 @@ class LocalCluster:
         ca_data = _b64(certs.ca_crt)
         kcs: dict[str, Path] = {}
         for name in clients:
+            if name == "front-proxy-client":
+                continue
             kcs[name] = write_kubeconfig(
                 d / ("admin.kubeconfig" if name == "admin" else f"{name}.kubeconfig"),
                 self.server,
@@ -830,6 +834,13 @@ class LocalCluster:
                 f"--service-account-signing-key-file={certs.sa_key}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--authorization-mode=Node,RBAC",
+                f"--requestheader-client-ca-file={certs.ca_crt}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={certs.crt('front-proxy-client')}",
+                f"--proxy-client-key-file={certs.key('front-proxy-client')}",
                 "--enable-admission-plugins=NodeRestriction",
                 "--allow-privileged=true",
                 # A loopback advertise address cannot be an Endpoints address; nothing routes.
