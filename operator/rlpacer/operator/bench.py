@@ -47,6 +47,32 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
+def _server_quantiles(metrics_port: int) -> dict[str, float]:
+    """p50/p99 of the operator's own step-report histogram (bucket upper bounds)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("rlpacer_step_report_duration_seconds_bucket") and 'code="200"' in line:
+            le = line.split('le="')[1].split('"')[0]
+            buckets[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    if not buckets:
+        return {}
+    total = max(buckets.values())
+    out = {}
+    for q in (50, 99):
+        for le in sorted(buckets):
+            if buckets[le] >= total * q / 100:
+                out[f"p{q}_ms"] = le * 1000  # an upper bound (histogram bucket)
+                break
+    return out
+
+
 def bench_job(name: str, namespace: str) -> dict[str, Any]:
     return {
         "apiVersion": "rlpacer.io/v1alpha1",
@@ -109,7 +135,7 @@ async def _driver(
 
 
 async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: float,
-                seconds: float) -> dict[str, Any]:
+                seconds: float, warmup: float) -> dict[str, Any]:
     import aiohttp
 
     from rlpacer.operator import names as child_names
@@ -128,24 +154,80 @@ async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: flo
             if time.monotonic() > deadline:
                 raise SystemExit(f"the operator did not create the token Secret of {n}")
             await asyncio.sleep(0.2)
+    # Settle: every job admitted and its pods created, so the measurement sees a steady
+    # control plane rather than the creation burst of 50 jobs' children.
+    settle_deadline = time.monotonic() + 180
+    while time.monotonic() < settle_deadline:
+        pods = await kube.request("GET", f"/api/v1/namespaces/{ns}/pods")
+        running = sum(1 for p in pods.get("items", [])
+                      if (p.get("status") or {}).get("phase") == "Running")
+        if running >= 4 * len(names):  # head, learner, rollout, driver
+            break
+        await asyncio.sleep(1.0)
+    baseline = await _baseline(kube, ns, names, rate, min(15.0, seconds / 2))
     lat: list[float] = []
     errors: list[str] = []
-    until = time.monotonic() + seconds
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
+        warm: list[float] = []
+        until = time.monotonic() + warmup
+        warm_oks = await asyncio.gather(*[
+            _driver(session, base, ns, n, tokens[n], rate, until, warm, errors, i)
+            for i, n in enumerate(names)
+        ])
+        until = time.monotonic() + seconds
         oks = await asyncio.gather(*[
             _driver(session, base, ns, n, tokens[n], rate, until, lat, errors, i)
             for i, n in enumerate(names)
         ])
     # every answered report is persisted: status.step == answered reports
     mismatched = []
-    for n, ok in zip(names, oks, strict=True):
+    for n, ok, w in zip(names, oks, warm_oks, strict=True):
         obj = await kube.get(job_path(ns, n))
         st = (obj or {}).get("status") or {}
-        if st.get("step") != ok:
+        if st.get("step") != ok + w:
             mismatched.append(f"{n}: status.step={st.get('step')} answered={ok}")
     await kube.close()
-    return {"latencies": lat, "errors": errors, "answered": sum(oks), "mismatched": mismatched}
+    return {"latencies": lat, "errors": errors, "answered": sum(oks), "mismatched": mismatched,
+            "baseline": baseline}
+
+
+async def _baseline(kube: Any, ns: str, names: list[str], rate: float,
+                    seconds: float) -> list[float]:
+    """The control plane alone: the same status writes (one per job per period, with a
+    resourceVersion precondition) made directly, without the operator. The operator's own
+    cost is the difference."""
+    from rlpacer.operator.runtime import job_path
+
+    lat: list[float] = []
+    until = time.monotonic() + seconds
+
+    async def one(n: str, seed: int) -> None:
+        rng = random.Random(seed)
+        obj = await kube.request("GET", job_path(ns, n))
+        period = 1.0 / rate
+        next_t = time.monotonic() + rng.random() * period
+        while True:
+            await asyncio.sleep(max(0.0, next_t - time.monotonic()))
+            if time.monotonic() >= until:
+                return
+            next_t += period
+            status = dict(obj.get("status") or {})
+            status["longQueue"] = int(status.get("longQueue", 0)) + 1  # a real change
+            body = {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
+                    "metadata": {"name": n, "namespace": ns,
+                                 "resourceVersion": obj["metadata"]["resourceVersion"]},
+                    "status": status}
+            t0 = time.perf_counter()
+            try:
+                obj = await kube.request("PUT", job_path(ns, n) + "/status", body)
+            except Exception:
+                obj = await kube.request("GET", job_path(ns, n))
+                continue
+            lat.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*[one(n, i) for i, n in enumerate(names)])
+    return lat
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -179,17 +261,19 @@ def run_from_args(args: argparse.Namespace) -> int:
         subprocess.run([*kubectl, "apply", "-f", "-"], input=docs.encode(), check=True,
                        capture_output=True)
         port = _free_port()
+        metrics_port = _free_port()
         log = Path(tempfile.mkstemp(prefix="rlpacer-bench-operator-", suffix=".log")[1])
         op = subprocess.Popen(
             [sys.executable, "-m", "rlpacer.cli", "operator", "--report-port", str(port),
-             "--metrics-port", "0", "--namespaces", args.namespace,
+             "--metrics-port", str(metrics_port), "--namespaces", args.namespace,
              "--operator-namespace", "rlpacer-system", "--log-level", "WARNING"],
             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         print(f"{args.jobs} jobs, {args.rate}/s each, {args.seconds:.0f}s; operator log {log}",
               flush=True)
         res = asyncio.run(_load(kubeconfig, base, args.namespace, names, args.rate,
-                                args.seconds))
+                                args.seconds, args.warmup))
+        res["server"] = _server_quantiles(metrics_port)
     finally:
         if op is not None:
             op.terminate()
@@ -200,6 +284,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if cluster is not None:
             cluster.stop()
     lat = res["latencies"]
+    base_lat = res["baseline"]
     out = {
         "jobs": args.jobs, "rate_per_job": args.rate, "seconds": args.seconds,
         "answered": res["answered"], "errors": len(res["errors"]),
@@ -209,6 +294,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         "p99_ms": round(_pct(lat, 99) * 1000, 2),
         "max_ms": round(max(lat) * 1000, 2) if lat else None,
         "mean_ms": round(statistics.fmean(lat) * 1000, 2) if lat else None,
+        "server_side_p50_ms": res["server"].get("p50_ms"),
+        "server_side_p99_ms": res["server"].get("p99_ms"),
+        "baseline_status_put_p50_ms": round(_pct(base_lat, 50) * 1000, 2),
+        "baseline_status_put_p99_ms": round(_pct(base_lat, 99) * 1000, 2),
+        "load_average": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
         "persisted_mismatches": len(res["mismatched"]),
         "etcd": etcd_flags,
         "target": "p99 < 100 ms",

@@ -72,6 +72,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--jobs", type=int, default=50, help="concurrent jobs (default 50)")
     p.add_argument("--rate", type=float, default=1.0, help="reports per second per job")
     p.add_argument("--seconds", type=float, default=30.0, help="duration of the load phase")
+    p.add_argument("--warmup", type=float, default=10.0, help="unmeasured load before it")
     p.add_argument("--namespace", default="rlpacer-bench", help="namespace for the bench jobs")
     p.add_argument(
         "--kubeconfig", default=None,

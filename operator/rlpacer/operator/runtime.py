@@ -326,7 +326,7 @@ class Jobs:
             await self.kube.delete(job_path(rt.namespace, rt.name))
             return None
         await self._ensure_token(rt, inputs)
-        if time.monotonic() - rt.applied_at > self.settings.resync_seconds:
+        if time.monotonic() - rt.applied_at > self.settings.reapply_seconds:
             rt.applied.clear()
             rt.applied_at = time.monotonic()
         for obj in builders.build_children(inputs):

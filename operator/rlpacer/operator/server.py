@@ -126,8 +126,8 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
                 metrics.stragglers.labels(*lab).inc()
             if any(e.reason == "ScalingUp" for e in acc.events):
                 metrics.long_rounds.labels(*lab).inc()
-            rt.wake.set()  # the reconciler applies the new desired replicas now
             if acc.events:
+                rt.wake.set()  # a scale action: the reconciler applies the new replicas now
                 _spawn(jobs.post_events(rt, acc.events))
         return web.json_response(acc.plan.to_wire())
 

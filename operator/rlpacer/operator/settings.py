@@ -69,8 +69,15 @@ class OperatorSettings(BaseModel):
         default="rlpacer-operator", description="Field manager of every server-side apply."
     )
     resync_seconds: float = Field(
-        default=10.0, gt=0,
+        default=30.0, gt=0,
         description="Each job is reconciled at least this often (and on every child event).",
+    )
+    reapply_seconds: float = Field(
+        default=300.0, gt=0,
+        description=(
+            "Unchanged children are re-applied (drift repair) at most this often; a changed"
+            " or deleted child is applied on the next pass."
+        ),
     )
     finished_grace_seconds: float = Field(
         default=0.0, ge=0, description="Extra wait before ttlSecondsAfterFinished deletion."
