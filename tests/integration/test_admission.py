@@ -23,7 +23,13 @@ import kopf
 import pytest
 import yaml
 
-from rlpacer.operator.admission import DEFAULTED_BY, PolicyAdmission, configure, kubernetes_lister
+from rlpacer.operator.admission import (
+    DEFAULTED_BY,
+    PolicyAdmission,
+    configure,
+    kubernetes_cluster_lister,
+    kubernetes_lister,
+)
 from rlpacer.testing import LocalCluster
 from rlpacer.testing.cluster import free_ports, repo_root
 
@@ -82,7 +88,8 @@ def _run_operator(kubeconfig: Path, namespace: str, port: int, cert_dir: Path,
 
     registry = kopf.OperatorRegistry()
     api_client = k8s_config.new_client_from_config(config_file=str(kubeconfig))
-    PolicyAdmission(kubernetes_lister(api_client)).register(registry)
+    PolicyAdmission(kubernetes_lister(api_client),
+                    kubernetes_cluster_lister(api_client)).register(registry)
 
     @kopf.on.login(registry=registry)
     def _login(**_: Any) -> kopf.ConnectionInfo:
@@ -117,13 +124,16 @@ def setup(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> It
     rel, system, jobs = f"adm-{suffix}", f"adm-sys-{suffix}", f"adm-jobs-{suffix}"
     (port,) = free_ports(1)
     cluster.create_namespace(system)
-    cluster.create_namespace(jobs)
+    cluster.create_namespace(jobs, labels={"rlpacer-test/tier": f"t-{suffix}"})
     stop, ready = threading.Event(), threading.Event()
     thread: threading.Thread | None = None
     try:
+        # Cluster scope (cluster policies need it), with the webhooks narrowed to this
+        # module's namespace so no other test meets them.
+        only_jobs = [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": [jobs]}]
         cluster.helm(
             "install", rel, str(CHART), "-n", system, "--wait=false",
-            "--set", "rbac.scope=Namespaced", "--set", f"rbac.watchNamespaces={{{jobs}}}",
+            "--set-json", f"webhook.namespaceSelectorExpressions={json.dumps(only_jobs)}",
             "--set", f"webhook.url=https://127.0.0.1:{port}",
         )
         # The operator's certificate is the one the chart generated (its CA is the caBundle).
@@ -140,6 +150,8 @@ def setup(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> It
         _wait_tls(port, cert_dir / "ca.crt")
         yield Setup(cluster, rel, system, jobs, stop, thread)
     finally:
+        cluster.kubectl("delete", "crltp", "-l", f"rlpacer-test/run={suffix}",
+                        "--ignore-not-found", check=False)
         stop.set()
         if thread is not None:
             thread.join(30)
@@ -221,6 +233,32 @@ def test_tightened_policy_never_blocks_metadata_updates_or_deletion(setup: Setup
               "-p", '{"metadata": {"finalizers": null}}')
     c.kubectl("wait", "--for=delete", "rltj/early", "-n", setup.jobs, "--timeout=30s")
     c.kubectl("delete", "rltp", "late", "-n", setup.jobs)
+
+
+def test_cluster_policy_governs_the_namespaces_it_selects(setup: Setup) -> None:
+    labels = json.loads(setup.cluster.kubectl("get", "ns", setup.jobs, "-o", "json").stdout)[
+        "metadata"]["labels"]
+    tier = labels["rlpacer-test/tier"]
+    run = tier.removeprefix("t-")
+    cp = {"apiVersion": "rlpacer.io/v1alpha1", "kind": "ClusterRLTrainingPolicy",
+          "metadata": {"name": f"research-{run}", "labels": {"rlpacer-test/run": run}},
+          "spec": {"namespaceSelector": {"matchLabels": {"rlpacer-test/tier": tier}},
+                   "groupSizes": {"allowed": [4, 8]}}}
+    setup.apply(cp)
+    r = setup.apply(job("wide", setup.jobs, groupControl={"candidates": [8, 16], "initial": 8}),
+                    check=False)
+    assert r.returncode != 0
+    assert f"spec.groupControl.candidates: [8, 16] (has [16]) breaks groupSizes.allowed [4, 8]" \
+           f" of ClusterRLTrainingPolicy research-{run}" in r.stderr
+    # A cluster policy is validated by its own webhook.
+    bad = json.loads(json.dumps(cp))
+    bad["metadata"]["name"] = f"bad-{run}"
+    bad["spec"]["defaults"] = {"groupControl": {"candidates": [16]}}
+    r = setup.apply(bad, check=False)
+    assert r.returncode != 0 and "not in groupSizes.allowed [4, 8]" in r.stderr
+    setup.cluster.kubectl("delete", "crltp", f"research-{run}")
+    setup.apply(job("wide", setup.jobs, groupControl={"candidates": [8, 16], "initial": 8}))
+    setup.cluster.kubectl("delete", "rltj", "wide", "-n", setup.jobs)
 
 
 def test_zz_operator_down_fails_closed_but_deletion_works(setup: Setup) -> None:

@@ -120,11 +120,15 @@ def test_template_webhooks_failure_policy_scope_and_ca() -> None:
     assert {n: h["failurePolicy"] for n, h in hooks.items()} == {
         "validate.rltrainingjob.rlpacer.io": "Fail",
         "validate.rltrainingpolicy.rlpacer.io": "Fail",
+        "validate.clusterrltrainingpolicy.rlpacer.io": "Fail",
         "mutate.rltrainingjob.rlpacer.io": "Ignore",
     }
-    for h in hooks.values():
+    for name, h in hooks.items():
         assert h["clientConfig"]["url"].startswith("https://127.0.0.1:9443/")
         assert "DELETE" not in h["rules"][0]["operations"]
+        if "cluster" in name:  # cluster-scoped objects have no namespace to select on
+            assert h["rules"][0]["scope"] == "Cluster" and "namespaceSelector" not in h
+            continue
         assert h["namespaceSelector"]["matchExpressions"][0] == {
             "key": "kubernetes.io/metadata.name", "operator": "NotIn",
             "values": ["rlpacer-system", "kube-system"]}
@@ -160,6 +164,8 @@ def test_template_namespaced_scope_has_no_cluster_wide_operator_rights() -> None
     (vwc,) = find(docs, "ValidatingWebhookConfiguration")
     assert vwc["webhooks"][0]["namespaceSelector"]["matchExpressions"] == [
         {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]
+    # Cluster policies need cluster-wide reads: not part of a namespaced install.
+    assert not [h for h in vwc["webhooks"] if "cluster" in h["name"]]
 
 
 def test_template_monitoring_objects() -> None:
@@ -251,7 +257,9 @@ def test_install_rbac_is_sufficient_and_not_excessive(
                  "/apis/rlpacer.io/v1alpha1/rltrainingjobs",
                  f"/apis/rlpacer.io/v1alpha1/namespaces/{jobs}/rltrainingpolicies",
                  f"/apis/apps/v1/namespaces/{jobs}/statefulsets",
-                 f"/api/v1/namespaces/{jobs}/services"):
+                 f"/api/v1/namespaces/{jobs}/services",
+                 "/apis/rlpacer.io/v1alpha1/clusterrltrainingpolicies",
+                 f"/api/v1/namespaces/{jobs}"):  # a job namespace's labels, by name
         assert _can(cluster, token, "GET", path) == 200, path
     event = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": "e"},
              "involvedObject": {"kind": "Pod", "name": "p", "namespace": jobs},
@@ -278,6 +286,8 @@ def test_install_rbac_is_sufficient_and_not_excessive(
         ("POST", f"/apis/rlpacer.io/v1alpha1/namespaces/{jobs}/rltrainingpolicies",
          {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingPolicy",
           "metadata": {"name": "mine"}, "spec": {}}),
+        ("DELETE", "/apis/rlpacer.io/v1alpha1/clusterrltrainingpolicies/any", None),
+        ("GET", "/api/v1/namespaces?watch=true", None),
         ("GET", f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/someone-else", None),
         ("GET", f"/apis/coordination.k8s.io/v1/namespaces/{jobs}/leases", None),
     ]
@@ -307,6 +317,8 @@ def test_namespaced_install_cannot_touch_other_namespaces(cluster: LocalCluster)
             ("GET", "/apis/rlpacer.io/v1alpha1/rltrainingjobs", None),  # cluster-wide list
             ("GET", "/api/v1/pods", None),
             ("GET", f"/api/v1/namespaces/{ns}/secrets", None),  # not even its own namespace
+            ("GET", "/apis/rlpacer.io/v1alpha1/clusterrltrainingpolicies", None),
+            ("GET", f"/api/v1/namespaces/{watched}", None),
         ]:
             assert _can(cluster, token, method, path, body) == 403, (method, path)
         # The webhooks select exactly the watched namespace.
@@ -353,7 +365,8 @@ def test_upgrade_keeps_the_ca_and_uninstall_leaves_no_orphans(
         left = cluster.kubectl("get", kinds, "-l", selector, *scope, "-o", "name").stdout
         assert left.strip() == "", left
     # CRDs stay (Helm never deletes crds/), so users' jobs and policies survive.
-    for name in ("rltrainingjobs.rlpacer.io", "rltrainingpolicies.rlpacer.io"):
+    for name in ("rltrainingjobs.rlpacer.io", "rltrainingpolicies.rlpacer.io",
+                 "clusterrltrainingpolicies.rlpacer.io"):
         cluster.kubectl("get", "crd", name)
 
 

@@ -334,6 +334,8 @@ class CRDFile:
 CRDS: list[CRDFile] = [
     CRDFile(f"{job_api.GROUP}_{job_api.PLURAL}.yaml", rltrainingjob_crd),
     CRDFile(f"{policy_api.GROUP}_{policy_api.PLURAL}.yaml", policy_api.rltrainingpolicy_crd),
+    CRDFile(f"{policy_api.GROUP}_{policy_api.CLUSTER_PLURAL}.yaml",
+            policy_api.clusterrltrainingpolicy_crd),
 ]
 
 

@@ -42,15 +42,20 @@ from rlpacer.api.job import (
 
 __all__ = [
     "API_VERSION",
+    "CLUSTER_KIND",
+    "CLUSTER_PLURAL",
     "GROUP",
     "KIND",
     "PLURAL",
     "SHORT_NAMES",
     "SINGULAR",
     "VERSION",
+    "ClusterRLTrainingPolicy",
+    "LabelSelector",
     "PolicyAction",
     "RLTrainingPolicy",
     "RLTrainingPolicySpec",
+    "parse_cluster_policy",
     "parse_policy",
 ]
 
@@ -58,6 +63,11 @@ KIND = "RLTrainingPolicy"
 PLURAL = "rltrainingpolicies"
 SINGULAR = "rltrainingpolicy"
 SHORT_NAMES = ["rltp"]
+
+CLUSTER_KIND = "ClusterRLTrainingPolicy"
+CLUSTER_PLURAL = "clusterrltrainingpolicies"
+CLUSTER_SINGULAR = "clusterrltrainingpolicy"
+CLUSTER_SHORT_NAMES = ["crltp"]
 
 
 class PolicyAction(enum.StrEnum):
@@ -328,6 +338,83 @@ class RLTrainingPolicy(APIModel):
         return f"{KIND} {self.metadata.namespace}/{self.metadata.name}"
 
 
+class SelectorOperator(enum.StrEnum):
+    IN = "In"
+    NOT_IN = "NotIn"
+    EXISTS = "Exists"
+    DOES_NOT_EXIST = "DoesNotExist"
+
+
+class LabelSelectorRequirement(APIModel):
+    key: str = Field(min_length=1, max_length=317, description="The label key.")
+    operator: SelectorOperator = Field(description="In, NotIn, Exists or DoesNotExist.")
+    values: list[str] | None = Field(
+        default=None, max_length=64,
+        description="Label values: non-empty for In and NotIn, empty for Exists/DoesNotExist.",
+    )
+
+    @model_validator(mode="after")
+    def _values(self) -> LabelSelectorRequirement:
+        needs = self.operator in (SelectorOperator.IN, SelectorOperator.NOT_IN)
+        if needs and not self.values:
+            raise ValueError(f"values must be non-empty for operator {self.operator.value}")
+        if not needs and self.values:
+            raise ValueError(f"values must be empty for operator {self.operator.value}")
+        return self
+
+
+class LabelSelector(APIModel):
+    """A Kubernetes label selector; the empty selector ``{}`` selects everything."""
+
+    match_labels: dict[str, str] | None = Field(
+        default=None, description="Labels the namespace must carry, exactly."
+    )
+    match_expressions: list[LabelSelectorRequirement] | None = Field(
+        default=None, max_length=32, description="Set-based requirements, all of which must hold."
+    )
+
+
+class ClusterRLTrainingPolicySpec(RLTrainingPolicySpec):
+    namespace_selector: LabelSelector = Field(
+        description=(
+            "The namespaces (by their labels) whose RLTrainingJobs this policy governs; {}"
+            " selects every namespace. A namespace's own RLTrainingPolicies apply as well."
+        ),
+    )
+
+
+class ClusterRLTrainingPolicy(RLTrainingPolicy):
+    """A cluster-scoped policy for the namespaces its selector matches (platform-wide limits
+    without one object per namespace). Reading namespace labels needs ``get namespaces``,
+    which only the chart's cluster-scope install grants."""
+
+    kind: str = Field(default=CLUSTER_KIND, description="ClusterRLTrainingPolicy")
+    spec: ClusterRLTrainingPolicySpec = Field(
+        description="Limits, SLOs, defaults and the namespaces they apply to."
+    )
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if v != CLUSTER_KIND:
+            raise ValueError(f"kind must be {CLUSTER_KIND}")
+        return v
+
+    @property
+    def ref(self) -> str:
+        return f"{CLUSTER_KIND} {self.metadata.name}"
+
+
+def parse_cluster_policy(obj: dict[str, Any]) -> ClusterRLTrainingPolicy:
+    """Validate a cluster policy; raise :class:`ManifestError` naming fields."""
+    try:
+        return ClusterRLTrainingPolicy.model_validate(obj)
+    except ValidationError as err:
+        raise ManifestError(
+            "invalid ClusterRLTrainingPolicy:\n" + format_validation_error(err)
+        ) from None
+
+
 def parse_policy(obj: dict[str, Any]) -> RLTrainingPolicy:
     """Validate a policy manifest or live object; raise :class:`ManifestError` naming fields."""
     try:
@@ -337,8 +424,18 @@ def parse_policy(obj: dict[str, Any]) -> RLTrainingPolicy:
 
 
 def rltrainingpolicy_crd() -> dict[str, Any]:
-    """The RLTrainingPolicy CRD, built by the same generator as the job's
-    (:mod:`rlpacer.api.crd` lists it in ``CRDS``; imported here lazily to avoid a cycle).
+    """The RLTrainingPolicy CRD (namespaced)."""
+    return _policy_crd(cluster=False)
+
+
+def clusterrltrainingpolicy_crd() -> dict[str, Any]:
+    """The ClusterRLTrainingPolicy CRD (cluster-scoped, with a namespaceSelector)."""
+    return _policy_crd(cluster=True)
+
+
+def _policy_crd(cluster: bool) -> dict[str, Any]:
+    """A policy CRD, built by the same generator as the job's (:mod:`rlpacer.api.crd` lists
+    both in ``CRDS``; imported here lazily to avoid a cycle).
 
     CEL rules repeat the decimal range checks (the API server enforces them even when the
     operator, which also validates policies in its webhook, is down). The cross-field checks
@@ -369,17 +466,28 @@ def rltrainingpolicy_crd() -> dict[str, Any]:
              "reason": "FieldValueInvalid"},
         ],
     }
-    spec = crd.model_schema(RLTrainingPolicySpec, rules, "spec")
+    kind, plural, singular, short = (
+        (CLUSTER_KIND, CLUSTER_PLURAL, CLUSTER_SINGULAR, CLUSTER_SHORT_NAMES) if cluster
+        else (KIND, PLURAL, SINGULAR, SHORT_NAMES))
+    model = ClusterRLTrainingPolicySpec if cluster else RLTrainingPolicySpec
+    spec = crd.model_schema(model, rules, "spec")
     spec["description"] = (
-        "Limits, SLOs and defaults for the RLTrainingJobs of this namespace."
+        "Limits, SLOs and defaults for the RLTrainingJobs of the selected namespaces." if cluster
+        else "Limits, SLOs and defaults for the RLTrainingJobs of this namespace."
+    )
+    description = (
+        "ClusterRLTrainingPolicy sets, for the RLTrainingJobs of the namespaces its"
+        " namespaceSelector matches, the allowed group sizes, the loosest straggler target,"
+        " capacity limits of long rounds, the straggler and step-time SLOs, and defaults."
+        " It applies together with each namespace's own RLTrainingPolicies."
+        if cluster else
+        "RLTrainingPolicy sets, for the RLTrainingJobs of its namespace, the allowed group"
+        " sizes, the loosest straggler target, capacity limits of long rounds, the straggler"
+        " and step-time SLOs, and defaults. Enforced by the operator's admission webhook and"
+        " at run time; every policy of a namespace applies."
     )
     root: dict[str, Any] = {
-        "description": (
-            "RLTrainingPolicy sets, for the RLTrainingJobs of its namespace, the allowed group"
-            " sizes, the loosest straggler target, capacity limits of long rounds, the straggler"
-            " and step-time SLOs, and defaults. Enforced by the operator's admission webhook and"
-            " at run time; every policy of a namespace applies."
-        ),
+        "description": description,
         "type": "object",
         "properties": {
             "apiVersion": {"description": "APIVersion defines the versioned schema of this"
@@ -390,6 +498,8 @@ def rltrainingpolicy_crd() -> dict[str, Any]:
             "spec": spec,
         },
     }
+    if cluster:
+        root["required"] = ["spec"]
     columns = [
         {"name": "Action", "type": "string", "jsonPath": ".spec.action",
          "description": "Enforce or Warn."},
@@ -407,20 +517,20 @@ def rltrainingpolicy_crd() -> dict[str, Any]:
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{PLURAL}.{GROUP}",
+            "name": f"{plural}.{GROUP}",
             "labels": {"app.kubernetes.io/name": "rlpacer", "app.kubernetes.io/part-of": "rlpacer"},
         },
         "spec": {
             "group": GROUP,
             "names": {
-                "kind": KIND,
-                "listKind": f"{KIND}List",
-                "plural": PLURAL,
-                "singular": SINGULAR,
-                "shortNames": list(SHORT_NAMES),
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": singular,
+                "shortNames": list(short),
                 "categories": ["rlpacer"],
             },
-            "scope": "Namespaced",
+            "scope": "Cluster" if cluster else "Namespaced",
             "versions": [{
                 "name": VERSION,
                 "served": True,

@@ -24,19 +24,42 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlpacer.api._base import decimal, format_decimal
 from rlpacer.api.job import GroupControlMode, GroupControlSpec, RLTrainingJobSpec
-from rlpacer.api.policy import PolicyAction, RLTrainingPolicy
+from rlpacer.api.policy import LabelSelector, PolicyAction, RLTrainingPolicy, SelectorOperator
 
 Policies = RLTrainingPolicy | Sequence[RLTrainingPolicy]
 
 
 def _as_list(policy: Policies) -> list[RLTrainingPolicy]:
     return [policy] if isinstance(policy, RLTrainingPolicy) else list(policy)
+
+
+# --- which policies apply ----------------------------------------------------------------
+
+
+def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
+    """Kubernetes label-selector semantics: every matchLabels pair and every expression must
+    hold; the empty selector matches everything."""
+    for key, value in (selector.match_labels or {}).items():
+        if labels.get(key) != value:
+            return False
+    for req in selector.match_expressions or []:
+        present = req.key in labels
+        values = req.values or []
+        ok = {
+            SelectorOperator.IN: present and labels.get(req.key) in values,
+            SelectorOperator.NOT_IN: not present or labels.get(req.key) not in values,
+            SelectorOperator.EXISTS: present,
+            SelectorOperator.DOES_NOT_EXIST: not present,
+        }[req.operator]
+        if not ok:
+            return False
+    return True
 
 
 # --- admission: validation ---------------------------------------------------------------

@@ -14,9 +14,13 @@ the path; the Helm chart's webhook configurations use the same ids):
 * ``mutate-rltrainingjob`` (CREATE): fills the policies' defaults into fields the job leaves
   unset, records which policies did so in the ``rlpacer.io/defaulted-by`` annotation and
   tells the user in a warning.
-* ``validate-rltrainingpolicy`` (CREATE, UPDATE): rejects a policy whose cross-field checks
-  fail (defaults that break the policy's own limits); the CRD's schema and CEL rules catch the
-  rest even while the operator is down.
+* ``validate-rltrainingpolicy`` and ``validate-clusterrltrainingpolicy`` (CREATE, UPDATE):
+  reject a policy whose cross-field checks fail (defaults that break the policy's own
+  limits); the CRD's schema and CEL rules catch the rest even while the operator is down.
+
+The policies that govern a job: every RLTrainingPolicy of its namespace, then every
+ClusterRLTrainingPolicy whose namespaceSelector matches the namespace's labels (only when a
+cluster lister is given: reading namespace labels needs cluster-scope RBAC).
 
 Design decisions:
 
@@ -48,8 +52,13 @@ import kopf
 
 from rlpacer.api import policy as policy_api
 from rlpacer.api.job import GROUP, PLURAL, VERSION, ManifestError, parse_spec
-from rlpacer.api.policy import PolicyAction, RLTrainingPolicy, parse_policy
-from rlpacer.control.policy import apply_defaults, validate_job
+from rlpacer.api.policy import (
+    PolicyAction,
+    RLTrainingPolicy,
+    parse_cluster_policy,
+    parse_policy,
+)
+from rlpacer.control.policy import apply_defaults, selector_matches, validate_job
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +66,19 @@ logger = logging.getLogger(__name__)
 VALIDATE_JOB = "validate-rltrainingjob"
 MUTATE_JOB = "mutate-rltrainingjob"
 VALIDATE_POLICY = "validate-rltrainingpolicy"
-WEBHOOK_IDS = (VALIDATE_JOB, MUTATE_JOB, VALIDATE_POLICY)
+VALIDATE_CLUSTER_POLICY = "validate-clusterrltrainingpolicy"
+WEBHOOK_IDS = (VALIDATE_JOB, MUTATE_JOB, VALIDATE_POLICY, VALIDATE_CLUSTER_POLICY)
 
 #: Annotation naming the policies whose defaults the mutating webhook filled in.
 DEFAULTED_BY = "rlpacer.io/defaulted-by"
 
 #: Returns the raw RLTrainingPolicy objects of a namespace.
 PolicyLister = Callable[[str], Awaitable[Sequence[Mapping[str, Any]]]]
+
+#: Returns every raw ClusterRLTrainingPolicy and the labels of a namespace.
+ClusterPolicyLister = Callable[
+    [str], Awaitable[tuple[Sequence[Mapping[str, Any]], Mapping[str, str]]]
+]
 
 
 class PolicyLookupError(RuntimeError):
@@ -92,9 +107,36 @@ def kubernetes_lister(api_client: Any) -> PolicyLister:
     return lister
 
 
-def parse_policies(items: Sequence[Mapping[str, Any]]) -> list[RLTrainingPolicy]:
+def kubernetes_cluster_lister(api_client: Any) -> ClusterPolicyLister:
+    """A :data:`ClusterPolicyLister` over the ``kubernetes`` client (needs list
+    clusterrltrainingpolicies and get namespaces: the chart's cluster-scope RBAC)."""
+    from kubernetes import client as k8s
+
+    custom = k8s.CustomObjectsApi(api_client)
+    core = k8s.CoreV1Api(api_client)
+
+    def _list(namespace: str) -> tuple[list[Mapping[str, Any]], dict[str, str]]:
+        out: Any = custom.list_cluster_custom_object(
+            policy_api.GROUP, policy_api.VERSION, policy_api.CLUSTER_PLURAL
+        )
+        items = list(out.get("items", []))
+        if not items:
+            return [], {}
+        ns: Any = core.read_namespace(namespace)
+        return items, dict(ns.metadata.labels or {})
+
+    async def lister(namespace: str) -> tuple[Sequence[Mapping[str, Any]], Mapping[str, str]]:
+        return await asyncio.to_thread(_list, namespace)
+
+    return lister
+
+
+def parse_policies(
+    items: Sequence[Mapping[str, Any]], *, cluster: bool = False
+) -> list[RLTrainingPolicy]:
     """Policies in name order (the order defaults are taken in); invalid ones raise."""
-    out = []
+    out: list[RLTrainingPolicy] = []
+
     def _name(o: Mapping[str, Any]) -> str:
         return str((o.get("metadata") or {}).get("name", ""))
 
@@ -103,12 +145,13 @@ def parse_policies(items: Sequence[Mapping[str, Any]]) -> list[RLTrainingPolicy]
         raw["metadata"] = {k: v for k, v in raw.get("metadata", {}).items()
                            if k in ("name", "namespace", "labels", "annotations")}
         try:
-            out.append(parse_policy(raw))
+            out.append(parse_cluster_policy(raw) if cluster else parse_policy(raw))
         except ManifestError as err:
             meta = item.get("metadata", {})
+            ref = (f"{policy_api.CLUSTER_KIND} {meta.get('name')}" if cluster
+                   else f"{policy_api.KIND} {meta.get('namespace')}/{meta.get('name')}")
             raise InvalidStoredPolicyError(
-                f"{policy_api.KIND} {meta.get('namespace')}/{meta.get('name')} is invalid, so"
-                f" jobs in its namespace cannot be checked; fix or delete it: {err}"
+                f"{ref} is invalid, so jobs it governs cannot be checked; fix or delete it: {err}"
             ) from None
     return out
 
@@ -116,20 +159,34 @@ def parse_policies(items: Sequence[Mapping[str, Any]]) -> list[RLTrainingPolicy]
 class PolicyAdmission:
     """The admission handlers, bound to a way of listing a namespace's policies."""
 
-    def __init__(self, lister: PolicyLister) -> None:
+    def __init__(
+        self, lister: PolicyLister, cluster_lister: ClusterPolicyLister | None = None
+    ) -> None:
         self._lister = lister
+        self._cluster_lister = cluster_lister
 
     async def policies(self, namespace: str) -> list[RLTrainingPolicy]:
+        """The namespace's own policies (name order), then the cluster policies whose
+        namespaceSelector matches it (name order): the order defaults are taken in."""
         try:
             items = await self._lister(namespace)
+            cluster_items: Sequence[Mapping[str, Any]] = ()
+            labels: Mapping[str, str] = {}
+            if self._cluster_lister is not None:
+                cluster_items, labels = await self._cluster_lister(namespace)
         except Exception as err:  # API errors of any client: fail closed, say why
             raise PolicyLookupError(
-                f"cannot read the {policy_api.PLURAL} of namespace {namespace}: {err}"
+                f"cannot read the policies that govern namespace {namespace}: {err}"
             ) from err
-        return parse_policies(items)
+        labels = {**labels, "kubernetes.io/metadata.name": namespace}
+        cluster = [
+            p for p in parse_policies(cluster_items, cluster=True)
+            if selector_matches(p.spec.namespace_selector, labels)  # type: ignore[attr-defined]
+        ]
+        return parse_policies(items) + cluster
 
     def register(self, registry: kopf.OperatorRegistry | None = None) -> None:
-        """Attach the three handlers to a Kopf registry (default: Kopf's global one)."""
+        """Attach the four handlers to a Kopf registry (default: Kopf's global one)."""
         reg = registry if registry is not None else kopf.get_default_registry()
         kopf.on.validate(GROUP, VERSION, PLURAL, id=VALIDATE_JOB,
                          operations=["CREATE", "UPDATE"], registry=reg)(self.validate_job)
@@ -138,6 +195,9 @@ class PolicyAdmission:
         kopf.on.validate(policy_api.GROUP, policy_api.VERSION, policy_api.PLURAL,
                          id=VALIDATE_POLICY, operations=["CREATE", "UPDATE"],
                          registry=reg)(self.validate_policy)
+        kopf.on.validate(policy_api.GROUP, policy_api.VERSION, policy_api.CLUSTER_PLURAL,
+                         id=VALIDATE_CLUSTER_POLICY, operations=["CREATE", "UPDATE"],
+                         registry=reg)(self.validate_cluster_policy)
 
     # -- handlers (Kopf calls them with keyword arguments) --------------------------------
 
@@ -185,19 +245,25 @@ class PolicyAdmission:
             if spec.get(key) != value:
                 patch.setdefault("spec", {})[key] = value
         patch.setdefault("metadata", {}).setdefault("annotations", {})[DEFAULTED_BY] = ",".join(
-            ref.split(" ", 1)[1].split("/", 1)[1] for ref in out.policies
+            ref.rsplit(" ", 1)[-1].rsplit("/", 1)[-1] for ref in out.policies
         )
         warnings.append(
             f"defaults filled in by {', '.join(out.policies)}: {', '.join(out.filled)}"
         )
 
     async def validate_policy(self, **kw: Any) -> None:
-        body: kopf.Body = kw["body"]
+        self._check_policy(kw["body"], cluster=False)
+
+    async def validate_cluster_policy(self, **kw: Any) -> None:
+        self._check_policy(kw["body"], cluster=True)
+
+    @staticmethod
+    def _check_policy(body: kopf.Body, *, cluster: bool) -> None:
         raw = {k: body[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in body}
         raw["metadata"] = {k: v for k, v in dict(raw.get("metadata", {})).items()
                            if k in ("name", "namespace", "labels", "annotations")}
         try:
-            parse_policy(copy.deepcopy(raw))
+            (parse_cluster_policy if cluster else parse_policy)(copy.deepcopy(raw))
         except ManifestError as err:
             raise kopf.AdmissionError(str(err), code=422) from None
 

@@ -149,3 +149,51 @@ def test_webhook_server_uses_the_mounted_certificate(tmp_path: Path) -> None:
     der = ssl.PEM_cert_to_DER_cert(pem)
     assert bytes([127, 0, 0, 1]) in der
     assert base64.b64encode(der)  # a well-formed certificate
+
+
+def _cluster_policy(name: str, selector: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "rlpacer.io/v1alpha1", "kind": "ClusterRLTrainingPolicy",
+            "metadata": {"name": name}, "spec": {"namespaceSelector": selector, **spec}}
+
+
+def test_cluster_policies_apply_to_the_namespaces_they_select() -> None:
+    async def lister(namespace: str) -> Sequence[Mapping[str, Any]]:
+        return [_policy("own", defaults={"ttlSecondsAfterFinished": 5})]
+
+    async def cluster_lister(namespace: str) -> tuple[Sequence[Mapping[str, Any]],
+                                                      Mapping[str, str]]:
+        return ([
+            _cluster_policy("research", {"matchLabels": {"tier": "research"}}, **STRICT,
+                            defaults={"ttlSecondsAfterFinished": 60,
+                                      "activeDeadlineSeconds": 600}),
+            _cluster_policy("prod-only", {"matchLabels": {"tier": "prod"}},
+                            stragglerSLO={"maxTargetStragglerRate": "0.01"}),
+            _cluster_policy("by-name", {"matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [NS]}]},
+                action="Warn", longRounds={"maxRolloutReplicas": 1}),
+        ], {"tier": "research"})
+
+    adm = PolicyAdmission(lister, cluster_lister)
+    refs = [p.ref for p in asyncio.run(adm.policies(NS))]
+    assert refs == ["RLTrainingPolicy team/own", "ClusterRLTrainingPolicy by-name",
+                    "ClusterRLTrainingPolicy research"]
+    with pytest.raises(kopf.AdmissionError, match="of ClusterRLTrainingPolicy research"):
+        _call(adm.validate_job, _job(groupControl={"targetStragglerRate": "0.3"}))
+    warnings, _ = _call(adm.validate_job, _job(rollout={"replicas": 2},
+                                               tailBatching={"enabled": False}))
+    assert "ClusterRLTrainingPolicy by-name" in warnings[0]
+    # The namespace's own policy comes first for defaults; the cluster one fills the rest.
+    _, patch = _call(adm.mutate_job, _job())
+    ops = {op["path"]: op["value"] for op in patch.as_json_patch()}
+    assert ops["/spec/ttlSecondsAfterFinished"] == 5
+    assert ops["/spec/activeDeadlineSeconds"] == 600
+    assert ops["/metadata/annotations"] == {DEFAULTED_BY: "own,research"}
+
+
+def test_cluster_policy_validation() -> None:
+    adm = _admission()
+    adm_call = adm.validate_cluster_policy
+    _call(adm_call, {**_cluster_policy("ok", {}), "metadata": {"name": "ok", "namespace": ""}})
+    with pytest.raises(kopf.AdmissionError, match=r"spec\.namespaceSelector"):
+        _call(adm_call, {"apiVersion": "rlpacer.io/v1alpha1", "kind": "ClusterRLTrainingPolicy",
+                         "metadata": {"name": "x", "namespace": ""}, "spec": {}})

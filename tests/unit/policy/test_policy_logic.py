@@ -204,3 +204,30 @@ def test_slo_within_waiting_and_none() -> None:
     # The observed limit can be looser than the admission limit.
     p = policy(stragglerSLO={"maxTargetStragglerRate": "0.2", "maxObservedStragglerRate": "0.3"})
     assert not slo_status(0.25, None, p).violated
+
+
+# --- selector_matches --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("selector", "labels", "expected"),
+    [
+        ({}, {}, True),
+        ({"matchLabels": {"tier": "research"}}, {"tier": "research", "x": "y"}, True),
+        ({"matchLabels": {"tier": "research"}}, {"tier": "prod"}, False),
+        ({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["a", "b"]}]},
+         {"tier": "b"}, True),
+        ({"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["a"]}]},
+         {}, True),
+        ({"matchExpressions": [{"key": "tier", "operator": "Exists"}]}, {}, False),
+        ({"matchExpressions": [{"key": "tier", "operator": "DoesNotExist"}]}, {}, True),
+        ({"matchLabels": {"a": "1"},
+          "matchExpressions": [{"key": "b", "operator": "Exists"}]}, {"a": "1"}, False),
+    ],
+)
+def test_selector_matches_like_kubernetes(selector: dict[str, Any], labels: dict[str, str],
+                                          expected: bool) -> None:
+    from rlpacer.api.policy import LabelSelector
+    from rlpacer.control.policy import selector_matches
+
+    assert selector_matches(LabelSelector.model_validate(selector), labels) is expected

@@ -80,3 +80,22 @@ def test_every_field_has_a_description() -> None:
             if "description" not in body:
                 missing.append(f"{name}.{prop}")
     assert missing == []
+
+
+def test_cluster_policy_needs_a_namespace_selector_and_names_itself() -> None:
+    from rlpacer.api.policy import parse_cluster_policy
+
+    doc = {"apiVersion": "rlpacer.io/v1alpha1", "kind": "ClusterRLTrainingPolicy",
+           "metadata": {"name": "gpu-limits"},
+           "spec": {"namespaceSelector": {"matchLabels": {"tier": "research"}},
+                    "longRounds": {"maxGPUs": 64}}}
+    p = parse_cluster_policy(doc)
+    assert p.ref == "ClusterRLTrainingPolicy gpu-limits"
+    with pytest.raises(ManifestError, match=r"spec\.namespaceSelector: Field required"):
+        parse_cluster_policy({**doc, "spec": {}})
+    bad = {**doc, "spec": {"namespaceSelector": {"matchExpressions": [
+        {"key": "tier", "operator": "Exists", "values": ["x"]}]}}}
+    with pytest.raises(ManifestError, match="values must be empty for operator Exists"):
+        parse_cluster_policy(bad)
+    with pytest.raises(ManifestError, match="kind must be ClusterRLTrainingPolicy"):
+        parse_cluster_policy({**doc, "kind": "RLTrainingPolicy"})
