@@ -21,7 +21,7 @@ source "$ROOT/hack/versions.env"
 CACHE="${RLPACER_CACHE:-$HOME/.cache/rlpacer}"
 BIN="$CACHE/bin"
 BUILD="$CACHE/build"
-RECIPE_REV=1
+RECIPE_REV=2
 mkdir -p "$BIN" "$BUILD"
 
 GO="${GO:-$(command -v go || true)}"

@@ -314,3 +314,14 @@ def test_versions_file_pins_every_binary() -> None:
         "HELM_VERSION=v3.",
     ):
         assert key in text
+
+
+def test_binary_built_for_another_version_is_a_clear_error(tmp_path: Path) -> None:
+    from rlpacer.testing.cluster import find_binary
+
+    exe = tmp_path / "kube-apiserver"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    (tmp_path / ".kube-apiserver.stamp").write_text("kube-apiserver v1.0.0 toolchain=local rev=1\n")
+    with pytest.raises(MissingBinaryError, match=r"built at v1\.0\.0, but hack/versions.env pins"):
+        find_binary("kube-apiserver", tmp_path)

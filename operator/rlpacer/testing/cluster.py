@@ -134,6 +134,7 @@ def find_binary(name: str, directory: Path | None = None) -> Path:
     d = directory or bin_dir()
     p = d / name
     if p.is_file() and os.access(p, os.X_OK):
+        _check_stamp(name, d)
         return p
     raise MissingBinaryError(
         f"{name} not found at {p}. The local Kubernetes control plane's binaries (etcd, "
@@ -142,6 +143,30 @@ def find_binary(name: str, directory: Path | None = None) -> Path:
         f"`{BUILD_COMMAND}`; a cold build takes a while). Set RLPACER_BIN_DIR or RLPACER_CACHE "
         f"if they live elsewhere."
     )
+
+
+_VERSION_KEYS = {
+    "etcd": "ETCD_VERSION",
+    "kube-apiserver": "KUBERNETES_VERSION",
+    "kube-controller-manager": "KUBERNETES_VERSION",
+    "kube-scheduler": "KUBERNETES_VERSION",
+    "kwok": "KWOK_VERSION",
+    "helm": "HELM_VERSION",
+}
+
+
+def _check_stamp(name: str, d: Path) -> None:
+    """A binary built for another pinned version (hack/versions.env was bumped) is stale."""
+    stamp = d / f".{name}.stamp"
+    want = pinned_versions().get(_VERSION_KEYS.get(name, ""))
+    if not want or not stamp.is_file():
+        return  # built elsewhere (RLPACER_BIN_DIR) or no versions file: trust it
+    fields = stamp.read_text().split()
+    if len(fields) >= 2 and fields[1] != want:
+        raise MissingBinaryError(
+            f"{name} in {d} was built at {fields[1]}, but hack/versions.env pins {want}: "
+            f"rebuild with `{SETUP_COMMAND}` (or `{BUILD_COMMAND} {name}`)."
+        )
 
 
 def find_kubectl() -> Path:
