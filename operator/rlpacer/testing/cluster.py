@@ -471,6 +471,16 @@ class _Proc:
         return "\n".join(lines[-n:])
 
 
+def _parent_death_signal() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _pid_runs(pid: int, exe: str) -> bool:
     """True if pid is alive, leads its own process group, and runs `exe` (guards pid reuse)."""
     try:
@@ -604,6 +614,7 @@ class LocalCluster:
         keep_data: bool = False,
         startup_timeout: float = 120.0,
         extra_args: Mapping[str, Sequence[str]] | None = None,
+        die_with_parent: bool = True,
     ) -> None:
         """
         data_dir: where certs, kubeconfigs, etcd data and logs go (default: a new temp dir,
@@ -622,6 +633,8 @@ class LocalCluster:
         self._fixed_ports = dict(ports or {})
         self._bin_dir = Path(binaries) if binaries else bin_dir()
         self.keep_data = keep_data
+        # Components get SIGTERM if this process dies without stop() (e.g. a killed pytest).
+        self._die_with_parent = die_with_parent
         self.startup_timeout = startup_timeout
         self._extra = {k: list(v) for k, v in (extra_args or {}).items()}
         self._procs: list[_Proc] = []
@@ -739,6 +752,7 @@ class LocalCluster:
                 stdin=subprocess.DEVNULL,
                 cwd=self.data_dir,
                 start_new_session=True,
+                preexec_fn=_parent_death_signal if self._die_with_parent else None,
             )
         p = _Proc(name, popen.pid, str(exe), log, popen)
         self._procs.append(p)
@@ -1295,7 +1309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 1
         shutil.rmtree(d, ignore_errors=True)
-    c = LocalCluster(d, ports={"apiserver": a.port} if a.port else None, keep_data=True)
+    c = LocalCluster(
+        d,
+        ports={"apiserver": a.port} if a.port else None,
+        keep_data=True,
+        die_with_parent=a.foreground,
+    )
     try:
         c.start()
     except ClusterError as e:
