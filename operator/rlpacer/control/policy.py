@@ -318,6 +318,23 @@ def clamp(
     return Clamp(delta, cands, replicas, tuple(notes))
 
 
+def clamp_job(
+    spec: RLTrainingJobSpec, policy: Policies, *, long_round_replicas: int | None = None
+) -> Clamp:
+    """:func:`clamp` for a job's spec: its delta, candidates and (unless given, e.g. what the
+    scaler is about to ask for) its long-round replicas, with its own GPU sizes."""
+    gc = spec.group_control
+    return clamp(
+        policy,
+        target_straggler_rate=decimal(gc.target_straggler_rate),
+        candidates=gc.candidates if gc.mode is GroupControlMode.SAGC else [gc.initial],
+        long_round_replicas=(long_round_replicas if long_round_replicas is not None
+                             else _long_round_replicas(spec)),
+        rollout_gpus_per_replica=spec.rollout.gpus_per_replica,
+        trainer_gpus=spec.trainer.replicas * spec.trainer.gpus_per_replica,
+    )
+
+
 # --- run time: SLO -----------------------------------------------------------------------
 
 

@@ -231,3 +231,18 @@ def test_selector_matches_like_kubernetes(selector: dict[str, Any], labels: dict
     from rlpacer.control.policy import selector_matches
 
     assert selector_matches(LabelSelector.model_validate(selector), labels) is expected
+
+
+def test_clamp_job_reads_the_spec() -> None:
+    from rlpacer.control.policy import clamp_job
+
+    spec = job(rollout={"replicas": 2, "gpusPerReplica": 4},
+               trainer={"replicas": 1, "gpusPerReplica": 8},
+               groupControl={"candidates": [4, 8, 32], "initial": 8,
+                             "targetStragglerRate": "0.4"},
+               tailBatching={"longRound": {"rolloutReplicas": 10}})
+    out = clamp_job(spec, policy(**STRICT))
+    # (32 GPUs - 8 for the trainer) // 4 per replica = 6 < maxRolloutReplicas 8 < asked 10
+    assert (out.target_straggler_rate, out.candidates, out.long_round_replicas) == (
+        0.25, (4, 8), 6)
+    assert clamp_job(spec, policy(**STRICT), long_round_replicas=3).long_round_replicas == 3
