@@ -229,7 +229,11 @@ def test_invalid_manifests_are_rejected_with_field_messages(
     bad = {
         "spec.groupControl.targetStragglerRate": {"groupControl": {"targetStragglerRate": "1.5"}},
         "spec.groupControl.initial": {"groupControl": {"candidates": [4, 8], "initial": 16}},
+        "spec.groupControl.initial ": {"groupControl": {"initial": 32}},  # default candidates
         "spec.groupControl.candidates": {"groupControl": {"candidates": [8, 4], "initial": 8}},
+        "spec.groupControl.forgetting": {"groupControl": {"forgetting": "1.5"}},
+        "spec.rollout.tensorParallelSize": {"rollout": {"gpusPerReplica": 2,
+                                                        "tensorParallelSize": 4}},
         "spec.tailBatching.longRound.rolloutReplicas": {
             "rollout": {"replicas": 4, "gpusPerReplica": 0},
             "tailBatching": {"longRound": {"rolloutReplicas": 2}}},
@@ -243,7 +247,7 @@ def test_invalid_manifests_are_rejected_with_field_messages(
         obj["spec"].update(patch)
         r = cluster.kubectl("apply", "-f", "-", input=json.dumps(obj), check=False)
         assert r.returncode != 0, f"{field} accepted"
-        assert field in r.stderr, (field, r.stderr)
+        assert field.strip() in r.stderr, (field, r.stderr)
     long_name = "a" * 64
     r = cluster.kubectl("apply", "-f", "-", input=json.dumps(small_job(long_name, namespace)),
                         check=False)
