@@ -22,6 +22,8 @@ CACHE="${RLPACER_CACHE:-$HOME/.cache/rlpacer}"
 BIN="$CACHE/bin"
 BUILD="$CACHE/build"
 RECIPE_REV=2
+# Bumped alone when only helm's recipe changes (2: Kubernetes version ldflags).
+HELM_RECIPE_REV=2
 mkdir -p "$BIN" "$BUILD"
 
 GO="${GO:-$(command -v go || true)}"
@@ -53,7 +55,7 @@ stamp_for() {
     kube-apiserver|kube-controller-manager|kube-scheduler)
       echo "$1 $KUBERNETES_VERSION toolchain=$KUBERNETES_GOTOOLCHAIN rev=$RECIPE_REV" ;;
     kwok) echo "kwok $KWOK_VERSION toolchain=$KWOK_GOTOOLCHAIN rev=$RECIPE_REV" ;;
-    helm) echo "helm $HELM_VERSION toolchain=$HELM_GOTOOLCHAIN rev=$RECIPE_REV" ;;
+    helm) echo "helm $HELM_VERSION toolchain=$HELM_GOTOOLCHAIN rev=$RECIPE_REV.$HELM_RECIPE_REV" ;;
     *) echo "error: unknown binary '$1' (known: ${ALL[*]})" >&2; return 1 ;;
   esac
 }
@@ -127,6 +129,17 @@ EOF
   log "resolving k8s.io/kubernetes $v module graph (staging modules -> $staging_v)"
   (cd "$dir" && gotc "$tc" mod tidy)
   echo "$v rev=$RECIPE_REV" > "$dir/.ready"
+}
+
+# Helm's Makefile stamps the Kubernetes version that `helm template`/`lint` assume when no
+# cluster is asked (.Capabilities.KubeVersion); without it they assume v1.20. We stamp the
+# version the local control plane serves, so offline rendering matches `helm install`.
+helm_ldflags() {
+  local major minor h=helm.sh/helm/v3
+  major=$(echo "${KUBERNETES_VERSION#v}" | cut -d. -f1); minor=$(echo "${KUBERNETES_VERSION#v}" | cut -d. -f2)
+  echo "-s -w -X $h/internal/version.version=$HELM_VERSION -X $h/internal/version.gitTreeState=clean" \
+       "-X $h/pkg/lint/rules.k8sVersionMajor=$major -X $h/pkg/lint/rules.k8sVersionMinor=$minor" \
+       "-X $h/pkg/chartutil.k8sVersionMajor=$major -X $h/pkg/chartutil.k8sVersionMinor=$minor"
 }
 
 k8s_ldflags() {
@@ -215,7 +228,7 @@ for name in "${WANT[@]}"; do
     kwok) build_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "$KWOK_GOTOOLCHAIN" \
             "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$KUBERNETES_VERSION" ;;
     helm) build_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_GOTOOLCHAIN" \
-            "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean" ;;
+            "$(helm_ldflags)" ;;
   esac
   mv -f "$BIN/$name.tmp" "$BIN/$name"
   echo "$stamp" > "$BIN/.$name.stamp"
