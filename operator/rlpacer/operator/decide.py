@@ -37,7 +37,7 @@ from rlpacer.api.status import (
     set_condition,
     summarize,
 )
-from rlpacer.operator import scaler
+from rlpacer.operator import hosting, scaler
 from rlpacer.operator.scaler import Event
 from rlpacer.operator.timeutil import fmt_time, parse_time
 
@@ -110,6 +110,7 @@ def decide(
         _cond(st, ConditionType.TRAINING, False, Reason.STARTING, "waiting for the driver",
               t, gen)
         st.start_time = None if spec.suspend else t
+        hosting.init_status(st, spec)
         st.rollout = RolloutStatus(desired_replicas=scaler.short_replicas(spec),
                                    ready_replicas=observed.rollout_ready)
         ev.append(Event("Normal", "Created", f"attempt {st.attempt}: children created"))

@@ -18,7 +18,7 @@ from typing import Any
 from rlpacer.api._base import format_decimal
 from rlpacer.api.job import RLTrainingJobSpec
 from rlpacer.api.protocol import StepReport
-from rlpacer.api.status import Posterior
+from rlpacer.api.status import Posterior, RLTrainingJobStatus
 from rlpacer.control.plan import (
     ControlPlan,
     JobController,
@@ -98,3 +98,21 @@ def posteriors(ctl: JobController) -> list[Posterior]:
             mean=format_decimal(mean),
         ))
     return out
+
+
+def fill_status(st: RLTrainingJobStatus, ctl: JobController, cp: ControlPlan) -> None:
+    """Copy the controller's readable numbers into ``st`` (in place)."""
+    st.step = cp.step
+    st.group_size = cp.group_size
+    st.round_kind = cp.round_kind.value
+    st.lambda_ = format_decimal(cp.lambda_)
+    st.straggler_rate = format_decimal(cp.straggler_rate)
+    st.posteriors = posteriors(ctl)
+
+
+def init_status(st: RLTrainingJobStatus, spec: RLTrainingJobSpec) -> None:
+    """A new job's controller state and readable fields (G, lambda, p(G)) from the start."""
+    if st.controller_state is None:
+        st.controller_state = new_state(spec)
+    ctl = load(st.controller_state)
+    fill_status(st, ctl, ctl.plan())

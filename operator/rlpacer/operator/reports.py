@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from rlpacer.api._base import format_decimal
 from rlpacer.api.job import RLTrainingJobSpec
 from rlpacer.api.protocol import Plan, StepReport
 from rlpacer.api.status import (
@@ -90,12 +89,7 @@ def accept_report(
     st.rollout = rollout
     record_scale_actions(st, actions)
     st.controller_state = new_state
-    st.step = cp.step
-    st.group_size = cp.group_size
-    st.round_kind = cp.round_kind.value
-    st.lambda_ = format_decimal(cp.lambda_)
-    st.straggler_rate = format_decimal(cp.straggler_rate)
-    st.posteriors = hosting.posteriors(ctl)
+    hosting.fill_status(st, ctl, cp)
     st.long_queue = report.long_queue
     st.last_report_time = t
     if cp.round_kind.value == "Long":
