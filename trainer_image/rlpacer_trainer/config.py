@@ -55,9 +55,9 @@ class RunConfig:
             )
         if spec.data.source.removeprefix("builtin://") not in BUILTIN_TASKS:
             raise ConfigError(f"spec.data.source: unknown builtin task {spec.data.source!r}")
-        if spec.reward.type != "ExactMatch":
+        if spec.reward.type not in task.REWARDS:
             raise ConfigError(
-                f"spec.reward.type: {spec.reward.type!r} is not built in (ExactMatch)"
+                f"spec.reward.type: {spec.reward.type!r} is not built in ({sorted(task.REWARDS)})"
             )
         if self.fixed_group_size is not None and self.fixed_group_size < 1:
             raise ConfigError("--fixed-group-size must be >= 1")
@@ -114,6 +114,7 @@ class RunConfig:
             aggregation=agg.value,
             kl_coef=decimal(a.kl_coef),
             mini_batches=self.mini_batches,
+            temperature=max(self.temperature, 1e-3),
         )
 
     @property

@@ -116,6 +116,7 @@ class Driver:
         self.problems = cfg.problems()
         self.step = 0
         self.records: list[dict[str, Any]] = []
+        self._reward_fn = task.REWARDS[cfg.spec.reward.type]
         self.scorer = RewardScorer(self._score, timeout_s=float(cfg.spec.reward.timeout_seconds))
         self.rollout_wall = 0.0  # wall time inside rollouts (engine busy fraction's base)
         self._pending: dict[str, tuple[int, int, int]] = {}  # request id -> engine, prompt, idx
@@ -124,7 +125,7 @@ class Driver:
     def _score(self, tokens: tuple[int, ...], finish_reason: str, pid: int) -> float:
         r = 0.0
         if finish_reason == "stop":
-            r = task.reward(tiny.decode(list(tokens)), self.problems[pid])
+            r = self._reward_fn(tiny.decode(list(tokens)), self.problems[pid])
         if self.cfg.overlong_buffer:
             r += self.cfg.overlong_scale * algos.overlong_penalty(
                 len(tokens), max_tokens=self.cfg.max_tokens,
@@ -255,6 +256,7 @@ class Driver:
             "prompts": sorted(key[1] for key in groups),
             "round_kind": kind.value, "reward": mean_reward,
             "accuracy": sum(r >= 1.0 for r in rewards_all) / max(1, len(rewards_all)),
+            "long_rounds": self.planner.long_rounds,
             "len_max": summary.max, "len_median": summary.median, "len_p90": summary.p90,
             "kept": summary.count, "aborted": aborted, "long_queue": report.long_queue,
             "next_round_kind": report.next_round_kind.value,
@@ -299,13 +301,17 @@ class Driver:
         return self.records
 
     # --- evaluation ---------------------------------------------------------------------------
-    def evaluate(self, problems: Sequence[task.Problem]) -> float:
-        """Greedy accuracy on ``problems`` (the held-out set), split over the engines."""
+    def evaluate(self, problems: Sequence[task.Problem], temperature: float = 0.0,
+                 seed: int = 0) -> float:
+        """Accuracy on ``problems`` (the held-out set): greedy by default, else one seeded
+        sample per prompt at ``temperature``; split over the engines."""
         per_engine: list[list[GenRequest]] = [[] for _ in self.engines]
+        self._evals = getattr(self, "_evals", 0) + 1
         for j, p in enumerate(problems):
             per_engine[j % len(self.engines)].append(GenRequest(
-                f"eval{self.step}-{j}", tuple(tiny.prompt_ids(p.prompt)), self.cfg.max_tokens,
-                0.0))
+                f"eval{self.step}.{self._evals}-{j}", tuple(tiny.prompt_ids(p.prompt)),
+                self.cfg.max_tokens, temperature,
+                None if temperature == 0 else sample_seed(seed, -1, j, 0)))
         hits = 0
         for e, reqs in enumerate(per_engine):
             if not reqs:

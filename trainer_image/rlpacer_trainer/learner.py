@@ -53,10 +53,14 @@ def pack(
 
 
 def sequence_logprobs(model: Any, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
-                      targets: torch.Tensor) -> torch.Tensor:
-    """Per-token log-probabilities of ``targets`` [B, L-1] under ``model``."""
+                      targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probabilities of ``targets`` [B, L-1] under ``model``, with logits divided
+    by the sampling ``temperature`` (so the update is for the policy that actually sampled)."""
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
-    return algos.token_logprobs(out.logits[:, :-1], targets)
+    logits = out.logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return algos.token_logprobs(logits, targets)
 
 
 @dataclasses.dataclass
@@ -70,6 +74,7 @@ class LearnerConfig:
     kl_coef: float = 0.0
     mini_batches: int = 2
     max_grad_norm: float = 1.0
+    temperature: float = 1.0  # the rollout's sampling temperature
 
 
 class Learner:
@@ -102,8 +107,10 @@ class Learner:
                                          [s.response_ids for s in samples])
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         with torch.no_grad():
-            old = sequence_logprobs(self.model, ids, attn, pos, tgt)
-            ref = sequence_logprobs(self.ref, ids, attn, pos, tgt) if self.ref is not None else None
+            t = cfg.temperature
+            old = sequence_logprobs(self.model, ids, attn, pos, tgt, t)
+            ref = (sequence_logprobs(self.ref, ids, attn, pos, tgt, t)
+                   if self.ref is not None else None)
         n = len(samples)
         k = max(1, min(cfg.mini_batches, n))
         # a fixed (not random) split keeps the update deterministic for resume tests
@@ -113,7 +120,7 @@ class Learner:
             sel = torch.tensor(idx, dtype=torch.long)
             width = int(attn[sel].sum(dim=1).max())
             logp = sequence_logprobs(self.model, ids[sel, :width], attn[sel, :width],
-                                     pos[sel, :width], tgt[sel, : width - 1])
+                                     pos[sel, :width], tgt[sel, : width - 1], cfg.temperature)
             m = mask[sel, : width - 1]
             loss, st = algos.clipped_policy_loss(
                 logp, old[sel, : width - 1], adv[sel], m,
@@ -128,7 +135,7 @@ class Learner:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             self.opt.step()
-            stats["loss"] += float(loss) / k
+            stats["loss"] += float(loss.detach()) / k
             stats["clipfrac"] += st["clipfrac"] / k
             stats["kl"] += kl_val / k
         stats["samples"] = float(n)

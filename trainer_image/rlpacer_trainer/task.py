@@ -62,6 +62,27 @@ def reward(response: str, problem: Problem) -> float:
     return 1.0 if response == problem.reference else 0.0
 
 
+def prefix_reward(response: str, problem: Problem) -> float:
+    """Partial credit (built-in reward ``ChainPrefix``): 1.0 for the exact chain, else half the
+    fraction of leading terms that are right. A full solution always beats any partial one,
+    and a long chain that goes wrong late still tells the policy which prefix was good (exact
+    match alone gives almost every long-chain group all-zero rewards, i.e. no signal)."""
+    ref = problem.reference
+    if response == ref:
+        return 1.0
+    want = ref.split(",")[:-1]
+    got = response.split(",")
+    ok = 0
+    for w, g in zip(want, got, strict=False):
+        if w != g:
+            break
+        ok += 1
+    return 0.5 * ok / max(1, len(want))
+
+
+REWARDS = {"ExactMatch": reward, "ChainPrefix": prefix_reward}
+
+
 def sample_terms(rng: random.Random, alpha: float, t_min: int, t_max: int) -> int:
     """Discrete Pareto: P(T >= t) = (t / t_min) ** -alpha for t >= t_min, capped at t_max."""
     u = 1.0 - rng.random()  # (0, 1]

@@ -53,3 +53,11 @@ def test_builtin_source() -> None:
     assert (path / "config.json").exists() and (path / "tokenizer.json").exists()
     with pytest.raises(ValueError, match="unknown builtin"):
         tiny.resolve_source("builtin://nope")
+
+
+def test_prefix_reward() -> None:
+    p = task.Problem(0, 47, 9)  # 38,29,20,11,2,
+    assert task.prefix_reward("38,29,20,11,2,", p) == 1.0
+    assert task.prefix_reward("38,29,21,11,2,", p) == pytest.approx(0.5 * 2 / 5)
+    assert task.prefix_reward("38,29,20,11,2,1,", p) == pytest.approx(0.5)
+    assert task.prefix_reward("", p) == 0.0
