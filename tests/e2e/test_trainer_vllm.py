@@ -112,7 +112,10 @@ def test_checkpoint_resume_continues_identically(engine: VLLMEngine, tmp_path: P
     for k, v in b.learner.model.state_dict().items():
         assert torch.allclose(v, full[k], atol=1e-6), k
     assert b.planner.state_dict() == a.planner.state_dict()
-    assert b.controller.state_dict() == a.controller.state_dict()
+    # the controller learnt the same; only the echo of the last report differs (its timings)
+    ca, cb = a.controller.state_dict(), b.controller.state_dict()
+    assert {k: v for k, v in cb.items() if k != "last"} == {
+        k: v for k, v in ca.items() if k != "last"}
 
 
 def test_rl_improves_heldout_accuracy(engine: VLLMEngine, tmp_path: Path) -> None:
