@@ -56,6 +56,10 @@ class JobLoops:
         else:
             self.jobs.poke(namespace, name)
 
+    def running(self, namespace: str, name: str) -> bool:
+        task = self._tasks.get((namespace, name))
+        return task is not None and not task.done()
+
     async def stop(self, namespace: str, name: str) -> None:
         task = self._tasks.pop((namespace, name), None)
         if task is not None:
@@ -148,7 +152,9 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
             return
         rt = jobs.peek(namespace, name)
         generation = body.get("metadata", {}).get("generation")
-        if rt is None or rt.generation != generation:
+        # A step report may have loaded the job before its first watch event (a restarted
+        # operator serves reports before Kopf's watches start): start the loop then too.
+        if rt is None or rt.generation != generation or not loops.running(namespace, name):
             loops.ensure(namespace, name)
 
     def child_event(kind: str) -> Callable[..., Any]:
