@@ -123,6 +123,11 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         settings.posting.level = logging.WARNING
         # Leader election is the Lease's job (rlpacer.operator.lease), not peering's.
         settings.peering.standalone = True
+        # No discovery of namespaces and CRDs: the chart deliberately grants neither (list
+        # namespaces, list CRDs), and Kopf would retry them for about a minute before its
+        # watches start, while the step-report endpoint already answers (a restarted operator
+        # could then not scale for long rounds). The CRDs exist before the operator starts.
+        settings.scanning.disabled = True
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
         if ctx.settings.webhook_enabled:
