@@ -135,7 +135,7 @@ async def _driver(
 
 
 async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: float,
-                seconds: float, warmup: float) -> dict[str, Any]:
+                seconds: float, warmup: float, settle: float) -> dict[str, Any]:
     import aiohttp
 
     from rlpacer.operator import names as child_names
@@ -164,6 +164,7 @@ async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: flo
         if running >= 4 * len(names):  # head, learner, rollout, driver
             break
         await asyncio.sleep(1.0)
+    await asyncio.sleep(settle)  # let controllers and caches of a fresh cluster go quiet
     baseline = await _baseline(kube, ns, names, rate, min(15.0, seconds / 2))
     lat: list[float] = []
     errors: list[str] = []
@@ -176,10 +177,12 @@ async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: flo
             for i, n in enumerate(names)
         ])
         until = time.monotonic() + seconds
+        before = await _request_counts(kube)
         oks = await asyncio.gather(*[
             _driver(session, base, ns, n, tokens[n], rate, until, lat, errors, i)
             for i, n in enumerate(names)
         ])
+        after = await _request_counts(kube)
     # every answered report is persisted: status.step == answered reports
     mismatched = []
     for n, ok, w in zip(names, oks, warm_oks, strict=True):
@@ -189,7 +192,32 @@ async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: flo
             mismatched.append(f"{n}: status.step={st.get('step')} answered={ok}")
     await kube.close()
     return {"latencies": lat, "errors": errors, "answered": sum(oks), "mismatched": mismatched,
-            "baseline": baseline}
+            "baseline": baseline, "apiserver_requests_per_s": _rate_diff(before, after, seconds)}
+
+
+async def _request_counts(kube: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        text = await kube.get_text("/metrics")
+    except Exception:
+        return out
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels, value = line.rsplit(" ", 1)
+        lab = dict(kv.split("=", 1) for kv in labels[len("apiserver_request_total{"):-1]
+                   .split(","))
+        key = " ".join(x.strip('"') for x in (lab.get("verb", ""), lab.get("group", ""),
+                                              lab.get("resource", ""),
+                                              lab.get("subresource", "")) if x.strip('"'))
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _rate_diff(a: dict[str, float], b: dict[str, float], seconds: float) -> dict[str, float]:
+    d = {k: (v - a.get(k, 0.0)) / seconds for k, v in b.items()}
+    return dict(sorted(((k, round(v, 1)) for k, v in d.items() if v > 0.05),
+                       key=lambda kv: -kv[1])[:8])
 
 
 async def _baseline(kube: Any, ns: str, names: list[str], rate: float,
@@ -239,11 +267,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         kubeconfig = args.kubeconfig
     else:
         data = Path(tempfile.mkdtemp(prefix="rlpacer-bench-", dir=os.environ.get("TMPDIR")))
-        cluster = LocalCluster(data, extra_args={"etcd": ["--unsafe-no-fsync=false"]})
+        no_fsync = "false" if args.etcd_fsync else "true"
+        cluster = LocalCluster(data, extra_args={"etcd": [f"--unsafe-no-fsync={no_fsync}"]})
         print(f"starting the local control plane in {data} ...", flush=True)
         cluster.start()
         kubeconfig = str(cluster.kubeconfig)
-        etcd_flags = (f"--data-dir={data / 'etcd'} (disk), --unsafe-no-fsync=false (fsync on),"
+        etcd_flags = (f"--data-dir={data / 'etcd'} (disk), --unsafe-no-fsync={no_fsync},"
                       " --auto-compaction-mode=periodic --auto-compaction-retention=5m,"
                       " --quota-backend-bytes=4294967296")
     env = {**os.environ, "KUBECONFIG": kubeconfig}
@@ -272,7 +301,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"{args.jobs} jobs, {args.rate}/s each, {args.seconds:.0f}s; operator log {log}",
               flush=True)
         res = asyncio.run(_load(kubeconfig, base, args.namespace, names, args.rate,
-                                args.seconds, args.warmup))
+                                args.seconds, args.warmup, args.settle))
         res["server"] = _server_quantiles(metrics_port)
     finally:
         if op is not None:
@@ -301,6 +330,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "load_average": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
         "persisted_mismatches": len(res["mismatched"]),
+        "apiserver_requests_per_s": res["apiserver_requests_per_s"],
         "etcd": etcd_flags,
         "target": "p99 < 100 ms",
         "met": bool(lat) and _pct(lat, 99) < 0.1 and not res["mismatched"],

@@ -73,10 +73,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--rate", type=float, default=1.0, help="reports per second per job")
     p.add_argument("--seconds", type=float, default=30.0, help="duration of the load phase")
     p.add_argument("--warmup", type=float, default=10.0, help="unmeasured load before it")
+    p.add_argument("--settle", type=float, default=20.0,
+                   help="idle seconds after the jobs' pods run, before measuring")
     p.add_argument("--namespace", default="rlpacer-bench", help="namespace for the bench jobs")
     p.add_argument(
         "--kubeconfig", default=None,
         help="cluster to use (default: start the local test control plane)",
     )
+    p.add_argument("--etcd-fsync", action=argparse.BooleanOptionalAction, default=True,
+                   help="etcd fsyncs its WAL (default; --no-etcd-fsync as the test fixture)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=_bench)

@@ -142,6 +142,15 @@ class KubeClient:
                     raise ApiError(resp.status, resp.reason or "", text) from None
             return json.loads(text) if text else {}
 
+    async def get_text(self, path: str) -> str:
+        """GET a non-JSON path (e.g. /metrics)."""
+        async with self._get_session().get(self.creds.server + path,
+                                           headers=self._headers()) as resp:
+            text = await resp.text()
+            if resp.status >= 300:
+                raise ApiError(resp.status, resp.reason or "", text[:500])
+            return text
+
     # --- helpers ----------------------------------------------------------------------------
     async def get(self, path: str) -> Obj | None:
         try:
