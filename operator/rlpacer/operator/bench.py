@@ -166,6 +166,10 @@ async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: flo
         await asyncio.sleep(1.0)
     await asyncio.sleep(settle)  # let controllers and caches of a fresh cluster go quiet
     baseline = await _baseline(kube, ns, names, rate, min(15.0, seconds / 2))
+    start_step = {}
+    for n in names:  # jobs may be reused from an earlier run on the same cluster
+        obj = await kube.get(job_path(ns, n))
+        start_step[n] = int(((obj or {}).get("status") or {}).get("step") or 0)
     lat: list[float] = []
     errors: list[str] = []
     conn = aiohttp.TCPConnector(limit=0)
@@ -188,8 +192,9 @@ async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: flo
     for n, ok, w in zip(names, oks, warm_oks, strict=True):
         obj = await kube.get(job_path(ns, n))
         st = (obj or {}).get("status") or {}
-        if st.get("step") != ok + w:
-            mismatched.append(f"{n}: status.step={st.get('step')} answered={ok}")
+        if st.get("step") != start_step[n] + ok + w:
+            mismatched.append(f"{n}: status.step={st.get('step')} answered={start_step[n]}"
+                              f"+{w}+{ok}")
     await kube.close()
     return {"latencies": lat, "errors": errors, "answered": sum(oks), "mismatched": mismatched,
             "baseline": baseline, "apiserver_requests_per_s": _rate_diff(before, after, seconds)}
@@ -293,7 +298,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         metrics_port = _free_port()
         log = Path(tempfile.mkstemp(prefix="rlpacer-bench-operator-", suffix=".log")[1])
         op = subprocess.Popen(
-            [sys.executable, "-m", "rlpacer.cli", "operator", "--report-port", str(port),
+            [sys.executable,
+             *(["-m", "cProfile", "-o", os.environ["RLPACER_BENCH_PROFILE"]]
+               if os.environ.get("RLPACER_BENCH_PROFILE") else []),
+             "-m", "rlpacer.cli", "operator", "--report-port", str(port),
              "--metrics-port", str(metrics_port), "--namespaces", args.namespace,
              "--operator-namespace", "rlpacer-system", "--log-level", "WARNING"],
             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)

@@ -84,7 +84,9 @@ def run_config(inputs: BuildInputs) -> str:
         "metadata": {"name": inputs.name, "namespace": inputs.namespace},
         "spec": inputs.spec.to_wire(),
     }
-    return yaml.safe_dump(doc, sort_keys=False)
+    # libyaml's emitter when present: this runs on every pass that applies the ConfigMap.
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    return yaml.dump(doc, Dumper=dumper, sort_keys=False)
 
 
 def config_map(inputs: BuildInputs) -> Obj:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import ssl
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,24 @@ class KubeClient:
             if resp.status >= 300:
                 raise ApiError(resp.status, resp.reason or "", text[:500])
             return text
+
+    async def watch(
+        self, path: str, resource_version: str, timeout_seconds: int = 300
+    ) -> AsyncIterator[Obj]:
+        """Watch events of a collection from ``resource_version`` (with bookmarks)."""
+        params = {
+            "watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout_seconds),
+        }
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_seconds + 30)
+        async with self._get_session().get(
+            self.creds.server + path, params=params, headers=self._headers(), timeout=timeout
+        ) as resp:
+            if resp.status >= 300:
+                raise ApiError(resp.status, resp.reason or "", (await resp.text())[:500])
+            async for line in resp.content:
+                if line.strip():
+                    yield json.loads(line)
 
     # --- helpers ----------------------------------------------------------------------------
     async def get(self, path: str) -> Obj | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from rlpacer.operator.handlers import JobLoops, OperatorContext, build_registry
+from rlpacer.operator.handlers import JobLoops, OperatorContext, build_registry, watch_jobs
 from rlpacer.operator.kube import Credentials, KubeClient
 from rlpacer.operator.lease import LeaderElector
 from rlpacer.operator.metrics import Metrics
@@ -83,6 +83,7 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
             stop_flag=kopf_stop,
         ))
         tasks.append(kopf_task)
+        tasks.append(asyncio.create_task(watch_jobs(jobs, loops, settings.namespaces)))
         waits: set[asyncio.Task[Any]] = {kopf_task, stop_task}
         hold = None
         if elector is not None:
