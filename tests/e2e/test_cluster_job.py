@@ -172,12 +172,13 @@ def release(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
                          label_selector=f"{contract.LABEL_JOB}={JOB}")
     rel = Release(cluster, name, system, jobs, values, op, harness, tmp)
     try:
-        # helm install rlpacer charts/rlpacer -n rlpacer-system --create-namespace (+ values)
-        cluster.helm("install", name, str(CHART), "-n", system, "--wait=false", *values)
+        # helm install rlpacer charts/rlpacer -n rlpacer-system --create-namespace, plus the
+        # local run's values (loopback webhook URL, free ports, one watched namespace)
+        cluster.helm("install", name, str(CHART), "-n", system, *values)
         op.start()
         harness.start()
-        # The namespace's policy, applied by the platform team. The webhook server starts
-        # once Kopf has discovered the resources: retry the first apply briefly.
+        # kubectl apply -n team-a -f examples/tiny-cluster-policy.yaml (the platform team).
+        # The webhook server starts with Kopf: retry the first apply briefly.
         deadline = time.monotonic() + 60
         while (r := rel.kubectl("apply", "-n", jobs, "-f", str(POLICY),
                                 check=False)).returncode != 0:
@@ -242,9 +243,9 @@ def _restart_operator_after_upgrade(rel: Release, run: Run) -> None:
             time.sleep(1)
         before = prev
         rel.operator.stop()
-        rel.cluster.helm("upgrade", rel.name, str(CHART), "-n", rel.system, "--wait=false",
-                         *rel.values, "--set", "operator.logLevel=DEBUG",
-                         "--set", "operator.resyncSeconds=3")
+        # helm upgrade rlpacer charts/rlpacer -n rlpacer-system --reuse-values --set ...
+        rel.cluster.helm("upgrade", rel.name, str(CHART), "-n", rel.system, "--reuse-values",
+                         "--set", "operator.logLevel=DEBUG", "--set", "operator.resyncSeconds=3")
         rel.operator.start()
         time.sleep(8)  # at least two resyncs of the new operator
         after = rel.get("rltj", JOB, "-n", rel.jobs)["status"]
@@ -258,14 +259,14 @@ def _restart_operator_after_upgrade(rel: Release, run: Run) -> None:
 def run(release: Release) -> Run:
     rel, out = release, Run()
     watch_log = rel.tmp / "watch.txt"
-    # kubectl get rltj -w, as a user watches it
+    # kubectl get rltj -n team-a -w, as a user watches it
     with watch_log.open("w") as wl:
         watch = subprocess.Popen(
             [str(find_kubectl()), f"--kubeconfig={rel.cluster.kubeconfig}", "get", "rltj",
              "-n", rel.jobs, "-w"], stdout=wl, stderr=subprocess.STDOUT)
     t0 = time.monotonic()
     try:
-        # kubectl apply -f examples/tiny-cluster.yaml
+        # kubectl apply -n team-a -f examples/tiny-cluster.yaml
         rel.kubectl("apply", "-n", rel.jobs, "-f", str(EXAMPLE))
         sts = names.statefulset(JOB, contract.Role.ROLLOUT)
         while True:
