@@ -201,6 +201,10 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         # could then not scale for long rounds). The CRDs exist before the operator starts.
         settings.scanning.disabled = True
         settings.watching.server_timeout = 300
+        # Watch only our children, filtered by the API server (not every pod of the cluster).
+        selector = f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY}"
+        settings.watching.label_selectors[("v1", "pods")] = selector
+        settings.watching.label_selectors[("apps", "v1", "statefulsets")] = selector
         settings.networking.request_timeout = 60
         if ctx.settings.webhook_enabled:
             from rlpacer.operator import admission
