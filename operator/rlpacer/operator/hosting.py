@@ -70,13 +70,16 @@ def to_data(report: StepReport) -> StepReportData:
     )
 
 
-def apply_report(state_json: str, report: StepReport) -> tuple[str, ControlPlan, JobController]:
-    """Observe ``report`` on a controller restored from ``state_json``.
+def apply_report(
+    state_json: str, report: StepReport, ctl: JobController | None = None
+) -> tuple[str, ControlPlan, JobController]:
+    """Observe ``report`` on a controller restored from ``state_json`` (or on ``ctl``, a live
+    controller whose state is exactly ``state_json``: it saves the restore).
 
     Returns (new state JSON, plan for the next step, the controller). Raises
     :class:`ReportRejected` (nothing changed) for an impossible report.
     """
-    ctl = load(state_json)
+    ctl = load(state_json) if ctl is None else ctl
     plan = ctl.observe(to_data(report))
     return dumps(ctl.state_dict()), plan, ctl
 

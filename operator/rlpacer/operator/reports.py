@@ -22,7 +22,7 @@ from rlpacer.api.status import (
     set_condition,
     summarize,
 )
-from rlpacer.control.plan import ControlPlan, ReportRejected
+from rlpacer.control.plan import ControlPlan, JobController, ReportRejected
 from rlpacer.operator import hosting, scaler
 from rlpacer.operator.decide import record_scale_actions
 from rlpacer.operator.scaler import Event
@@ -37,6 +37,8 @@ class Accepted:
     events: list[Event] = field(default_factory=list)
     new: bool = True
     straggler: bool = False
+    #: The live controller, whose state is the returned status's controllerState.
+    controller: JobController | None = None
 
 
 def _plan(spec: RLTrainingJobSpec, st: RLTrainingJobStatus, cp: ControlPlan) -> Plan:
@@ -51,10 +53,14 @@ def _plan(spec: RLTrainingJobSpec, st: RLTrainingJobStatus, cp: ControlPlan) -> 
     )
 
 
-def current_plan(spec: RLTrainingJobSpec, status: RLTrainingJobStatus) -> Plan:
-    """``GET plan``: the plan for the next step from the persisted state (changes nothing)."""
-    state = status.controller_state or hosting.new_state(spec)
-    return _plan(spec, status, hosting.load(state).plan())
+def current_plan(
+    spec: RLTrainingJobSpec, status: RLTrainingJobStatus, ctl: JobController | None = None
+) -> Plan:
+    """``GET plan``: the plan for the next step from the persisted state (changes nothing).
+    ``ctl``: a live controller whose state is ``status.controllerState``."""
+    if ctl is None:
+        ctl = hosting.load(status.controller_state or hosting.new_state(spec))
+    return _plan(spec, status, ctl.plan())
 
 
 def accept_report(
@@ -63,6 +69,7 @@ def accept_report(
     report: StepReport,
     now: datetime,
     generation: int | None,
+    ctl: JobController | None = None,
 ) -> tuple[RLTrainingJobStatus, Accepted]:
     """Return (new status, what to answer).
 
@@ -78,10 +85,13 @@ def accept_report(
             " (RLPACER_ATTEMPT of the running driver)",
         )
     state = status.controller_state or hosting.new_state(spec)
-    new_state, cp, ctl = hosting.apply_report(state, report)
+    if status.controller_state is None:
+        ctl = None  # a live controller always matches a persisted state
+    new_state, cp, ctl = hosting.apply_report(state, report, ctl)
     st = status.model_copy(deep=True)
     if new_state == state and status.controller_state is not None:
-        return st, Accepted(_plan(spec, st, cp), [], new=False)  # an idempotent repeat
+        # an idempotent repeat
+        return st, Accepted(_plan(spec, st, cp), [], new=False, controller=ctl)
 
     t = fmt_time(now)
     gen = generation
@@ -116,7 +126,8 @@ def accept_report(
             f"attempt {st.attempt} reporting", t, gen,
         )
     st.summary = summarize(st.conditions)
-    return st, Accepted(_plan(spec, st, cp), events, new=True, straggler=bool(cp.straggler))
+    return st, Accepted(_plan(spec, st, cp), events, new=True, straggler=bool(cp.straggler),
+                        controller=ctl)
 
 
 __all__ = ["Accepted", "ReportRejected", "accept_report", "current_plan"]

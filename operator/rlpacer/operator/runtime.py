@@ -47,6 +47,7 @@ from rlpacer.api.status import (
     set_condition,
     summarize,
 )
+from rlpacer.control.plan import JobController
 from rlpacer.operator import builders, names
 from rlpacer.operator.decide import Decision, Observed, decide
 from rlpacer.operator.kube import ApiError, KubeClient, object_path
@@ -91,6 +92,23 @@ class JobRuntime:
     #: a child's deletion and every resync so drift is repaired).
     applied: dict[str, str] = field(default_factory=dict)
     applied_at: float = 0.0
+    #: (controllerState, the live controller in exactly that state): saves restoring the
+    #: controller from JSON on every report. Taken (removed) by the writer that uses it, so
+    #: a failed write can never leave a controller ahead of the persisted state.
+    live: tuple[str, JobController] | None = None
+
+    def take_controller(self, state: str | None) -> JobController | None:
+        live, self.live = self.live, None
+        return live[1] if live is not None and state is not None and live[0] == state else None
+
+    def peek_controller(self, state: str | None) -> JobController | None:
+        live = self.live
+        return live[1] if live is not None and state is not None and live[0] == state else None
+
+    def keep_controller(self, ctl: JobController | None) -> None:
+        """After a successful write: ``ctl`` is in the state just persisted."""
+        state = self.status.controller_state
+        self.live = (state, ctl) if ctl is not None and state is not None else None
 
     def absorb(self, obj: dict[str, Any]) -> None:
         meta = obj.get("metadata", {})

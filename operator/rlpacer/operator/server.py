@@ -86,7 +86,8 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
             return rt
         if rt.spec is None:
             return _error(422, "InvalidSpec", rt.spec_error or "invalid spec")
-        plan = reports.current_plan(rt.spec, rt.status)
+        plan = reports.current_plan(rt.spec, rt.status,
+                                    rt.peek_controller(rt.status.controller_state))
         return web.json_response(plan.to_wire())
 
     async def post_steps(request: web.Request) -> web.StreamResponse:
@@ -105,9 +106,11 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
         try:
             async with rt.lock:
                 acc = await jobs.commit(
-                    rt, lambda spec, st: reports.accept_report(spec, st, report, now,
-                                                               rt.generation)
+                    rt, lambda spec, st: reports.accept_report(
+                        spec, st, report, now, rt.generation,
+                        rt.take_controller(st.controller_state)),
                 )
+                rt.keep_controller(acc.controller)
         except reports.ReportRejected as e:
             return _error(422, e.reason, e.message)
         except JobGone:
