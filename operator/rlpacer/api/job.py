@@ -57,7 +57,7 @@ class ModelSpec(APIModel):
         max_length=512,
         description=(
             "Where the policy's initial weights come from: builtin://<name> for the project's"
-            " tiny models (e.g. builtin://tiny-adder), pvc://<claim>/<path> for a volume, or a"
+            " tiny models (e.g. builtin://tiny-chain), pvc://<claim>/<path> for a volume, or a"
             " path inside the image. Nothing is downloaded from a hub."
         ),
     )
