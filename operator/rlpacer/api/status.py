@@ -43,6 +43,10 @@ class ConditionType(enum.StrEnum):
     LONG_ROUND = "LongRound"
     #: spec.suspend is true and the pods are gone. Reasons: Suspended, Resumed.
     SUSPENDED = "Suspended"
+    #: The job breaks its namespace policy's SLO (windowed straggler rate or mean step time),
+    #: judged on each step report. True reasons: StragglerRateAboveSLO, StepTimeAboveSLO;
+    #: False reasons: WithinSLO, NotEnoughSteps, NoSLO. Absent while no policy sets an SLO.
+    SLO_VIOLATED = "SLOViolated"
     #: Terminal: the driver finished every step. Reason: Completed.
     SUCCEEDED = "Succeeded"
     #: Terminal. Reasons: BackoffLimitExceeded, DeadlineExceeded, InvalidSpec.
@@ -74,6 +78,18 @@ class Reason(enum.StrEnum):
     COMPLETED = "Completed"
     BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
+    # SLOViolated (the values of rlpacer.control.policy.SLOReason)
+    STRAGGLER_RATE_ABOVE_SLO = "StragglerRateAboveSLO"
+    STEP_TIME_ABOVE_SLO = "StepTimeAboveSLO"
+    WITHIN_SLO = "WithinSLO"
+    NOT_ENOUGH_STEPS = "NotEnoughSteps"
+    NO_SLO = "NoSLO"
+
+
+#: Reasons with which SLOViolated is True (one per metric series rlpacer_slo_violated{reason}).
+SLO_BREACH_REASONS = (Reason.STRAGGLER_RATE_ABOVE_SLO, Reason.STEP_TIME_ABOVE_SLO)
+#: How many policy notes (clamps, warnings) status keeps.
+MAX_POLICY_NOTES = 8
 
 
 class Summary(enum.StrEnum):
@@ -194,6 +210,10 @@ class RLTrainingJobStatus(APIModel):
     straggler_rate: Decimal | None = Field(
         default=None, description="Straggler steps over the last groupControl.windowSteps steps."
     )
+    step_seconds: Decimal | None = Field(
+        default=None,
+        description="Mean step time (seconds) over the last groupControl.windowSteps steps.",
+    )
     posteriors: list[Posterior] = Field(
         default_factory=list, max_length=16, description="SAGC's belief per candidate G."
     )
@@ -205,6 +225,14 @@ class RLTrainingJobStatus(APIModel):
     scale_actions: list[ScaleAction] = Field(
         default_factory=list, max_length=MAX_SCALE_ACTIONS,
         description=f"The last {MAX_SCALE_ACTIONS} rollout scale actions, newest last.",
+    )
+    policy_notes: list[str] = Field(
+        default_factory=list, max_length=MAX_POLICY_NOTES,
+        description=(
+            "What the namespace's RLTrainingPolicies changed at run time (Enforce: the straggler"
+            " target, group sizes or long-round replicas clamped) or would change (Warn: lines"
+            " starting with 'Warn: '); empty when the job is within every policy."
+        ),
     )
     last_report_time: str | None = Field(
         default=None, description="When the last step report was accepted (RFC 3339).",

@@ -221,6 +221,8 @@ class JobController:
         self._attempt = 0
         self._next_kind = RoundKind.SHORT
         self._window: deque[bool] = deque(maxlen=self._cfg.straggler_window)
+        #: Wall-clock seconds of the steps in the same window (the step-time SLO).
+        self._seconds: deque[float] = deque(maxlen=self._cfg.straggler_window)
         self._steps_observed = 0
         self._long_rounds = 0
         self._last_key: tuple[int, int] | None = None
@@ -259,8 +261,35 @@ class JobController:
         return sum(self._window) / len(self._window) if self._window else 0.0
 
     @property
+    def mean_step_seconds(self) -> float | None:
+        """Mean wall-clock time of the last ``straggler_window`` steps (None before any)."""
+        return math.fsum(self._seconds) / len(self._seconds) if self._seconds else None
+
+    @property
     def lambda_(self) -> float:
         return self._ctl.lambda_
+
+    def reconfigure(self, sagc: SAGCConfig) -> bool:
+        """Switch the SAGC configuration (a run-time policy clamps delta and candidates).
+
+        Deterministic in (state, ``sagc``): a host may persist the resulting state and restore
+        it bit-exactly. The pending G may change (when it is no longer a candidate); the
+        stored answer to the last report follows, so a repeat of that report gets the plan
+        the host answered with. Returns whether anything changed. Fixed mode: no-op (False).
+        """
+        if self._cfg.mode is not GroupControlMode.SAGC or sagc == self._cfg.sagc:
+            return False
+        assert isinstance(self._ctl, SAGCController)
+        self._ctl.reconfigure(sagc)
+        self._cfg = JobControllerConfig(
+            mode=self._cfg.mode, sagc=sagc, straggler_window=self._cfg.straggler_window,
+            long_rounds_feed_sagc=self._cfg.long_rounds_feed_sagc,
+        )
+        if self._ctl.pending is None:
+            self._ctl.decide()
+        if self._last_answer is not None:
+            self._last_answer = self.plan(straggler=self._last_answer.straggler)
+        return True
 
     def posterior_means(self) -> dict[int, float]:
         return self._ctl.posterior_means()
@@ -367,6 +396,8 @@ class JobController:
             straggler = self._ctl.is_straggler(ln.max, ln.median)
         self._ctl.decide()
         self._window.append(straggler)
+        s = report.seconds
+        self._seconds.append(float(s.rollout + s.reward + s.train + s.sync))
         self._steps_observed += 1
         if report.round_kind is RoundKind.LONG:
             self._long_rounds += 1
@@ -391,6 +422,7 @@ class JobController:
             "attempt": self._attempt,
             "next_round_kind": self._next_kind.value,
             "window": [bool(x) for x in self._window],
+            "step_seconds": list(self._seconds),
             "steps_observed": self._steps_observed,
             "long_rounds": self._long_rounds,
             "last": None
@@ -418,6 +450,9 @@ class JobController:
             jc._attempt = int(state["attempt"])
             jc._next_kind = RoundKind(state["next_round_kind"])
             jc._window = deque((bool(x) for x in state["window"]), maxlen=cfg.straggler_window)
+            # Absent in states written before the step-time SLO: an empty window.
+            jc._seconds = deque((float(x) for x in state.get("step_seconds", [])),
+                                maxlen=cfg.straggler_window)
             jc._steps_observed = int(state["steps_observed"])
             jc._long_rounds = int(state["long_rounds"])
             last = state["last"]

@@ -367,6 +367,39 @@ class SAGCController:
         per[1] += int(s)
         return bool(s)
 
+    # --- reconfiguration (run-time policy) -----------------------------------------------
+    def reconfigure(self, cfg: SAGCConfig) -> None:
+        """Switch to ``cfg`` (new candidates and/or delta), keeping what was learnt.
+
+        Deterministic (a function of the state and ``cfg``), so hosts that persist the state
+        after it stay bit-exact. A candidate kept keeps its posterior and counters; a new one
+        starts at ``cfg``'s prior. ``current`` moves to the nearest new candidate (ties: the
+        smaller) when dropped; a pending G that is dropped is re-decided (with the persisted
+        generator). Lambda is kept (clipped to ``cfg.lambda_max``).
+        """
+        if not isinstance(cfg, SAGCConfig):
+            raise ConfigError("config", f"must be an SAGCConfig, got {type(cfg).__name__}")
+        old = self._cfg
+        if cfg == old:
+            return
+        post = dict(zip(old.candidates, zip(self._alpha, self._beta, strict=True), strict=True))
+        current = self.current
+        pending = self._pending
+        self._cfg = cfg
+        self._alpha = [post[g][0] if g in post else cfg.alpha0 for g in cfg.candidates]
+        self._beta = [post[g][1] if g in post else cfg.beta0 for g in cfg.candidates]
+        self._lambda = min(self._lambda, cfg.lambda_max)
+        if current not in cfg.candidates:
+            current = min(cfg.candidates, key=lambda g: (abs(g - current), g))
+        self._index = cfg.candidates.index(current)
+        self._utility = np.log2(np.asarray(cfg.candidates, dtype=np.float64))
+        self._counters.per_size = {
+            g: list(self._counters.per_size.get(g, [0, 0])) for g in cfg.candidates
+        }
+        self._pending = pending if pending in cfg.candidates else None
+        if self._pending is None and pending is not None:
+            self.decide()
+
     # --- persistence ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state; :meth:`from_state_dict` continues bit for bit."""

@@ -243,16 +243,10 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         child_event("statefulset"))
 
     if ctx.settings.webhook_enabled:
-        from rlpacer.api import policy as policy_api
         from rlpacer.operator.admission import PolicyAdmission
+        from rlpacer.operator.policies import namespace_lister
 
-        async def list_policies(namespace: str) -> list[dict[str, Any]]:
-            path = (f"/apis/{policy_api.GROUP}/{policy_api.VERSION}/namespaces/{namespace}/"
-                    f"{policy_api.PLURAL}")
-            out = await jobs.kube.request("GET", path)
-            return list(out.get("items", []))
-
-        PolicyAdmission(list_policies).register(registry)
+        PolicyAdmission(namespace_lister(jobs.kube)).register(registry)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:

@@ -110,6 +110,8 @@ def fill_status(st: RLTrainingJobStatus, ctl: JobController, cp: ControlPlan) ->
     st.round_kind = cp.round_kind.value
     st.lambda_ = format_decimal(cp.lambda_)
     st.straggler_rate = format_decimal(cp.straggler_rate)
+    mean = ctl.mean_step_seconds
+    st.step_seconds = None if mean is None else format_decimal(mean)
     st.posteriors = posteriors(ctl)
 
 

@@ -13,7 +13,15 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from rlpacer.api.status import RLTrainingJobStatus
+from rlpacer.api.status import (
+    SLO_BREACH_REASONS,
+    ConditionStatus,
+    ConditionType,
+    RLTrainingJobStatus,
+    find,
+    is_terminal,
+    is_true,
+)
 
 JOB_LABELS = ("namespace", "job")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -57,12 +65,19 @@ class Metrics:
                                         "Reconciles that raised.", JOB_LABELS, registry=r)
         self.reconciles = Counter("rlpacer_reconciles_total", "Reconciles run.", JOB_LABELS,
                                   registry=r)
+        self.slo_violated = Gauge(
+            "rlpacer_slo_violated", "1 while the job's SLOViolated condition is True with this"
+            " reason (StragglerRateAboveSLO, StepTimeAboveSLO), else 0.",
+            (*JOB_LABELS, "reason"), registry=r)
+        self.job_active = Gauge("rlpacer_job_active", "1 while the job is admitted and not"
+                                " finished (nor suspended).", JOB_LABELS, registry=r)
         self.leader = Gauge("rlpacer_leader", "1 while this replica holds the Lease.",
                             registry=r)
         self._per_job = [
             self.group_size, self.lambda_, self.straggler_rate, self.stragglers, self.steps,
             self.step_duration, self.long_rounds, self.long_queue, self.rollout_desired,
             self.rollout_ready, self.scale_actions, self.reconcile_errors, self.reconciles,
+            self.job_active,
         ]
 
     def observe_status(self, namespace: str, job: str, st: RLTrainingJobStatus) -> None:
@@ -76,12 +91,24 @@ class Metrics:
         self.long_queue.labels(*lab).set(st.long_queue)
         self.rollout_desired.labels(*lab).set(st.rollout.desired_replicas)
         self.rollout_ready.labels(*lab).set(st.rollout.ready_replicas)
+        active = (is_true(st.conditions, ConditionType.ADMITTED)
+                  and not is_terminal(st.conditions)
+                  and not is_true(st.conditions, ConditionType.SUSPENDED))
+        self.job_active.labels(*lab).set(1 if active else 0)
+        slo = find(st.conditions, ConditionType.SLO_VIOLATED)
+        if slo is not None:
+            for reason in SLO_BREACH_REASONS:
+                on = slo.status == ConditionStatus.TRUE and slo.reason == reason.value
+                self.slo_violated.labels(namespace, job, reason.value).set(1 if on else 0)
 
     def forget(self, namespace: str, job: str) -> None:
         """Remove every series of a deleted job."""
         for m in self._per_job:
             with contextlib.suppress(KeyError):
                 m.remove(namespace, job)
+        for reason in SLO_BREACH_REASONS:
+            with contextlib.suppress(KeyError):
+                self.slo_violated.remove(namespace, job, reason.value)
 
     def series_for(self, namespace: str, job: str) -> int:
         """How many samples mention the job (tests)."""

@@ -8,10 +8,12 @@ a repeat, answered identically, or validated against the new state).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from rlpacer.api.job import RLTrainingJobSpec
+from rlpacer.api.policy import RLTrainingPolicy
 from rlpacer.api.protocol import Plan, StepReport
 from rlpacer.api.status import (
     ConditionType,
@@ -23,7 +25,7 @@ from rlpacer.api.status import (
     summarize,
 )
 from rlpacer.control.plan import ControlPlan, JobController, ReportRejected
-from rlpacer.operator import hosting, scaler
+from rlpacer.operator import enforce, hosting, scaler
 from rlpacer.operator.decide import record_scale_actions
 from rlpacer.operator.scaler import Event
 from rlpacer.operator.timeutil import fmt_time
@@ -70,8 +72,15 @@ def accept_report(
     now: datetime,
     generation: int | None,
     ctl: JobController | None = None,
+    policies: Sequence[RLTrainingPolicy] | None = None,
 ) -> tuple[RLTrainingJobStatus, Accepted]:
     """Return (new status, what to answer).
+
+    ``policies``: the RLTrainingPolicies of the job's namespace (``[]``: none), or None when
+    they could not be read (then nothing is enforced or judged on this report). Enforce
+    policies clamp the controller's config (persisted in the new controller state, so the
+    answer, the state and a restarted operator agree) and the long round's replicas; every
+    policy's SLO is judged into the SLOViolated condition (see ``rlpacer.operator.enforce``).
 
     Raises :class:`ReportRejected` (nothing changed) for an impossible report, a report of
     an attempt the operator did not start, or a report to a finished job.
@@ -95,7 +104,14 @@ def accept_report(
 
     t = fmt_time(now)
     gen = generation
-    rollout, actions, events = scaler.plan_round(st.rollout, spec, cp.round_kind, cp.step, now)
+    lim = enforce.limits(spec, policies) if policies is not None else None
+    if lim is not None and ctl.reconfigure(lim.sagc):
+        # Deterministic in (state, spec, policies): the clamped config lives in the state.
+        p = ctl.plan(straggler=cp.straggler)
+        cp, new_state = p, hosting.dumps(ctl.state_dict())
+    rollout, actions, events = scaler.plan_round(
+        st.rollout, spec, cp.round_kind, cp.step, now,
+        long_target=None if lim is None else lim.long_round_replicas)
     st.rollout = rollout
     record_scale_actions(st, actions)
     st.controller_state = new_state
@@ -125,6 +141,11 @@ def accept_report(
             st.conditions, ConditionType.TRAINING, True, Reason.RUNNING,
             f"attempt {st.attempt} reporting", t, gen,
         )
+    if policies is not None and lim is not None:
+        _, slo_events = enforce.judge_slo(
+            st, policies, straggler_rate=cp.straggler_rate, step_seconds=ctl.mean_step_seconds,
+            steps=ctl.steps_observed, now=t, generation=gen)
+        events = [*events, *enforce.record_notes(st, lim.notes), *slo_events]
     st.summary = summarize(st.conditions)
     return st, Accepted(_plan(spec, st, cp), events, new=True, straggler=bool(cp.straggler),
                         controller=ctl)

@@ -40,6 +40,7 @@ from rlpacer.api.job import (
     RLTrainingJobSpec,
     parse_spec,
 )
+from rlpacer.api.policy import RLTrainingPolicy
 from rlpacer.api.status import (
     ConditionType,
     Reason,
@@ -52,6 +53,7 @@ from rlpacer.operator import builders, names
 from rlpacer.operator.decide import Decision, Observed, decide
 from rlpacer.operator.kube import ApiError, KubeClient, object_path
 from rlpacer.operator.metrics import Metrics
+from rlpacer.operator.policies import PolicyCache
 from rlpacer.operator.scaler import Event
 from rlpacer.operator.settings import OperatorSettings
 from rlpacer.operator.timeutil import fmt_time, utcnow
@@ -136,10 +138,13 @@ class JobRuntime:
 class Jobs:
     """All jobs this operator hosts, with the kube client and metrics they share."""
 
-    def __init__(self, kube: KubeClient, settings: OperatorSettings, metrics: Metrics) -> None:
+    def __init__(self, kube: KubeClient, settings: OperatorSettings, metrics: Metrics,
+                 policies: PolicyCache | None = None) -> None:
         self.kube = kube
         self.settings = settings
         self.metrics = metrics
+        #: The namespaces' RLTrainingPolicies for run-time enforcement (None: not enforced).
+        self.policies = policies
         self._jobs: dict[tuple[str, str], JobRuntime] = {}
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
 
@@ -161,6 +166,10 @@ class Jobs:
             rt.absorb(obj)
             self._jobs[key] = rt
             return rt
+
+    async def policies_for(self, namespace: str) -> list[RLTrainingPolicy] | None:
+        """The namespace's policies (cached), or None: not enforced on this report."""
+        return None if self.policies is None else await self.policies.get(namespace)
 
     def peek(self, namespace: str, name: str) -> JobRuntime | None:
         return self._jobs.get((namespace, name))
@@ -194,6 +203,7 @@ class Jobs:
                 raise ManifestError(rt.spec_error or "invalid spec")
             new_status, result = mutate(rt.spec, rt.status)
             if new_status == rt.status:
+                self.metrics.observe_status(rt.namespace, rt.name, rt.status)
                 return result
             body = {
                 "apiVersion": API_VERSION,

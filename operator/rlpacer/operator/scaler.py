@@ -48,10 +48,14 @@ def long_replicas(spec: RLTrainingJobSpec) -> int:
 
 def plan_round(
     rollout: RolloutStatus, spec: RLTrainingJobSpec, next_kind: RoundKind, step: int,
-    now: datetime,
+    now: datetime, long_target: int | None = None,
 ) -> tuple[RolloutStatus, list[ScaleAction], list[Event]]:
-    """Desired capacity for the next round (called when a report is accepted)."""
-    target = long_replicas(spec) if next_kind is RoundKind.LONG else short_replicas(spec)
+    """Desired capacity for the next round (called when a report is accepted).
+
+    ``long_target``: a long round's replicas when a policy clamps them (default: the spec's).
+    """
+    long_r = long_replicas(spec) if long_target is None else long_target
+    target = long_r if next_kind is RoundKind.LONG else short_replicas(spec)
     cur = rollout.desired_replicas
     t = fmt_time(now)
     if target > cur:
@@ -63,8 +67,10 @@ def plan_round(
         })
         action = ScaleAction(time=t, from_replicas=cur, to_replicas=target,
                              reason="LongRound", step=step)
+        clamped = (f" (clamped from {long_replicas(spec)} by the namespace's policy)"
+                   if target < long_replicas(spec) else "")
         ev = Event("Normal", "ScalingUp",
-                   f"step {step} is a long round: rollout replicas {cur} -> {target}")
+                   f"step {step} is a long round: rollout replicas {cur} -> {target}{clamped}")
         return new, [action], [ev]
     if target < cur or (next_kind is RoundKind.SHORT and rollout.state != RolloutState.READY):
         new = rollout.model_copy(update={

@@ -104,11 +104,12 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
             return _error(422, reason, format_validation_error(e))
         now = utcnow()
         try:
+            policies = await jobs.policies_for(rt.namespace)  # cached (TTL), never per report
             async with rt.lock:
                 acc = await jobs.commit(
                     rt, lambda spec, st: reports.accept_report(
                         spec, st, report, now, rt.generation,
-                        rt.take_controller(st.controller_state)),
+                        rt.take_controller(st.controller_state), policies),
                 )
                 rt.keep_controller(acc.controller)
         except reports.ReportRejected as e:

@@ -82,6 +82,13 @@ class OperatorSettings(BaseModel):
     finished_grace_seconds: float = Field(
         default=0.0, ge=0, description="Extra wait before ttlSecondsAfterFinished deletion."
     )
+    policy_cache_seconds: float = Field(
+        default=10.0, gt=0,
+        description=(
+            "A namespace's RLTrainingPolicies are re-read for run-time enforcement at most"
+            " this often (a policy change binds running jobs within it)."
+        ),
+    )
     webhook_enabled: bool = Field(
         default=False, description="Serve admission webhooks (policy; issue 6)."
     )

@@ -1,0 +1,80 @@
+"""The RLTrainingPolicies of a namespace for run-time enforcement: a small TTL cache.
+
+Step reports arrive every few seconds per job while policies change rarely, so the report path
+reads a namespace's policies through :class:`PolicyCache`: one list request per namespace per
+``policy_cache_seconds`` (the same lookup as the admission webhook,
+``rlpacer.operator.admission.PolicyAdmission.policies``), never one per report. A policy change
+therefore binds running jobs within that TTL.
+
+Failure handling (deliberately different from admission, which fails closed): when the
+policies cannot be read or one of them is invalid, the last good answer is used (stale), and
+without one the report is accepted without enforcement (None): a run-time policy outage must
+not stop training. It is logged each time the lookup fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from rlpacer.api import policy as policy_api
+from rlpacer.api.policy import RLTrainingPolicy
+from rlpacer.operator.kube import KubeClient
+
+log = logging.getLogger("rlpacer.operator")
+
+#: namespace -> its policies (name order), raising on failure.
+Resolver = Callable[[str], Awaitable[list[RLTrainingPolicy]]]
+
+
+def namespace_lister(kube: KubeClient) -> Callable[[str], Awaitable[Sequence[Mapping[str, Any]]]]:
+    """Lists the raw RLTrainingPolicies of a namespace with the operator's client."""
+
+    async def list_policies(namespace: str) -> list[dict[str, Any]]:
+        path = (f"/apis/{policy_api.GROUP}/{policy_api.VERSION}/namespaces/{namespace}/"
+                f"{policy_api.PLURAL}")
+        out = await kube.request("GET", path)
+        return list(out.get("items", []))
+
+    return list_policies
+
+
+class PolicyCache:
+    def __init__(self, resolve: Resolver, ttl_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._resolve = resolve
+        self._ttl = ttl_seconds
+        self._clock = clock
+        self._entries: dict[str, tuple[float, list[RLTrainingPolicy]]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, namespace: str) -> list[RLTrainingPolicy] | None:
+        """The namespace's policies (possibly up to the TTL old); None when never readable."""
+        entry = self._entries.get(namespace)
+        if entry is not None and self._clock() - entry[0] < self._ttl:
+            return entry[1]
+        lock = self._locks.setdefault(namespace, asyncio.Lock())
+        async with lock:
+            entry = self._entries.get(namespace)
+            if entry is not None and self._clock() - entry[0] < self._ttl:
+                return entry[1]
+            try:
+                found = await self._resolve(namespace)
+            except Exception as err:  # API errors, invalid stored policies: keep the last
+                log.warning("policies of namespace %s not read (%s): %s", namespace,
+                            "using the last ones" if entry else "not enforcing", err)
+                return entry[1] if entry is not None else None
+            self._entries[namespace] = (self._clock(), found)
+            return found
+
+    def invalidate(self, namespace: str | None = None) -> None:
+        if namespace is None:
+            self._entries.clear()
+        else:
+            self._entries.pop(namespace, None)
+
+
+__all__ = ["PolicyCache", "Resolver", "namespace_lister"]
