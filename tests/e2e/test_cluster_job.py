@@ -403,10 +403,6 @@ def test_helm_upgrade_and_operator_restart_keep_the_controller_state(run: Run) -
     assert run.job["status"]["attempt"] == 0
 
 
-@pytest.mark.xfail(
-    "SLOViolated" not in {c.value for c in ConditionType}, strict=True,
-    reason="run-time SLO enforcement (SLOViolated condition, Event, metric) is not in the "
-           "operator yet: rlpacer.control.policy.slo_status exists but nothing calls it")
 def test_a_job_beyond_its_step_time_slo_gets_slo_violated(run: Run) -> None:
     cond = _cond(run.job, "SLOViolated")
     seen = [c for s in run.statuses for c in s.get("conditions", [])

@@ -261,6 +261,9 @@ def test_install_rbac_is_sufficient_and_not_excessive(
                  "/apis/rlpacer.io/v1alpha1/clusterrltrainingpolicies",
                  f"/api/v1/namespaces/{jobs}"):  # a job namespace's labels, by name
         assert _can(cluster, token, "GET", path) == 200, path
+    # ttlSecondsAfterFinished deletes the job: authorised (404: no such job, not 403).
+    assert _can(cluster, token, "DELETE",
+                f"/apis/rlpacer.io/v1alpha1/namespaces/{jobs}/rltrainingjobs/gone") == 404
     event = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": "e"},
              "involvedObject": {"kind": "Pod", "name": "p", "namespace": jobs},
              "reason": "Test", "message": "m", "type": "Normal"}
@@ -309,11 +312,14 @@ def test_namespaced_install_cannot_touch_other_namespaces(cluster: LocalCluster)
         assert _can(cluster, token, "POST", f"/api/v1/namespaces/{watched}/configmaps", cm) == 201
         assert _can(cluster, token, "GET",
                     f"/apis/rlpacer.io/v1alpha1/namespaces/{watched}/rltrainingjobs") == 200
+        assert _can(cluster, token, "DELETE",  # TTL deletion (404: authorised, no such job)
+                    f"/apis/rlpacer.io/v1alpha1/namespaces/{watched}/rltrainingjobs/gone") == 404
         for method, path, body in [
             ("POST", f"/api/v1/namespaces/{other}/configmaps", cm),
             ("GET", f"/api/v1/namespaces/{other}/secrets", None),
             ("GET", f"/api/v1/namespaces/{other}/pods", None),
             ("GET", f"/apis/rlpacer.io/v1alpha1/namespaces/{other}/rltrainingjobs", None),
+            ("DELETE", f"/apis/rlpacer.io/v1alpha1/namespaces/{other}/rltrainingjobs/x", None),
             ("GET", "/apis/rlpacer.io/v1alpha1/rltrainingjobs", None),  # cluster-wide list
             ("GET", "/api/v1/pods", None),
             ("GET", f"/api/v1/namespaces/{ns}/secrets", None),  # not even its own namespace
@@ -329,6 +335,68 @@ def test_namespaced_install_cannot_touch_other_namespaces(cluster: LocalCluster)
     finally:
         cluster.helm("uninstall", rel, "-n", ns, check=False)
         for n in (ns, watched, other):
+            cluster.delete_namespace(n)
+
+
+def test_ttl_deletion_works_with_the_charts_token(cluster: LocalCluster) -> None:
+    """The operator as the chart's ServiceAccount (Namespaced scope) deletes a finished job
+    after ttlSecondsAfterFinished: the chart grants `delete` on rltrainingjobs."""
+    import os
+    import signal
+    import sys
+
+    from rlpacer.operator import names
+    from rlpacer.testing.cluster import free_ports
+
+    suffix = uuid.uuid4().hex[:6]
+    rel, ns, watched = f"rlp-{suffix}", f"rlp-sys-{suffix}", f"rlp-w-{suffix}"
+    for n in (ns, watched):
+        cluster.create_namespace(n)
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        cluster.helm("install", rel, str(CHART), "-n", ns, "--wait=false",
+                     *sets({"rbac.scope": "Namespaced", "rbac.watchNamespaces": [watched],
+                            "webhook.enabled": False}))
+        kubeconfig = cluster.kubeconfig_for_service_account(ns, f"{rel}-rlpacer")
+        report, metrics = free_ports(2)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("RLPACER_OPERATOR_", "KUBECONFIG"))}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlpacer.cli", "operator", "--kubeconfig", str(kubeconfig),
+             "--namespaces", watched, "--operator-namespace", ns, "--lease-name",
+             f"{rel}-rlpacer", "--report-host", "127.0.0.1", "--report-port", str(report),
+             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics),
+             "--resync-seconds", "1", "--lease-duration-seconds", "4",
+             "--lease-renew-seconds", "1"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        job = {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingJob",
+               "metadata": {"name": "ttl", "namespace": watched},
+               "spec": {"model": {"source": "builtin://tiny-adder"},
+                        "data": {"source": "builtin://adder"}, "steps": 2,
+                        "promptsPerStep": 4, "rollout": {"replicas": 1, "gpusPerReplica": 0},
+                        "trainer": {"replicas": 1, "gpusPerReplica": 0},
+                        "ttlSecondsAfterFinished": 1}}
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
+        pod = names.driver_pod("ttl", 0)
+
+        def phase() -> str | None:
+            code, body = cluster.http.request("GET", f"/api/v1/namespaces/{watched}/pods/{pod}")
+            return (body.get("status") or {}).get("phase") if code == 200 else None
+
+        cluster.wait_for(lambda: phase() == "Running", timeout=90, what="driver pod running")
+        cluster.mark_pod_exit(watched, pod, 0)
+        path = f"/apis/rlpacer.io/v1alpha1/namespaces/{watched}/rltrainingjobs/ttl"
+        cluster.wait_for(lambda: cluster.http.request("GET", path)[0] == 404, timeout=60,
+                         what="job deleted after ttlSecondsAfterFinished")
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        cluster.helm("uninstall", rel, "-n", ns, check=False)
+        for n in (ns, watched):
             cluster.delete_namespace(n)
 
 

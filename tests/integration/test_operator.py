@@ -554,3 +554,45 @@ def test_two_replicas_never_act_at_once_standby_takes_over(
         b.kill(signal.SIGTERM)
 
 
+
+
+@pytest.mark.parametrize("action", ["Enforce", "Warn"])
+def test_policy_at_run_time_slo_violated_and_long_round_clamp(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str, action: str
+) -> None:
+    # A policy a platform team sets after the job was admitted (no webhook runs here): the
+    # job's steps (40 s each, see report()) break its step-time SLO, and its long round asks
+    # for 3 rollout replicas where the policy allows 2.
+    apply(cluster, {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingPolicy",
+                    "metadata": {"name": "team-limits", "namespace": namespace},
+                    "spec": {"action": action, "stepTimeSLO": {"maxSeconds": 10},
+                             "longRounds": {"maxRolloutReplicas": 2}}})
+    apply(cluster, small_job("slo", namespace))
+    drv = Driver(operator, namespace, "slo", token(cluster, namespace, "slo"))
+    wait(cluster, lambda: (_sts(cluster, namespace, "slo").get("status") or {})
+         .get("readyReplicas") == 1, "rollout replica 1 ready", 90)
+    code, plan = drv.post(report(0, drv.plan()["groupSize"], 150.0, nxt="Long"))
+    assert code == 200 and plan["roundKind"] == "Long"
+    want = 2 if action == "Enforce" else 3
+    assert plan["rollout"]["desiredReplicas"] == want
+    wait(cluster, lambda: _sts(cluster, namespace, "slo")["spec"]["replicas"] == want,
+         f"rollout StatefulSet at {want} replicas")
+    st = status(cluster, namespace, "slo")
+    (slo,) = [c for c in st["conditions"] if c["type"] == "SLOViolated"]
+    assert slo["status"] == "True" and slo["reason"] == "StepTimeAboveSLO", slo
+    assert "team-limits" in slo["message"] and st["stepSeconds"] == "40"
+    assert st["policyNotes"] and all(
+        n.startswith("Warn: ") == (action == "Warn") for n in st["policyNotes"]), st
+    assert st["scaleActions"][-1]["toReplicas"] == want
+    notes = "PolicyClamped" if action == "Enforce" else "PolicyWarning"
+    reasons = wait(cluster, lambda: {"SLOViolated", notes, "ScalingUp"} <= (
+        r := {e["reason"] for e in kube_events(cluster, namespace, "slo")}) and r, "Events")
+    assert ("PolicyWarning" if action == "Enforce" else "PolicyClamped") not in reasons
+    text = operator.metrics()
+    lab = f'job="slo",namespace="{namespace}"'
+    assert f'rlpacer_slo_violated{{{lab},reason="StepTimeAboveSLO"}} 1.0' in text, text
+    assert f'rlpacer_slo_violated{{{lab},reason="StragglerRateAboveSLO"}} 0.0' in text
+    assert f"rlpacer_job_active{{{lab}}} 1.0" in text
+    # The clamp and the SLO are re-judged on each report; deleting the job removes the series.
+    cluster.kubectl("delete", "rltj", "slo", "-n", namespace, "--wait=true")
+    wait(cluster, lambda: lab not in operator.metrics(), "metrics series removed", 30)

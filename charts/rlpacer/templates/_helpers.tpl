@@ -73,11 +73,11 @@ per namespace in scope Namespaced). Least privilege: what the reconciler applies
 apply, owner references) and reads, nothing cluster-scoped, no RBAC, no nodes.
 */}}
 {{- define "rlpacer.operatorRules" -}}
-# Jobs: watch, patch (Kopf's finalizers/annotations), status, and finalizers for
-# blockOwnerDeletion on the children's owner references.
+# Jobs: watch, patch (Kopf's finalizers/annotations), delete (ttlSecondsAfterFinished),
+# status, and finalizers for blockOwnerDeletion on the children's owner references.
 - apiGroups: ["rlpacer.io"]
   resources: ["rltrainingjobs"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["get", "list", "watch", "patch", "update", "delete"]
 - apiGroups: ["rlpacer.io"]
   resources: ["rltrainingjobs/status"]
   verbs: ["get", "patch", "update"]

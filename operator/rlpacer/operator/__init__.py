@@ -13,6 +13,9 @@ Module map (pure modules have no I/O and are unit-tested directly):
 * ``hosting``    hosts ``rlpacer.control.plan.JobController`` with its state as a canonical
                  JSON string (bit-exact round trip) (pure).
 * ``reports``    folds a step report into the status; ``GET plan`` (pure).
+* ``enforce``    run-time policy: clamps (Enforce), the SLOViolated condition, policy notes
+                 and their Events (pure).
+* ``policies``   a namespace's RLTrainingPolicies for the report path (TTL cache).
 * ``runtime``    per-job runtime: the only status writer (PUT /status with a resourceVersion
                  precondition, re-run on 409), token, Events, observe + apply children.
 * ``server``     aiohttp: the step-report endpoint and /metrics, /healthz, /readyz.
