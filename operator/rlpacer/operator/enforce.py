@@ -22,6 +22,9 @@ the limits from spec + current policies (a loosened or deleted policy restores t
 values). Re-deriving on every load instead would make the restored state depend on the
 policies at restore time, so the same bytes could mean different controllers.
 
+Because the limits start from the spec, an edit of a running job's ``groupControl`` (delta,
+candidates, tau, ...) also reaches its controller at the next report, in the same way.
+
 Fixed-mode jobs use neither delta nor candidates: a Fixed G outside ``groupSizes.allowed``
 (possible only when the policy came after the job) is noted, not changed.
 """
