@@ -243,10 +243,9 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         child_event("statefulset"))
 
     if ctx.settings.webhook_enabled:
-        from rlpacer.operator.admission import PolicyAdmission
-        from rlpacer.operator.policies import namespace_lister
+        from rlpacer.operator.policies import policy_admission
 
-        PolicyAdmission(namespace_lister(jobs.kube)).register(registry)
+        policy_admission(jobs.kube, ctx.settings).register(registry)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:

@@ -19,12 +19,11 @@ from typing import Any
 
 import kopf
 
-from rlpacer.operator.admission import PolicyAdmission
 from rlpacer.operator.handlers import JobLoops, OperatorContext, build_registry, watch_jobs
 from rlpacer.operator.kube import Credentials, KubeClient
 from rlpacer.operator.lease import LeaderElector
 from rlpacer.operator.metrics import Metrics
-from rlpacer.operator.policies import PolicyCache, namespace_lister
+from rlpacer.operator.policies import PolicyCache, policy_admission
 from rlpacer.operator.runtime import Jobs
 from rlpacer.operator.server import LeaderState, metrics_app, report_app, start_site
 from rlpacer.operator.settings import OperatorSettings, from_args
@@ -45,7 +44,7 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
     kube = KubeClient(creds)
     metrics = Metrics()
     leader = LeaderState(leader=False)
-    policy_cache = PolicyCache(PolicyAdmission(namespace_lister(kube)).policies,
+    policy_cache = PolicyCache(policy_admission(kube, settings).policies,
                                settings.policy_cache_seconds)
     jobs = Jobs(kube, settings, metrics, policies=policy_cache)
     loops = JobLoops(jobs)

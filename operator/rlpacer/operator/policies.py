@@ -22,7 +22,9 @@ from typing import Any
 
 from rlpacer.api import policy as policy_api
 from rlpacer.api.policy import RLTrainingPolicy
+from rlpacer.operator.admission import ClusterPolicyLister, PolicyAdmission
 from rlpacer.operator.kube import KubeClient
+from rlpacer.operator.settings import OperatorSettings
 
 log = logging.getLogger("rlpacer.operator")
 
@@ -40,6 +42,33 @@ def namespace_lister(kube: KubeClient) -> Callable[[str], Awaitable[Sequence[Map
         return list(out.get("items", []))
 
     return list_policies
+
+
+def cluster_lister(kube: KubeClient) -> ClusterPolicyLister:
+    """Lists every ClusterRLTrainingPolicy and reads the labels of a job's namespace (only
+    when there is a cluster policy): the chart grants both in ``rbac.scope=Cluster`` only."""
+
+    async def list_cluster(
+        namespace: str,
+    ) -> tuple[Sequence[Mapping[str, Any]], Mapping[str, str]]:
+        out = await kube.request(
+            "GET", f"/apis/{policy_api.GROUP}/{policy_api.VERSION}/{policy_api.CLUSTER_PLURAL}")
+        items = list(out.get("items", []))
+        if not items:
+            return [], {}
+        ns = await kube.request("GET", f"/api/v1/namespaces/{namespace}")
+        return items, dict((ns.get("metadata") or {}).get("labels") or {})
+
+    return list_cluster
+
+
+def policy_admission(kube: KubeClient, settings: OperatorSettings) -> PolicyAdmission:
+    """The policy lookup shared by the admission webhook and run-time enforcement: the
+    namespace's RLTrainingPolicies, plus the matching ClusterRLTrainingPolicies when the
+    operator watches the whole cluster (``namespaces`` empty, the chart's Cluster scope; a
+    Namespaced install has no right to read cluster policies or namespaces)."""
+    cluster = None if settings.namespaces else cluster_lister(kube)
+    return PolicyAdmission(namespace_lister(kube), cluster)
 
 
 class PolicyCache:
@@ -77,4 +106,4 @@ class PolicyCache:
             self._entries.pop(namespace, None)
 
 
-__all__ = ["PolicyCache", "Resolver", "namespace_lister"]
+__all__ = ["PolicyCache", "Resolver", "cluster_lister", "namespace_lister", "policy_admission"]

@@ -279,3 +279,33 @@ def test_policy_cache_ttl_and_failures() -> None:
         assert calls == ["a", "a", "b", "a"]
 
     asyncio.run(body())
+
+
+def test_the_lookup_adds_cluster_policies_only_in_cluster_scope() -> None:
+    from operator_fakekube import FakeKube
+
+    from rlpacer.operator.policies import policy_admission
+    from rlpacer.operator.settings import OperatorSettings
+
+    fk = FakeKube()
+    base = "/apis/rlpacer.io/v1alpha1"
+    own = {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingPolicy",
+           "metadata": {"name": "own", "namespace": "team"}, "spec": {"action": "Warn"}}
+    wide = {"apiVersion": "rlpacer.io/v1alpha1", "kind": "ClusterRLTrainingPolicy",
+            "metadata": {"name": "prod"},
+            "spec": {"namespaceSelector": {"matchLabels": {"tier": "prod"}},
+                     "stepTimeSLO": {"maxSeconds": 5}}}
+    fk.objects[f"{base}/namespaces/team/rltrainingpolicies"] = {"items": [own]}
+    fk.objects[f"{base}/clusterrltrainingpolicies"] = {"items": [wide]}
+    fk.objects["/api/v1/namespaces/team"] = {"metadata": {"name": "team",
+                                                          "labels": {"tier": "prod"}}}
+
+    async def body() -> None:
+        cluster = OperatorSettings(leader_election=False, namespaces=[])
+        got = await policy_admission(fk, cluster).policies("team")  # type: ignore[arg-type]
+        assert [p.metadata.name for p in got] == ["own", "prod"]
+        scoped = OperatorSettings(leader_election=False, namespaces=["team"])
+        got = await policy_admission(fk, scoped).policies("team")  # type: ignore[arg-type]
+        assert [p.metadata.name for p in got] == ["own"]
+
+    asyncio.run(body())
