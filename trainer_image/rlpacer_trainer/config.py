@@ -40,6 +40,7 @@ class RunConfig:
     seed: int | None = None  # override spec.data.seed (data order) and sampling seeds
     eval_prompts: int = 256
     mini_batches: int = 2
+    warmup_updates: int = 8  # learner lr warm-up (optimizer steps; see LearnerConfig)
     max_refill_rounds: int = 2  # dynamic sampling: extra short rounds per step at most
     kv_cache_gib: int = 1
     threads_bind: str = "0"
@@ -114,6 +115,7 @@ class RunConfig:
             aggregation=agg.value,
             kl_coef=decimal(a.kl_coef),
             mini_batches=self.mini_batches,
+            warmup_updates=self.warmup_updates,
             temperature=max(self.temperature, 1e-3),
         )
 

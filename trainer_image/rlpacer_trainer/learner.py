@@ -75,6 +75,10 @@ class LearnerConfig:
     mini_batches: int = 2
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # the rollout's sampling temperature
+    # linear learning-rate warm-up over this many optimizer steps (0: none). A fresh AdamW's
+    # first updates are ~lr * sign(grad) for every parameter (its second moment is one
+    # squared gradient): on a noisy policy gradient that is a random kick to all weights.
+    warmup_updates: int = 0
 
 
 class Learner:
@@ -84,6 +88,7 @@ class Learner:
         self.model = model
         self.cfg = cfg
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+        self.updates = 0  # optimizer steps taken (drives the warm-up)
         self.ref = None
         if cfg.kl_coef > 0:
             import copy
@@ -131,26 +136,37 @@ class Learner:
                 kl = algos.aggregate(algos.kl_k3(logp, ref[sel, : width - 1]), m, cfg.aggregation)
                 loss = loss + cfg.kl_coef * kl
                 kl_val = float(kl)
+            self._set_lr()
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             self.opt.step()
+            self.updates += 1
             stats["loss"] += float(loss.detach()) / k
             stats["clipfrac"] += st["clipfrac"] / k
             stats["kl"] += kl_val / k
         stats["samples"] = float(n)
         return stats
 
+    def _set_lr(self) -> None:
+        lr = self.cfg.learning_rate
+        if self.cfg.warmup_updates > 0:
+            lr *= min(1.0, (self.updates + 1) / self.cfg.warmup_updates)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
     def weights_bytes(self) -> bytes:
         """The policy's state dict as ``torch.save`` bytes (what the engines load in place)."""
         return state_bytes(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                "updates": self.updates}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"])
         self.opt.load_state_dict(sd["opt"])
+        self.updates = int(sd.get("updates", 0))
 
 
 def state_bytes(model: Any) -> bytes:

@@ -76,3 +76,16 @@ def test_weights_bytes_round_trip() -> None:
     learner = Learner(model, LearnerConfig())
     sd = torch.load(io.BytesIO(learner.weights_bytes()), weights_only=True)
     assert set(sd) == set(model.state_dict())
+
+
+def test_warmup_ramps_the_learning_rate_and_resumes() -> None:
+    learner = Learner(tiny.new_model(0), LearnerConfig(learning_rate=1e-3, mini_batches=2,
+                                                      warmup_updates=4))
+    seen = []
+    for _ in range(3):
+        learner.train_step(_samples())  # two optimizer steps each
+        seen.append(learner.opt.param_groups[0]["lr"])
+    assert seen == pytest.approx([5e-4, 1e-3, 1e-3])  # after updates 2, 4, 6 of a 4-step ramp
+    other = Learner(tiny.new_model(0), LearnerConfig(learning_rate=1e-3, warmup_updates=4))
+    other.load_state_dict(learner.state_dict())
+    assert other.updates == 6
