@@ -41,6 +41,7 @@ class RunConfig:
     eval_prompts: int = 256
     mini_batches: int = 2
     warmup_updates: int = 8  # learner lr warm-up (optimizer steps; see LearnerConfig)
+    lr_reference_samples: int = 256  # sqrt lr scaling below this many samples per update
     max_refill_rounds: int = 2  # dynamic sampling: extra short rounds per step at most
     kv_cache_gib: int = 1
     threads_bind: str = "0"
@@ -116,6 +117,7 @@ class RunConfig:
             kl_coef=decimal(a.kl_coef),
             mini_batches=self.mini_batches,
             warmup_updates=self.warmup_updates,
+            reference_samples=self.lr_reference_samples,
             temperature=max(self.temperature, 1e-3),
         )
 

@@ -79,6 +79,11 @@ class LearnerConfig:
     # first updates are ~lr * sign(grad) for every parameter (its second moment is one
     # squared gradient): on a noisy policy gradient that is a random kick to all weights.
     warmup_updates: int = 0
+    # square-root batch scaling (Adam's scaling rule, Malladi et al. 2022): an update on n
+    # samples uses lr * sqrt(min(1, n / reference_samples)); 0 turns it off. With SAGC the
+    # batch shrinks with G, and AdamW takes a full-size step on a 4x noisier gradient
+    # otherwise (measured: held-out greedy accuracy dipped 6 points in 8 steps at G=4).
+    reference_samples: int = 0
 
 
 class Learner:
@@ -136,7 +141,7 @@ class Learner:
                 kl = algos.aggregate(algos.kl_k3(logp, ref[sel, : width - 1]), m, cfg.aggregation)
                 loss = loss + cfg.kl_coef * kl
                 kl_val = float(kl)
-            self._set_lr()
+            self._set_lr(n)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
@@ -148,8 +153,10 @@ class Learner:
         stats["samples"] = float(n)
         return stats
 
-    def _set_lr(self) -> None:
+    def _set_lr(self, n: int) -> None:
         lr = self.cfg.learning_rate
+        if self.cfg.reference_samples > 0:
+            lr *= min(1.0, n / self.cfg.reference_samples) ** 0.5
         if self.cfg.warmup_updates > 0:
             lr *= min(1.0, (self.updates + 1) / self.cfg.warmup_updates)
         for group in self.opt.param_groups:

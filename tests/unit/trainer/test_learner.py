@@ -89,3 +89,12 @@ def test_warmup_ramps_the_learning_rate_and_resumes() -> None:
     other = Learner(tiny.new_model(0), LearnerConfig(learning_rate=1e-3, warmup_updates=4))
     other.load_state_dict(learner.state_dict())
     assert other.updates == 6
+
+
+def test_small_batches_take_sqrt_scaled_steps() -> None:
+    learner = Learner(tiny.new_model(0), LearnerConfig(learning_rate=1e-3, mini_batches=1,
+                                                      reference_samples=8))
+    learner.train_step(_samples())  # 2 samples of a reference 8: lr * sqrt(2 / 8)
+    assert learner.opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+    learner.train_step(_samples() * 8)  # 16 >= 8: the full rate, never more
+    assert learner.opt.param_groups[0]["lr"] == pytest.approx(1e-3)
