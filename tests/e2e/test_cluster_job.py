@@ -415,16 +415,12 @@ def test_a_job_beyond_its_step_time_slo_gets_slo_violated(run: Run) -> None:
             continue
         assert (c["status"] == "True") == (mean > limit), (mean, c)
         assert c["reason"] == ("StepTimeAboveSLO" if mean > limit else "WithinSLO"), (mean, c)
+    # The example job's steps (8 prompts per step; its long rounds run every response to
+    # completion) take longer than the example policy's 1 s step-time SLO on a CPU, so the
+    # job must be reported as violating it: condition, reason and Event.
     seen = [c for _, c in judged if c["status"] == "True"]
     events = {e["reason"] for e in run.events}
-    if not seen:
-        # The tiny CPU steps took under the example's 1 s (its minimum) on this machine: the
-        # verdict was right (checked above) and no violation Event was posted. The breach path
-        # is covered deterministically by tests/integration/test_operator.py
-        # ::test_policy_at_run_time_slo_violated_and_long_round_clamp.
-        assert "SLOViolated" not in events
-        pytest.skip(f"the job stayed within its {limit:g} s step-time SLO "
-                    f"(window means {sorted({m for m, _ in judged})})")
+    assert seen, f"no SLOViolated=True; window means {sorted({m for m, _ in judged})}"
     assert any(c["reason"] == "StepTimeAboveSLO" for c in seen), seen
     assert "SLOViolated" in events, events
 
