@@ -16,6 +16,17 @@ mkdir -p "$CACHE"
 
 log() { printf '\n==> %s\n' "$*"; }
 
+# --- System packages (the machine image usually has them; install only what is missing) ---
+missing=()
+for tool in jq:jq openssl:openssl git:git; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
+done
+if (( ${#missing[@]} )); then
+  log "apt-get install ${missing[*]}"
+  apt-get update -q && apt-get install -y -q "${missing[@]}"
+fi
+command -v go >/dev/null 2>&1 || { echo "error: Go is needed to build the control plane (hack/build-binaries.sh); install Go 1.24 or newer" >&2; exit 1; }
+
 # --- Python environment ------------------------------------------------------------------
 # The cache key is the dependency set alone (bump ENV_REV when the install recipe changes), so
 # edits to tool configuration in pyproject.toml do not rebuild a 3 GB environment.
