@@ -8,9 +8,9 @@ strings (``"0.2"``) and are parsed once, here, by :func:`decimal`.
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, ConfigDict, StringConstraints
+from pydantic import BaseModel, ConfigDict, StringConstraints, field_validator
 from pydantic.alias_generators import to_camel
 
 #: A decimal number written as a string, as Kubernetes APIs carry non-integers.
@@ -33,6 +33,27 @@ class APIModel(BaseModel):
     def to_wire(self) -> dict[str, object]:
         """The JSON-ready camelCase dict, without unset optional fields."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class TypedObject(APIModel):
+    """A top-level object: ``apiVersion`` and ``kind`` must be the subclass's own."""
+
+    expected_api_version: ClassVar[str]
+    expected_kind: ClassVar[str]
+
+    @field_validator("api_version", check_fields=False)
+    @classmethod
+    def _check_api_version(cls, v: str) -> str:
+        if v != cls.expected_api_version:
+            raise ValueError(f"apiVersion must be {cls.expected_api_version}")
+        return v
+
+    @field_validator("kind", check_fields=False)
+    @classmethod
+    def _check_kind(cls, v: str) -> str:
+        if v != cls.expected_kind:
+            raise ValueError(f"kind must be {cls.expected_kind}")
+        return v
 
 
 def decimal(value: str) -> float:

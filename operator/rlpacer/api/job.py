@@ -14,12 +14,12 @@ from __future__ import annotations
 import enum
 import itertools
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from rlpacer.api._base import APIModel, Decimal, decimal
+from rlpacer.api._base import APIModel, Decimal, TypedObject, decimal
 
 GROUP = "rlpacer.io"
 VERSION = "v1alpha1"
@@ -383,26 +383,15 @@ class ObjectMeta(APIModel):
     annotations: dict[str, str] | None = None
 
 
-class RLTrainingJob(APIModel):
+class RLTrainingJob(TypedObject):
+    expected_api_version: ClassVar[str] = API_VERSION
+    expected_kind: ClassVar[str] = KIND
+
     api_version: str = Field(default=API_VERSION)
     kind: str = Field(default=KIND)
     metadata: ObjectMeta
     spec: RLTrainingJobSpec
     status: dict[str, Any] | None = None
-
-    @field_validator("api_version")
-    @classmethod
-    def _api_version(cls, v: str) -> str:
-        if v != API_VERSION:
-            raise ValueError(f"apiVersion must be {API_VERSION}")
-        return v
-
-    @field_validator("kind")
-    @classmethod
-    def _kind(cls, v: str) -> str:
-        if v != KIND:
-            raise ValueError(f"kind must be {KIND}")
-        return v
 
 
 class ManifestError(ValueError):

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from rlpacer.api._base import APIModel, Decimal, decimal
+from rlpacer.api._base import APIModel, Decimal, TypedObject, decimal
 from rlpacer.api.job import (
     API_VERSION,
     GROUP,
@@ -312,25 +312,14 @@ class RLTrainingPolicySpec(APIModel):
         return self
 
 
-class RLTrainingPolicy(APIModel):
+class RLTrainingPolicy(TypedObject):
+    expected_api_version: ClassVar[str] = API_VERSION
+    expected_kind: ClassVar[str] = KIND
+
     api_version: str = Field(default=API_VERSION, description="rlpacer.io/v1alpha1")
     kind: str = Field(default=KIND, description="RLTrainingPolicy")
     metadata: ObjectMeta
     spec: RLTrainingPolicySpec = Field(default_factory=RLTrainingPolicySpec)
-
-    @field_validator("api_version")
-    @classmethod
-    def _api_version(cls, v: str) -> str:
-        if v != API_VERSION:
-            raise ValueError(f"apiVersion must be {API_VERSION}")
-        return v
-
-    @field_validator("kind")
-    @classmethod
-    def _kind(cls, v: str) -> str:
-        if v != KIND:
-            raise ValueError(f"kind must be {KIND}")
-        return v
 
     @property
     def ref(self) -> str:
@@ -388,17 +377,12 @@ class ClusterRLTrainingPolicy(RLTrainingPolicy):
     without one object per namespace). Reading namespace labels needs ``get namespaces``,
     which only the chart's cluster-scope install grants."""
 
+    expected_kind: ClassVar[str] = CLUSTER_KIND
+
     kind: str = Field(default=CLUSTER_KIND, description="ClusterRLTrainingPolicy")
     spec: ClusterRLTrainingPolicySpec = Field(
         description="Limits, SLOs, defaults and the namespaces they apply to."
     )
-
-    @field_validator("kind")
-    @classmethod
-    def _kind(cls, v: str) -> str:
-        if v != CLUSTER_KIND:
-            raise ValueError(f"kind must be {CLUSTER_KIND}")
-        return v
 
     @property
     def ref(self) -> str:
