@@ -135,7 +135,9 @@ class Driver:
     # --- one round ----------------------------------------------------------------------------
     def run_round(self, group_size: int) -> RoundOutcome:
         plan = self.planner.start_round(group_size)
-        rid = lambda p, i: f"r{plan.index}-p{p}-i{i}"  # noqa: E731
+        def rid(p: int, i: int) -> str:
+            return f"r{plan.index}-p{p}-i{i}"
+
         per_engine: list[list[GenRequest]] = [[] for _ in self.engines]
         self._pending.clear()
         for j, p in enumerate(plan.prompts):

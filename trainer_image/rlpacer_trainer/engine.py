@@ -23,7 +23,13 @@ import io
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+
+if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
+
+# the values vLLM's ``LLM(dtype=...)`` accepts (vllm.config.model.ModelDType)
+EngineDtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +79,7 @@ class EngineConfig:
     kv_cache_gib: int = 1
     threads_bind: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: a core list, "auto" or "nobind"
     seed: int = 0
-    dtype: str = "float32"
+    dtype: EngineDtype = "float32"
     # One process per engine: the engine core and its worker run in the caller's process
     # (inside a Ray actor, that actor). Starting vLLM's extra processes costs minutes on a
     # loaded 2-core machine; nothing here needs them.
@@ -171,7 +177,9 @@ class VLLMEngine:
                 if not o.finished or o.request_id not in self._live:
                     continue
                 self._live.discard(o.request_id)
-                c = o.outputs[0]
+                # only generate requests are ever added, so every output is a RequestOutput
+                # (never a PoolingRequestOutput)
+                c = cast("RequestOutput", o).outputs[0]
                 self._stats.tokens += len(c.token_ids)
                 out.append(Finished(o.request_id, tuple(c.token_ids), str(c.finish_reason)))
             if out:
@@ -224,7 +232,8 @@ class RayEngine:
 
         actor_cls = ray.remote(num_cpus=num_cpus)(VLLMEngine)
         self._ray = ray
-        self.actor = actor_cls.remote(cfg)
+        # Any: Ray's stubs give an actor handle's undecorated methods no ``.remote``
+        self.actor = cast(Any, actor_cls.remote(cfg))
         ray.get(self.actor.pending.remote())  # wait until the engine is up
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
@@ -246,10 +255,11 @@ class RayEngine:
         return float(self._ray.get(self.actor.load_weights.remote(blob)))
 
     def stats(self) -> EngineStats:
-        return self._ray.get(self.actor.stats.remote())  # type: ignore[no-any-return]
+        return cast(EngineStats, self._ray.get(self.actor.stats.remote()))
 
     def generate(self, requests: Sequence[GenRequest]) -> dict[str, Finished]:
-        return self._ray.get(self.actor.generate.remote(list(requests)))  # type: ignore[no-any-return]
+        done = self._ray.get(self.actor.generate.remote(list(requests)))
+        return cast("dict[str, Finished]", done)
 
     def shutdown(self) -> None:
         self._ray.kill(self.actor)

@@ -143,7 +143,7 @@ class Learner:
                 kl_val = float(kl)
             self._set_lr(n)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             self.opt.step()
             self.updates += 1

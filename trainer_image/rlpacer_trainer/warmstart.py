@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         ).view_as(mask)
         loss = (nll * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
