@@ -21,6 +21,10 @@ import aiohttp
 
 Obj = dict[str, Any]
 
+#: ``Accept`` for metadata-only lists and watches (PartialObjectMetadata[List], what
+#: controller-runtime's metadata informers use): the API server sends no spec or status.
+METADATA_ONLY_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
@@ -125,8 +129,9 @@ class KubeClient:
         body: Obj | list[Any] | None = None,
         params: dict[str, str] | None = None,
         content_type: str = "application/json",
+        accept: str = "application/json",
     ) -> Obj:
-        headers = {**self._headers(), "Accept": "application/json"}
+        headers = {**self._headers(), "Accept": accept}
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
@@ -153,16 +158,19 @@ class KubeClient:
             return text
 
     async def watch(
-        self, path: str, resource_version: str, timeout_seconds: int = 300
+        self, path: str, resource_version: str, timeout_seconds: int = 300,
+        accept: str = "application/json",
     ) -> AsyncIterator[Obj]:
-        """Watch events of a collection from ``resource_version`` (with bookmarks)."""
+        """Watch events of a collection from ``resource_version`` (with bookmarks).
+        ``accept``: e.g. :data:`METADATA_ONLY` for metadata-only events."""
         params = {
             "watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
             "timeoutSeconds": str(timeout_seconds),
         }
         timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_seconds + 30)
         async with self._get_session().get(
-            self.creds.server + path, params=params, headers=self._headers(), timeout=timeout
+            self.creds.server + path, params=params,
+            headers={**self._headers(), "Accept": accept}, timeout=timeout,
         ) as resp:
             if resp.status >= 300:
                 raise ApiError(resp.status, resp.reason or "", (await resp.text())[:500])
