@@ -11,6 +11,13 @@ directory on disk *with* fsync (the test fixture's ``--unsafe-no-fsync`` is turn
 the flags are printed), the CRDs from ``crds/``, and the operator as a separate process
 (``rlpacer operator``) so the load generator does not share its event loop. ``--kubeconfig``
 uses an existing cluster instead (then etcd's flags are that cluster's).
+
+Rounds: ``--rounds`` alternations of a baseline (the same status writes made directly against
+the API server, without the operator), a short warm-up and the measured load; p50/p99 pool
+every round's answers, and each round's p99 is printed beside its baseline's. On a small
+shared machine the API server's own tail moves a lot from minute to minute (its CPU is most
+of the cost of a report: ~12-16 ms per status write on 2 cores, profiled with
+``RLPACER_CLUSTER_PROFILING=1``), so a single short run says little.
 """
 
 from __future__ import annotations
@@ -134,8 +141,8 @@ async def _driver(
         step, g = out["step"], out["groupSize"]
 
 
-async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: float,
-                seconds: float, warmup: float, settle: float) -> dict[str, Any]:
+async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate: float,
+                seconds: float, warmup: float, settle: float, rounds: int) -> dict[str, Any]:
     import aiohttp
 
     from rlpacer.operator import names as child_names
@@ -164,40 +171,66 @@ async def _load(kubeconfig: str, base: str, ns: str, names: list[str], rate: flo
         if running >= 4 * len(names):  # head, learner, rollout, driver
             break
         await asyncio.sleep(1.0)
+    print(f"pods running; settling {settle:.0f}s", file=sys.stderr, flush=True)
     await asyncio.sleep(settle)  # let controllers and caches of a fresh cluster go quiet
-    baseline = await _baseline(kube, ns, names, rate, min(15.0, seconds / 2))
     start_step = {}
     for n in names:  # jobs may be reused from an earlier run on the same cluster
         obj = await kube.get(job_path(ns, n))
         start_step[n] = int(((obj or {}).get("status") or {}).get("step") or 0)
+    # Rounds of (baseline, warm-up, measured load): the baseline and the operator are measured
+    # alternately, so both see the same state of a noisy machine.
+    base_s = min(15.0, seconds / 2)
     lat: list[float] = []
+    baseline: list[float] = []
+    per_round: list[dict[str, float]] = []
     errors: list[str] = []
+    answered = [0] * len(names)
     conn = aiohttp.TCPConnector(limit=0)
+    before: dict[str, float] = {}
+    after: dict[str, float] = {}
     async with aiohttp.ClientSession(connector=conn) as session:
-        warm: list[float] = []
-        until = time.monotonic() + warmup
-        warm_oks = await asyncio.gather(*[
-            _driver(session, base, ns, n, tokens[n], rate, until, warm, errors, i)
-            for i, n in enumerate(names)
-        ])
-        until = time.monotonic() + seconds
-        before = await _request_counts(kube)
-        oks = await asyncio.gather(*[
-            _driver(session, base, ns, n, tokens[n], rate, until, lat, errors, i)
-            for i, n in enumerate(names)
-        ])
-        after = await _request_counts(kube)
+        for rnd in range(rounds):
+            print(f"round {rnd + 1}/{rounds}: baseline (direct status writes) {base_s:.0f}s",
+                  file=sys.stderr, flush=True)
+            base = await _baseline(kube, ns, names, rate, base_s)
+            w = warmup if rnd == 0 else min(warmup, 3.0)
+            print(f"round {rnd + 1}/{rounds}: warm-up {w:.0f}s, measuring {seconds:.0f}s",
+                  file=sys.stderr, flush=True)
+            until = time.monotonic() + w
+            warm: list[float] = []
+            oks = await asyncio.gather(*[
+                _driver(session, base_url, ns, n, tokens[n], rate, until, warm, errors, i)
+                for i, n in enumerate(names)
+            ])
+            until = time.monotonic() + seconds
+            if rnd == 0:
+                before = await _request_counts(kube)
+            rl: list[float] = []
+            oks2 = await asyncio.gather(*[
+                _driver(session, base_url, ns, n, tokens[n], rate, until, rl, errors, i)
+                for i, n in enumerate(names)
+            ])
+            if rnd == 0:
+                after = await _request_counts(kube)
+            answered = [a + o + o2 for a, o, o2 in zip(answered, oks, oks2, strict=True)]
+            lat += rl
+            baseline += base
+            per_round.append({"p99_ms": round(_pct(rl, 99) * 1000, 2),
+                              "baseline_p99_ms": round(_pct(base, 99) * 1000, 2)})
+            print(f"round {rnd + 1}/{rounds}: p99 {per_round[-1]['p99_ms']} ms, baseline p99 "
+                  f"{per_round[-1]['baseline_p99_ms']} ms", file=sys.stderr, flush=True)
     # every answered report is persisted: status.step == answered reports
     mismatched = []
-    for n, ok, w in zip(names, oks, warm_oks, strict=True):
+    for n, ok in zip(names, answered, strict=True):
         obj = await kube.get(job_path(ns, n))
         st = (obj or {}).get("status") or {}
-        if st.get("step") != start_step[n] + ok + w:
+        if st.get("step") != start_step[n] + ok:
             mismatched.append(f"{n}: status.step={st.get('step')} answered={start_step[n]}"
-                              f"+{w}+{ok}")
+                              f"+{ok}")
     await kube.close()
-    return {"latencies": lat, "errors": errors, "answered": sum(oks), "mismatched": mismatched,
-            "baseline": baseline, "apiserver_requests_per_s": _rate_diff(before, after, seconds)}
+    return {"latencies": lat, "errors": errors, "answered": len(lat), "mismatched": mismatched,
+            "baseline": baseline, "rounds": per_round,
+            "apiserver_requests_per_s": _rate_diff(before, after, seconds)}
 
 
 async def _request_counts(kube: Any) -> dict[str, float]:
@@ -274,7 +307,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         data = Path(tempfile.mkdtemp(prefix="rlpacer-bench-", dir=os.environ.get("TMPDIR")))
         no_fsync = "false" if args.etcd_fsync else "true"
         cluster = LocalCluster(data, extra_args={"etcd": [f"--unsafe-no-fsync={no_fsync}"]})
-        print(f"starting the local control plane in {data} ...", flush=True)
+        print(f"starting the local control plane in {data} ...", file=sys.stderr, flush=True)
         cluster.start()
         kubeconfig = str(cluster.kubeconfig)
         etcd_flags = (f"--data-dir={data / 'etcd'} (disk), --unsafe-no-fsync={no_fsync},"
@@ -307,9 +340,9 @@ def run_from_args(args: argparse.Namespace) -> int:
             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         print(f"{args.jobs} jobs, {args.rate}/s each, {args.seconds:.0f}s; operator log {log}",
-              flush=True)
+              file=sys.stderr, flush=True)
         res = asyncio.run(_load(kubeconfig, base, args.namespace, names, args.rate,
-                                args.seconds, args.warmup, args.settle))
+                                args.seconds, args.warmup, args.settle, args.rounds))
         res["server"] = _server_quantiles(metrics_port)
     finally:
         if op is not None:
@@ -324,8 +357,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     base_lat = res["baseline"]
     out = {
         "jobs": args.jobs, "rate_per_job": args.rate, "seconds": args.seconds,
+        "rounds": args.rounds,
         "answered": res["answered"], "errors": len(res["errors"]),
-        "throughput_per_s": round(res["answered"] / args.seconds, 1),
+        "throughput_per_s": round(res["answered"] / (args.seconds * args.rounds), 1),
         "p50_ms": round(_pct(lat, 50) * 1000, 2),
         "p90_ms": round(_pct(lat, 90) * 1000, 2),
         "p99_ms": round(_pct(lat, 99) * 1000, 2),
@@ -335,6 +369,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         "server_side_p99_ms": res["server"].get("p99_ms"),
         "baseline_status_put_p50_ms": round(_pct(base_lat, 50) * 1000, 2),
         "baseline_status_put_p99_ms": round(_pct(base_lat, 99) * 1000, 2),
+        "p99_ms_per_round": [r["p99_ms"] for r in res["rounds"]],
+        "baseline_p99_ms_per_round": [r["baseline_p99_ms"] for r in res["rounds"]],
         "load_average": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
         "persisted_mismatches": len(res["mismatched"]),

@@ -71,7 +71,10 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--jobs", type=int, default=50, help="concurrent jobs (default 50)")
     p.add_argument("--rate", type=float, default=1.0, help="reports per second per job")
-    p.add_argument("--seconds", type=float, default=30.0, help="duration of the load phase")
+    p.add_argument("--seconds", type=float, default=30.0,
+                   help="duration of each round's measured load")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of (baseline, warm-up, load); p50/p99 pool all rounds")
     p.add_argument("--warmup", type=float, default=10.0, help="unmeasured load before it")
     p.add_argument("--settle", type=float, default=20.0,
                    help="idle seconds after the jobs' pods run, before measuring")

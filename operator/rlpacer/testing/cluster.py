@@ -884,7 +884,9 @@ class LocalCluster:
                 "--allow-privileged=true",
                 # A loopback advertise address cannot be an Endpoints address; nothing routes.
                 "--endpoint-reconciler-type=none",
-                "--profiling=false",
+                # RLPACER_CLUSTER_PROFILING=1: /debug/pprof on (to profile the API server
+                # under bench-operator: `kubectl get --raw /debug/pprof/profile?seconds=20`)
+                f"--profiling={'true' if os.environ.get('RLPACER_CLUSTER_PROFILING') else 'false'}",
                 "--max-requests-inflight=800",
                 "--max-mutating-requests-inflight=400",
             ],

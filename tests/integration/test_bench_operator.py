@@ -1,0 +1,33 @@
+"""``rlpacer bench-operator`` end to end, small: it starts its own local control plane and
+operator, measures rounds of baseline and load, and checks that every answered report was
+persisted. The figures of the full run (50 jobs x 1/s) are in the issue notes and README."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_bench_operator_small_run_reports_persisted_answers() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpacer.cli", "bench-operator", "--jobs", "3", "--rate", "2",
+         "--seconds", "3", "--rounds", "2", "--warmup", "1", "--settle", "1",
+         "--no-etcd-fsync", "--namespace", "bench-small", "--json"],
+        capture_output=True, text=True, timeout=420,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: the p99 target not met
+    out = json.loads(proc.stdout)
+    assert out["errors"] == 0, proc.stderr[-3000:]
+    assert out["persisted_mismatches"] == 0
+    # 3 jobs x 2/s x 3 s x 2 rounds, give or take a period at each edge
+    assert 24 <= out["answered"] <= 40, out
+    assert len(out["p99_ms_per_round"]) == 2 and len(out["baseline_p99_ms_per_round"]) == 2
+    assert 0 < out["p50_ms"] <= out["p99_ms"] <= out["max_ms"]
+    assert out["apiserver_requests_per_s"].get("PUT rlpacer.io rltrainingjobs status", 0) > 3
+    assert out["met"] == (out["p99_ms"] < 100.0) and proc.returncode == (0 if out["met"] else 1)
+    assert "round 2/2" in proc.stderr  # progress on stderr, JSON alone on stdout
