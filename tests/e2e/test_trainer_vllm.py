@@ -25,12 +25,17 @@ from rlpacer_trainer.learner import state_bytes
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-local.yaml"
-# test_rl_improves_heldout_accuracy: steps and the margins it asserts (see its docstring).
-# Measured (data seed 0, 512 held-out prompts, 141 s): greedy 59.6% -> 63.1% (+3.5), sampled
-# at T=0.7 41.6% -> 44.5% (+2.9). The issue's goal of +5 points is NOT met (trainer README).
+# The RL-gain tests: steps and the margins they assert (held-out accuracy after RL_STEPS
+# seeded steps minus the warm start's, on 512 held-out prompts; see their docstrings).
+# Measured on 2026-11-30 (trainer README, "RL gain"): SAGC without tail batching, data seeds
+# 0/1/2: greedy +5.8/+3.5/+4.7, sampled +10.2/+9.2/+9.2 points (2 samples per prompt; the test,
+# seed 0, 4 samples: +5.8 / +9.8); the example as is (SAGC + tail batching, seed 0): greedy
+# +3.5, sampled +2.9, on 4.5x fewer trained samples in a third of the time.
 RL_STEPS = 80
-GREEDY_MARGIN = 0.02
-SAMPLED_MARGIN = 0.02
+GREEDY_MARGIN = 0.04
+SAMPLED_MARGIN = 0.07
+TAIL_GREEDY_MARGIN = 0.02
+TAIL_SAMPLED_MARGIN = 0.02
 FIGURES = Path(os.environ.get("RLPACER_TEST_FIGURES", "/tmp/rlpacer-trainer-figures.json"))
 
 
@@ -131,14 +136,14 @@ def _sampled(drv: Any, evalset: list[task.Problem], t: float) -> float:
     return sum(drv.evaluate(evalset, t, seed=s) for s in range(4)) / 4
 
 
-def test_rl_improves_heldout_accuracy(engine: VLLMEngine, tmp_path: Path) -> None:
-    """RL_STEPS seeded RL steps of the example job (DAPO, SAGC + tail batching, data seed 0)
-    raise held-out accuracy over the warm start's on 512 prompts from task.EVAL_SEED: greedy
-    by at least GREEDY_MARGIN, and that of the policy RL optimises (4 seeded samples per
-    prompt at the rollout temperature, 2048 responses) by at least SAMPLED_MARGIN.
-    Deterministic: sampling seeds, data order and updates are seeded."""
+def _rl_gain(engine: VLLMEngine, tmp_path: Path, key: str, **kw: Any) -> tuple[
+        float, float, float, float, list[dict[str, Any]]]:
+    """RL_STEPS seeded RL steps of the example job (``kw`` overrides RunConfig fields); the
+    held-out accuracy before and after: greedy, and that of the policy RL optimises (4 seeded
+    samples per prompt at the rollout temperature, 2048 responses). Deterministic: sampling
+    seeds, data order and updates are seeded."""
     steps = int(os.environ.get("RLPACER_TEST_RL_STEPS", str(RL_STEPS)))
-    cfg = _cfg(tmp_path, steps=steps)
+    cfg = _cfg(tmp_path, steps=steps, **kw)
     cfg.eval_prompts = 512
     drv = runtime.build_driver(cfg, [engine])
     evalset = cfg.eval_problems()
@@ -146,12 +151,38 @@ def test_rl_improves_heldout_accuracy(engine: VLLMEngine, tmp_path: Path) -> Non
     before, before_s = drv.evaluate(evalset), _sampled(drv, evalset, t)
     drv.run()
     after, after_s = drv.evaluate(evalset), _sampled(drv, evalset, t)
-    _record("rl", {"steps": steps, "eval_prompts": len(evalset), "seed": cfg.data_seed,
-                   "greedy": [before, after], "sampled": [before_s, after_s],
-                   "rewards": [round(r["reward"], 3) for r in drv.records],
-                   "group_sizes": [r["group_size"] for r in drv.records],
-                   "kinds": [r["round_kind"] for r in drv.records]})
+    _record(key, {"steps": steps, "eval_prompts": len(evalset), "seed": cfg.data_seed,
+                  "greedy": [before, after], "sampled": [before_s, after_s],
+                  "rewards": [round(r["reward"], 3) for r in drv.records],
+                  "group_sizes": [r["group_size"] for r in drv.records],
+                  "kinds": [r["round_kind"] for r in drv.records],
+                  "trained_samples": sum(r["learner_samples"] for r in drv.records),
+                  "dropped_groups": sum(r["dropped_groups"] for r in drv.records),
+                  "seconds": round(sum(r["seconds_rollout"] + r["seconds_train"]
+                                       for r in drv.records), 1)})
     assert len(drv.records) == steps
-    assert any(r["round_kind"] == "Long" for r in drv.records)
+    assert len({r["group_size"] for r in drv.records}) > 1  # SAGC chose the group sizes
+    return before, after, before_s, after_s, drv.records
+
+
+def test_rl_improves_heldout_accuracy(engine: VLLMEngine, tmp_path: Path) -> None:
+    """The RL gain: the example job with SAGC choosing G and tail batching off (the learning
+    signal per step of plain synchronous GRPO/DAPO) beats the warm start by GREEDY_MARGIN
+    greedy and SAMPLED_MARGIN sampled."""
+    before, after, before_s, after_s, recs = _rl_gain(engine, tmp_path, "rl",
+                                                      tail_batching=False)
+    assert all(r["round_kind"] == "Short" for r in recs)
     assert after >= before + GREEDY_MARGIN, (before, after, before_s, after_s)
     assert after_s >= before_s + SAMPLED_MARGIN, (before, after, before_s, after_s)
+
+
+def test_rl_with_tail_batching_improves_heldout_accuracy(
+    engine: VLLMEngine, tmp_path: Path
+) -> None:
+    """The example job as it is (SAGC + tail batching, with long rounds) also learns, by a
+    smaller margin per step: its short rounds keep the prompts that finish first, mostly easy
+    ones whose groups are all correct and dropped by dynamic sampling (trainer README)."""
+    before, after, before_s, after_s, recs = _rl_gain(engine, tmp_path, "rl_tail")
+    assert any(r["round_kind"] == "Long" for r in recs)
+    assert after >= before + TAIL_GREEDY_MARGIN, (before, after, before_s, after_s)
+    assert after_s >= before_s + TAIL_SAMPLED_MARGIN, (before, after, before_s, after_s)
