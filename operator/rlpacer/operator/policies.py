@@ -79,25 +79,42 @@ class PolicyCache:
         self._clock = clock
         self._entries: dict[str, tuple[float, list[RLTrainingPolicy]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._refreshing: dict[str, asyncio.Future[list[RLTrainingPolicy] | None]] = {}
 
     async def get(self, namespace: str) -> list[RLTrainingPolicy] | None:
-        """The namespace's policies (possibly up to the TTL old); None when never readable."""
+        """The namespace's policies; None when never readable.
+
+        Stale-while-revalidate: an entry older than the TTL is returned at once while one
+        background read refreshes it, so a step report never waits on a policy LIST (only
+        the first lookup of a namespace, or one after :meth:`invalidate`, does). Entries are
+        at most TTL + one read old."""
         entry = self._entries.get(namespace)
-        if entry is not None and self._clock() - entry[0] < self._ttl:
+        if entry is not None:
+            if self._clock() - entry[0] >= self._ttl and namespace not in self._refreshing:
+                self._refreshing[namespace] = asyncio.ensure_future(
+                    self._refresh(namespace, background=True))
             return entry[1]
         lock = self._locks.setdefault(namespace, asyncio.Lock())
         async with lock:
             entry = self._entries.get(namespace)
-            if entry is not None and self._clock() - entry[0] < self._ttl:
+            if entry is not None:
                 return entry[1]
-            try:
-                found = await self._resolve(namespace)
-            except Exception as err:  # API errors, invalid stored policies: keep the last
-                log.warning("policies of namespace %s not read (%s): %s", namespace,
-                            "using the last ones" if entry else "not enforcing", err)
-                return entry[1] if entry is not None else None
-            self._entries[namespace] = (self._clock(), found)
-            return found
+            return await self._refresh(namespace)
+
+    async def _refresh(self, namespace: str, background: bool = False
+                       ) -> list[RLTrainingPolicy] | None:
+        entry = self._entries.get(namespace)
+        try:
+            found = await self._resolve(namespace)
+        except Exception as err:  # API errors, invalid stored policies: keep the last
+            log.warning("policies of namespace %s not read (%s): %s", namespace,
+                        "using the last ones" if entry else "not enforcing", err)
+            return entry[1] if entry is not None else None
+        finally:
+            if background:
+                self._refreshing.pop(namespace, None)
+        self._entries[namespace] = (self._clock(), found)
+        return found
 
     def invalidate(self, namespace: str | None = None) -> None:
         if namespace is None:

@@ -271,12 +271,25 @@ def test_policy_cache_ttl_and_failures() -> None:
         assert len(await cache.get("a") or []) == 1 and calls == ["a"]
         clock[0] = 11.0
         fail[0] = True
+        # stale: answered at once from the cache while one background read refreshes it
+        assert len(await cache.get("a") or []) == 1 and calls == ["a"]
+        assert len(await cache.get("a") or []) == 1  # no second refresh while one runs
+        await asyncio.sleep(0)
+        assert calls == ["a", "a"]  # the refresh failed: the stale entry stays
         assert len(await cache.get("a") or []) == 1  # stale beats nothing
-        assert await cache.get("b") is None  # never read: not enforced
+        await asyncio.sleep(0)
+        assert await cache.get("b") is None  # never read: not enforced (waits for the read)
         fail[0] = False
         cache.invalidate("a")
+        await cache.get("a")  # after invalidate: read before answering
+        assert calls == ["a", "a", "a", "b", "a"]
+        n = len(calls)
+        clock[0] = 30.0
         await cache.get("a")
-        assert calls == ["a", "a", "b", "a"]
+        await asyncio.sleep(0)
+        clock[0] = 31.0
+        await cache.get("a")  # refreshed at 30: fresh again, no read
+        assert len(calls) == n + 1
 
     asyncio.run(body())
 
