@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import yaml
 
 from rlpacer.api.protocol import Plan, RolloutCapacity, StepReport
 from rlpacer.control.plan import JobController, ReportRejected
+from rlpacer.testing.jsonhttp import JSONHandler
 from rlpacer_trainer import contract as c
 from rlpacer_trainer.config import RunConfig
 from rlpacer_trainer.controller_client import to_data
@@ -55,21 +56,10 @@ def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
     assert "G=" in proc.stderr and "stragglers=" in proc.stderr  # the progress bar
 
 
-class _Operator(BaseHTTPRequestHandler):
+class _Operator(JSONHandler):
     """The step-report protocol over the real JobController (token checked, 422 on reject)."""
 
     server: Any
-
-    def log_message(self, *a: Any) -> None:
-        pass
-
-    def _send(self, code: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _plan(self) -> dict[str, Any]:
         cp = self.server.jc.plan()
@@ -78,18 +68,18 @@ class _Operator(BaseHTTPRequestHandler):
                     lambda_=cp.lambda_, straggler_rate=cp.straggler_rate).to_wire()
 
     def do_GET(self) -> None:
-        self._send(200, self._plan())
+        self.send_json(200, self._plan())
 
     def do_POST(self) -> None:
         if self.headers.get("Authorization") != "Bearer s3cret":
-            return self._send(401, {"code": 401, "reason": "BadToken", "message": "no"})
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            return self.send_json(401, {"code": 401, "reason": "BadToken", "message": "no"})
+        body = self.read_json()
         self.server.reports.append(body)
         try:
             self.server.jc.observe(to_data(StepReport.model_validate(body)))
         except ReportRejected as err:
-            return self._send(422, {"code": 422, "reason": err.reason, "message": err.message})
-        self._send(200, self._plan())
+            return self.send_json(422, {"code": 422, "reason": err.reason, "message": err.message})
+        self.send_json(200, self._plan())
 
 
 @pytest.fixture

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
 from rlpacer.api.protocol import LengthSummary, RolloutState, RoundKind, StepReport
 from rlpacer.control.plan import JobControllerConfig
+from rlpacer.testing.jsonhttp import JSONHandler
 from rlpacer_trainer.controller_client import ControllerError, HTTPController, InProcessController
 
 pytestmark = pytest.mark.unit
@@ -37,19 +37,8 @@ def test_in_process_plans_and_persists() -> None:
     assert other.plan() == ctl.plan()
 
 
-class _Fake(BaseHTTPRequestHandler):
+class _Fake(JSONHandler):
     server: Any
-
-    def log_message(self, *a: Any) -> None:
-        pass
-
-    def _send(self, code: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _plan(self, step: int, state: str = "Ready") -> dict[str, Any]:
         return {"step": step, "groupSize": 8, "roundKind": "Short", "lambda": 0.1,
@@ -58,17 +47,17 @@ class _Fake(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         s = self.server
         s.gets += 1
-        self._send(200, self._plan(1, "ScalingUp" if s.gets < 3 else "Ready"))
+        self.send_json(200, self._plan(1, "ScalingUp" if s.gets < 3 else "Ready"))
 
     def do_POST(self) -> None:
         s = self.server
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.read_json()
         s.posts.append((self.path, self.headers["Authorization"], body))
         if len(s.posts) == 1:
-            return self._send(503, {"code": 503, "reason": "Unavailable", "message": "try"})
+            return self.send_json(503, {"code": 503, "reason": "Unavailable", "message": "try"})
         if body["step"] == 7:
-            return self._send(422, {"code": 422, "reason": "StepOutOfOrder", "message": "no"})
-        self._send(200, self._plan(body["step"] + 1))
+            return self.send_json(422, {"code": 422, "reason": "StepOutOfOrder", "message": "no"})
+        self.send_json(200, self._plan(body["step"] + 1))
 
 
 @pytest.fixture
