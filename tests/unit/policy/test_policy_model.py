@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,10 @@ from rlpacer.api.policy import PolicyAction, RLTrainingPolicy, parse_policy
 
 pytestmark = pytest.mark.unit
 
-EXAMPLE = Path(__file__).resolve().parents[3].parent / "shared" / "examples" / "policy.yaml"
+# ../shared beside the checkout, or $RLPACER_SHARED (as scripts/setup.sh finds it)
+SHARED = Path(os.environ.get("RLPACER_SHARED")
+              or Path(__file__).resolve().parents[3].parent / "shared")
+EXAMPLE = SHARED / "examples" / "policy.yaml"
 
 
 def _policy(**spec: Any) -> dict[str, Any]:
