@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,19 @@ log = logging.getLogger("rlpacer.operator")
 
 #: Backoff after a reconcile that raised (seconds, capped).
 ERROR_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+def resync_wait(period: float, first: bool, rng: random.Random) -> float:
+    """Seconds until a job's next periodic reconcile: jittered, and never above ``period``.
+
+    The loops of all jobs start together when the operator starts (or takes over the Lease),
+    so unjittered periodic passes would run as one burst every ``period``: 50 jobs' GETs and
+    child builds at once, with every step report in the operator's event loop and the API
+    server queued behind them (measured: reports answered in 200+ ms during each burst, p99
+    ~50 ms otherwise). The first wait is spread over the whole period, later ones over its
+    last fifth, as controller-runtime jitters its resyncs.
+    """
+    return period * (rng.uniform(0.05, 1.0) if first else rng.uniform(0.8, 1.0))
 
 
 class JobLoops:
@@ -81,6 +95,8 @@ class JobLoops:
     async def _run(self, namespace: str, name: str) -> None:
         jobs = self.jobs
         errors = 0
+        first = True
+        rng = random.Random()
         while True:
             rt = await jobs.get(namespace, name)
             if rt is None:
@@ -100,8 +116,9 @@ class JobLoops:
                 jobs.metrics.reconcile_errors.labels(namespace, name).inc()
                 requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]
                 errors += 1
-            wait = jobs.settings.resync_seconds if requeue is None else min(
-                max(requeue, 0.05), jobs.settings.resync_seconds)
+            resync = resync_wait(jobs.settings.resync_seconds, first, rng)
+            first = False
+            wait = resync if requeue is None else min(max(requeue, 0.05), resync)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rt.wake.wait(), timeout=wait)
 

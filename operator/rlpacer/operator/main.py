@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from typing import Any
@@ -130,4 +131,19 @@ def run_from_args(args: argparse.Namespace) -> int:
         level=getattr(logging, settings.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    freeze_startup_heap()
     return asyncio.run(serve(settings))
+
+
+def freeze_startup_heap() -> None:
+    """Move everything alive after start-up (modules, Kopf's and pydantic's machinery, ~80,000
+    objects) out of the cyclic garbage collector's reach.
+
+    Without it each full collection walks that heap, and the operator's event loop stalls with
+    every step report in flight waiting behind it: full collections took 72-159 ms under
+    ``rlpacer bench-operator`` on 2 cores, 13-19 ms with the start-up heap frozen. Objects
+    frozen here live for the whole process anyway; the ones a job creates later are collected
+    as usual.
+    """
+    gc.collect()
+    gc.freeze()
