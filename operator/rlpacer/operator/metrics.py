@@ -27,7 +27,8 @@ JOB_LABELS = ("namespace", "job")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _STEP_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+                    0.25, 0.5, 1, 2.5, 5)
 
 
 class Metrics:
@@ -60,6 +61,12 @@ class Metrics:
         self.report_latency = Histogram(
             "rlpacer_step_report_duration_seconds",
             "Step-report handling time, state persisted, by HTTP code.", ("code",),
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.status_write = Histogram(
+            "rlpacer_status_write_duration_seconds",
+            "PUT of a job's status to the API server (each step report makes one), by result"
+            " (ok, conflict, error). Compare with rlpacer_step_report_duration_seconds: the"
+            " difference is the operator's own time.", ("result",),
             buckets=_LATENCY_BUCKETS, registry=r)
         self.reconcile_errors = Counter("rlpacer_reconcile_errors_total",
                                         "Reconciles that raised.", JOB_LABELS, registry=r)

@@ -212,17 +212,21 @@ class Jobs:
                              "resourceVersion": rt.rv},
                 "status": new_status.to_wire(),
             }
+            t0 = time.perf_counter()
             try:
                 obj = await self.kube.request(
                     "PUT", job_path(rt.namespace, rt.name) + "/status", body
                 )
             except ApiError as e:
+                self.metrics.status_write.labels(
+                    "conflict" if e.status == 409 else "error").observe(time.perf_counter() - t0)
                 if e.status == 409:
                     await self.refresh(rt)
                     continue
                 if e.status == 404:
                     raise JobGone(f"{rt.namespace}/{rt.name}") from e
                 raise
+            self.metrics.status_write.labels("ok").observe(time.perf_counter() - t0)
             rt.absorb(obj)
             self.metrics.observe_status(rt.namespace, rt.name, rt.status)
             return result
