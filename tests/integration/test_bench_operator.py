@@ -4,20 +4,23 @@ persisted. The figures of the full run (50 jobs x 1/s) are in the issue notes an
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.integration
 
 
-def test_bench_operator_small_run_reports_persisted_answers() -> None:
+def test_bench_operator_small_run_reports_persisted_answers(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
     proc = subprocess.run(
         [sys.executable, "-m", "rlpacer.cli", "bench-operator", "--jobs", "3", "--rate", "2",
          "--seconds", "3", "--rounds", "2", "--warmup", "1", "--settle", "1",
-         "--no-etcd-fsync", "--namespace", "bench-small", "--json"],
+         "--no-etcd-fsync", "--namespace", "bench-small", "--json", "--trace", str(trace)],
         capture_output=True, text=True, timeout=420,
     )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: the p99 target not met
@@ -31,3 +34,15 @@ def test_bench_operator_small_run_reports_persisted_answers() -> None:
     assert out["apiserver_requests_per_s"].get("PUT rlpacer.io rltrainingjobs status", 0) > 3
     assert out["met"] == (out["p99_ms"] < 100.0) and proc.returncode == (0 if out["met"] else 1)
     assert "round 2/2" in proc.stderr  # progress on stderr, JSON alone on stdout
+    # the operator's own view: the status PUT is a part of each report's handling time
+    rep, put = out["operator_report_ms"], out["operator_status_write_ms"]
+    assert rep["count"] >= out["answered"] and put["count"] >= out["answered"]
+    assert put["mean_ms"] > 0 and rep["mean_ms"] > 0
+    # CPU per answered report, by process, over the measured windows
+    cpu = out["cpu_ms_per_report"]
+    assert cpu["operator"] > 0 and cpu["apiserver"] > 0 and cpu["etcd"] > 0, cpu
+    # --trace: one row per timed request, operator reports and baseline writes
+    rows = list(csv.DictReader(trace.open()))
+    assert sum(r["phase"] == "operator" for r in rows) == out["answered"]
+    assert sum(r["phase"] == "baseline" for r in rows) > 0
+    assert all(float(r["latency_ms"]) > 0 and r["job"].startswith("bench-") for r in rows)

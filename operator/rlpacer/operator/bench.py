@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
-def _server_quantiles(metrics_port: int) -> dict[str, float]:
-    """p50/p99 of the operator's own step-report histogram (bucket upper bounds)."""
+def _histograms(metrics_port: int) -> dict[str, dict[str, float]]:
+    """The operator's step-report and status-write histograms (whole run, warm-ups included):
+    count, mean and p50/p99 interpolated within buckets."""
     import urllib.request
 
     try:
@@ -63,21 +65,72 @@ def _server_quantiles(metrics_port: int) -> dict[str, float]:
             text = r.read().decode()
     except OSError:
         return {}
-    buckets: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith("rlpacer_step_report_duration_seconds_bucket") and 'code="200"' in line:
-            le = line.split('le="')[1].split('"')[0]
-            buckets[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
-    if not buckets:
-        return {}
-    total = max(buckets.values())
-    out = {}
-    for q in (50, 99):
-        for le in sorted(buckets):
-            if buckets[le] >= total * q / 100:
-                out[f"p{q}_ms"] = le * 1000  # an upper bound (histogram bucket)
-                break
+    want = {"report": ("rlpacer_step_report_duration_seconds", 'code="200"'),
+            "status_write": ("rlpacer_status_write_duration_seconds", 'result="ok"')}
+    out: dict[str, dict[str, float]] = {}
+    for key, (name, label) in want.items():
+        buckets: dict[float, float] = {}
+        total_s = count = 0.0
+        for line in text.splitlines():
+            if label not in line:
+                continue
+            value = float(line.rsplit(" ", 1)[1])
+            if line.startswith(name + "_bucket"):
+                le = line.split('le="')[1].split('"')[0]
+                buckets[float("inf") if le == "+Inf" else float(le)] = value
+            elif line.startswith(name + "_sum"):
+                total_s = value
+            elif line.startswith(name + "_count"):
+                count = value
+        if not count:
+            continue
+        h = {"count": count, "mean_ms": round(total_s / count * 1000, 2)}
+        for q in (50, 99):
+            h[f"p{q}_ms"] = round(_bucket_quantile(buckets, count * q / 100) * 1000, 1)
+        out[key] = h
     return out
+
+
+def _bucket_quantile(buckets: dict[float, float], rank: float) -> float:
+    lo, below = 0.0, 0.0
+    for le in sorted(buckets):
+        n = buckets[le]
+        if n >= rank:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * ((rank - below) / (n - below) if n > below else 1.0)
+        lo, below = le, n
+    return lo
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User+system CPU seconds used so far by each process (Linux /proc; {} elsewhere)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One timed request, for ``--trace``: when it started (Unix time), how long it took."""
+
+    start: float
+    seconds: float
+    phase: str  # "operator" (a step report) or "baseline" (a direct status write)
+    job: str
+
+
+def write_trace(path: str, samples: list[Sample]) -> None:
+    with open(path, "w") as f:
+        f.write("start_unix,latency_ms,phase,job\n")
+        for x in sorted(samples, key=lambda x: x.start):
+            f.write(f"{x.start:.4f},{x.seconds * 1000:.2f},{x.phase},{x.job}\n")
 
 
 def bench_job(name: str, namespace: str) -> dict[str, Any]:
@@ -100,7 +153,7 @@ def bench_job(name: str, namespace: str) -> dict[str, Any]:
 
 async def _driver(
     session: Any, base: str, ns: str, name: str, token: str, rate: float, until: float,
-    lat: list[float], errors: list[str], seed: int,
+    lat: list[float], errors: list[str], seed: int, trace: list[Sample] | None = None,
 ) -> int:
     from rlpacer.api.protocol import plan_path, steps_path
 
@@ -137,18 +190,24 @@ async def _driver(
             errors.append(f"{name} step {step}: {e!r}")
             continue
         lat.append(dt)
+        if trace is not None:
+            trace.append(Sample(time.time() - dt, dt, "operator", name))
         ok += 1
         step, g = out["step"], out["groupSize"]
 
 
 async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate: float,
-                seconds: float, warmup: float, settle: float, rounds: int) -> dict[str, Any]:
+                seconds: float, warmup: float, settle: float, rounds: int,
+                trace: list[Sample] | None = None,
+                pids: dict[str, int] | None = None) -> dict[str, Any]:
     import aiohttp
 
     from rlpacer.operator import names as child_names
     from rlpacer.operator.kube import Credentials, KubeClient
+    from rlpacer.operator.main import freeze_startup_heap
     from rlpacer.operator.runtime import job_path
 
+    freeze_startup_heap()  # the load generator's own GC pauses would be timed as latency
     kube = KubeClient(Credentials.load(kubeconfig))
     tokens: dict[str, str] = {}
     deadline = time.monotonic() + 120
@@ -188,11 +247,12 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
     conn = aiohttp.TCPConnector(limit=0)
     before: dict[str, float] = {}
     after: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # CPU seconds by process over the measured windows
     async with aiohttp.ClientSession(connector=conn) as session:
         for rnd in range(rounds):
             print(f"round {rnd + 1}/{rounds}: baseline (direct status writes) {base_s:.0f}s",
                   file=sys.stderr, flush=True)
-            base = await _baseline(kube, ns, names, rate, base_s)
+            base = await _baseline(kube, ns, names, rate, base_s, trace)
             w = warmup if rnd == 0 else min(warmup, 3.0)
             print(f"round {rnd + 1}/{rounds}: warm-up {w:.0f}s, measuring {seconds:.0f}s",
                   file=sys.stderr, flush=True)
@@ -205,11 +265,15 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
             until = time.monotonic() + seconds
             if rnd == 0:
                 before = await _request_counts(kube)
+            cpu0 = _cpu_seconds(pids or {})
             rl: list[float] = []
             oks2 = await asyncio.gather(*[
-                _driver(session, base_url, ns, n, tokens[n], rate, until, rl, errors, i)
+                _driver(session, base_url, ns, n, tokens[n], rate, until, rl, errors, i, trace)
                 for i, n in enumerate(names)
             ])
+            cpu1 = _cpu_seconds(pids or {})
+            for k in cpu1.keys() & cpu0.keys():
+                cpu[k] = cpu.get(k, 0.0) + cpu1[k] - cpu0[k]
             if rnd == 0:
                 after = await _request_counts(kube)
             answered = [a + o + o2 for a, o, o2 in zip(answered, oks, oks2, strict=True)]
@@ -229,7 +293,7 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
                               f"+{ok}")
     await kube.close()
     return {"latencies": lat, "errors": errors, "answered": len(lat), "mismatched": mismatched,
-            "baseline": baseline, "rounds": per_round,
+            "baseline": baseline, "rounds": per_round, "cpu": cpu,
             "apiserver_requests_per_s": _rate_diff(before, after, seconds)}
 
 
@@ -259,7 +323,7 @@ def _rate_diff(a: dict[str, float], b: dict[str, float], seconds: float) -> dict
 
 
 async def _baseline(kube: Any, ns: str, names: list[str], rate: float,
-                    seconds: float) -> list[float]:
+                    seconds: float, trace: list[Sample] | None = None) -> list[float]:
     """The control plane alone: the same status writes (one per job per period, with a
     resourceVersion precondition) made directly, without the operator. The operator's own
     cost is the difference."""
@@ -290,7 +354,10 @@ async def _baseline(kube: Any, ns: str, names: list[str], rate: float,
             except Exception:
                 obj = await kube.request("GET", job_path(ns, n))
                 continue
-            lat.append(time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            lat.append(dt)
+            if trace is not None:
+                trace.append(Sample(time.time() - dt, dt, "baseline", n))
 
     await asyncio.gather(*[one(n, i) for i, n in enumerate(names)])
     return lat
@@ -341,9 +408,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         base = f"http://127.0.0.1:{port}"
         print(f"{args.jobs} jobs, {args.rate}/s each, {args.seconds:.0f}s; operator log {log}",
               file=sys.stderr, flush=True)
+        trace: list[Sample] | None = [] if args.trace else None
+        pids = {"operator": op.pid, **(cluster.pids() if cluster is not None else {})}
         res = asyncio.run(_load(kubeconfig, base, args.namespace, names, args.rate,
-                                args.seconds, args.warmup, args.settle, args.rounds))
-        res["server"] = _server_quantiles(metrics_port)
+                                args.seconds, args.warmup, args.settle, args.rounds, trace,
+                                pids))
+        if args.trace and trace is not None:
+            write_trace(args.trace, trace)
+        res["server"] = _histograms(metrics_port)
     finally:
         if op is not None:
             op.terminate()
@@ -365,8 +437,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         "p99_ms": round(_pct(lat, 99) * 1000, 2),
         "max_ms": round(max(lat) * 1000, 2) if lat else None,
         "mean_ms": round(statistics.fmean(lat) * 1000, 2) if lat else None,
-        "server_side_p50_ms": res["server"].get("p50_ms"),
-        "server_side_p99_ms": res["server"].get("p99_ms"),
+        # The operator's own view (its histograms, whole run): a report's handling time and the
+        # status PUT inside it; the difference is the operator's time.
+        "operator_report_ms": res["server"].get("report"),
+        "operator_status_write_ms": res["server"].get("status_write"),
+        # CPU per answered report over the measured windows, by process (the API server's
+        # share is the cost of the status write; the operator's is everything else it does).
+        "cpu_ms_per_report": {k: round(v / max(1, res["answered"]) * 1000, 2)
+                              for k, v in sorted(res["cpu"].items(), key=lambda kv: -kv[1])},
         "baseline_status_put_p50_ms": round(_pct(base_lat, 50) * 1000, 2),
         "baseline_status_put_p99_ms": round(_pct(base_lat, 99) * 1000, 2),
         "p99_ms_per_round": [r["p99_ms"] for r in res["rounds"]],

@@ -86,4 +86,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--etcd-fsync", action=argparse.BooleanOptionalAction, default=True,
                    help="etcd fsyncs its WAL (default; --no-etcd-fsync as the test fixture)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--trace", default=None, metavar="CSV",
+                   help="write every measured request (start time, latency, phase, job) to CSV,"
+                        " to line up slow requests with the control plane's logs")
     p.set_defaults(func=_bench)

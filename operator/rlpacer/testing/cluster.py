@@ -1034,6 +1034,11 @@ class LocalCluster:
         }
         (self.data_dir / "state.json").write_text(json.dumps(state, indent=2) + "\n")
 
+    def pids(self) -> dict[str, int]:
+        """The component processes this handle runs or attached to, by name (etcd, apiserver,
+        controller-manager, scheduler, kwok)."""
+        return {p.name: p.pid for p in self._procs}
+
     # ---- using it -------------------------------------------------------------------------
 
     @property
