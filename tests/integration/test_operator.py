@@ -347,16 +347,19 @@ def test_step_reports_drive_sagc_exactly_like_the_library(
     m = operator.metrics()
     assert f'rlpacer_group_size{{job="sagc",namespace="{namespace}"}}' in m
     # each accepted report made one status PUT, timed on its own beside the whole report
-    writes = _sample(m, 'rlpacer_status_write_duration_seconds_count{result="ok"}')
-    answered = _sample(m, 'rlpacer_step_report_duration_seconds_count{code="200"}')
-    assert writes >= 70 and answered >= 71, (writes, answered)
+    writes = _sample(m, "rlpacer_status_write_duration_seconds_count", result="ok")
+    answered = _sample(m, "rlpacer_step_report_duration_seconds_count", route="steps", code="200")
+    assert writes >= 70 and answered >= 70, (writes, answered)
 
 
-def _sample(text: str, series: str) -> float:
+def _sample(text: str, name: str, **labels: str) -> float:
+    want = {f'{k}="{v}"' for k, v in labels.items()}
     for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{series} not exposed")
+        if line.startswith(name + "{"):
+            series, value = line.rsplit(" ", 1)
+            if set(series[len(name) + 1:-1].split(",")) == want:
+                return float(value)
+    raise AssertionError(f"{name}{labels} not exposed")
 
 
 def _sts(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:

@@ -55,9 +55,18 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
-def _histograms(metrics_port: int) -> dict[str, dict[str, float]]:
-    """The operator's step-report and status-write histograms (whole run, warm-ups included):
-    count, mean and p50/p99 interpolated within buckets."""
+#: The operator's histograms the bench reads: a step report's handling time (POST, 200) and
+#: the status PUT inside it.
+_HISTOGRAMS = {
+    "report": ("rlpacer_step_report_duration_seconds", ('code="200"', 'route="steps"')),
+    "status_write": ("rlpacer_status_write_duration_seconds", ('result="ok"',)),
+}
+
+Histo = dict[str, Any]  # {"buckets": {le: cumulative count}, "sum": seconds, "count": n}
+
+
+def _scrape(metrics_port: int) -> dict[str, Histo]:
+    """The operator's histograms now (cumulative since it started)."""
     import urllib.request
 
     try:
@@ -65,29 +74,42 @@ def _histograms(metrics_port: int) -> dict[str, dict[str, float]]:
             text = r.read().decode()
     except OSError:
         return {}
-    want = {"report": ("rlpacer_step_report_duration_seconds", 'code="200"'),
-            "status_write": ("rlpacer_status_write_duration_seconds", 'result="ok"')}
-    out: dict[str, dict[str, float]] = {}
-    for key, (name, label) in want.items():
-        buckets: dict[float, float] = {}
-        total_s = count = 0.0
+    out: dict[str, Histo] = {}
+    for key, (name, labels) in _HISTOGRAMS.items():
+        h: Histo = {"buckets": {}, "sum": 0.0, "count": 0.0}
         for line in text.splitlines():
-            if label not in line:
+            if not line.startswith(name) or not all(lab in line for lab in labels):
                 continue
             value = float(line.rsplit(" ", 1)[1])
             if line.startswith(name + "_bucket"):
                 le = line.split('le="')[1].split('"')[0]
-                buckets[float("inf") if le == "+Inf" else float(le)] = value
+                h["buckets"][float("inf") if le == "+Inf" else float(le)] = value
             elif line.startswith(name + "_sum"):
-                total_s = value
+                h["sum"] = value
             elif line.startswith(name + "_count"):
-                count = value
-        if not count:
-            continue
-        h = {"count": count, "mean_ms": round(total_s / count * 1000, 2)}
-        for q in (50, 99):
-            h[f"p{q}_ms"] = round(_bucket_quantile(buckets, count * q / 100) * 1000, 1)
+                h["count"] = value
         out[key] = h
+    return out
+
+
+def _add_window(acc: dict[str, Histo], before: dict[str, Histo], after: dict[str, Histo]) -> None:
+    """Add the observations made between two scrapes to ``acc``."""
+    for key, a in after.items():
+        b = before.get(key) or {"buckets": {}, "sum": 0.0, "count": 0.0}
+        t = acc.setdefault(key, {"buckets": {}, "sum": 0.0, "count": 0.0})
+        for le, n in a["buckets"].items():
+            t["buckets"][le] = t["buckets"].get(le, 0.0) + n - b["buckets"].get(le, 0.0)
+        t["sum"] += a["sum"] - b["sum"]
+        t["count"] += a["count"] - b["count"]
+
+
+def _summarize(h: Histo) -> dict[str, float] | None:
+    """count, mean and p50/p99 (interpolated within buckets) of a histogram."""
+    if not h.get("count"):
+        return None
+    out = {"count": h["count"], "mean_ms": round(h["sum"] / h["count"] * 1000, 2)}
+    for q in (50, 99):
+        out[f"p{q}_ms"] = round(_bucket_quantile(h["buckets"], h["count"] * q / 100) * 1000, 1)
     return out
 
 
@@ -199,7 +221,8 @@ async def _driver(
 async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate: float,
                 seconds: float, warmup: float, settle: float, rounds: int,
                 trace: list[Sample] | None = None,
-                pids: dict[str, int] | None = None) -> dict[str, Any]:
+                pids: dict[str, int] | None = None,
+                metrics_port: int | None = None) -> dict[str, Any]:
     import aiohttp
 
     from rlpacer.operator import names as child_names
@@ -248,6 +271,7 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
     before: dict[str, float] = {}
     after: dict[str, float] = {}
     cpu: dict[str, float] = {}  # CPU seconds by process over the measured windows
+    histos: dict[str, Histo] = {}  # the operator's histograms over the measured windows
     async with aiohttp.ClientSession(connector=conn) as session:
         for rnd in range(rounds):
             print(f"round {rnd + 1}/{rounds}: baseline (direct status writes) {base_s:.0f}s",
@@ -266,12 +290,15 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
             if rnd == 0:
                 before = await _request_counts(kube)
             cpu0 = _cpu_seconds(pids or {})
+            h0 = _scrape(metrics_port) if metrics_port else {}
             rl: list[float] = []
             oks2 = await asyncio.gather(*[
                 _driver(session, base_url, ns, n, tokens[n], rate, until, rl, errors, i, trace)
                 for i, n in enumerate(names)
             ])
             cpu1 = _cpu_seconds(pids or {})
+            if metrics_port:
+                _add_window(histos, h0, _scrape(metrics_port))
             for k in cpu1.keys() & cpu0.keys():
                 cpu[k] = cpu.get(k, 0.0) + cpu1[k] - cpu0[k]
             if rnd == 0:
@@ -294,6 +321,7 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
     await kube.close()
     return {"latencies": lat, "errors": errors, "answered": len(lat), "mismatched": mismatched,
             "baseline": baseline, "rounds": per_round, "cpu": cpu,
+            "server": {k: _summarize(h) for k, h in histos.items()},
             "apiserver_requests_per_s": _rate_diff(before, after, seconds)}
 
 
@@ -412,10 +440,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         pids = {"operator": op.pid, **(cluster.pids() if cluster is not None else {})}
         res = asyncio.run(_load(kubeconfig, base, args.namespace, names, args.rate,
                                 args.seconds, args.warmup, args.settle, args.rounds, trace,
-                                pids))
+                                pids, metrics_port))
         if args.trace and trace is not None:
             write_trace(args.trace, trace)
-        res["server"] = _histograms(metrics_port)
     finally:
         if op is not None:
             op.terminate()
@@ -437,8 +464,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         "p99_ms": round(_pct(lat, 99) * 1000, 2),
         "max_ms": round(max(lat) * 1000, 2) if lat else None,
         "mean_ms": round(statistics.fmean(lat) * 1000, 2) if lat else None,
-        # The operator's own view (its histograms, whole run): a report's handling time and the
-        # status PUT inside it; the difference is the operator's time.
+        # The operator's own view (its histograms over the measured windows): a report's
+        # handling time and the status PUT inside it; the difference is the operator's time.
         "operator_report_ms": res["server"].get("report"),
         "operator_status_write_ms": res["server"].get("status_write"),
         # CPU per answered report over the measured windows, by process (the API server's

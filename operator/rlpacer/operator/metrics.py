@@ -60,7 +60,8 @@ class Metrics:
                                      JOB_LABELS, registry=r)
         self.report_latency = Histogram(
             "rlpacer_step_report_duration_seconds",
-            "Step-report handling time, state persisted, by HTTP code.", ("code",),
+            "Step-report endpoint handling time (route steps: state persisted; plan: a read),"
+            " by route and HTTP code.", ("route", "code"),
             buckets=_LATENCY_BUCKETS, registry=r)
         self.status_write = Histogram(
             "rlpacer_status_write_duration_seconds",

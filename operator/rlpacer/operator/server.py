@@ -62,10 +62,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Application:
-    async def timed(request: web.Request, fn: Handler) -> web.StreamResponse:
+    async def timed(request: web.Request, fn: Handler, route: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         resp = await fn(request)
-        metrics.report_latency.labels(str(resp.status)).observe(time.perf_counter() - t0)
+        metrics.report_latency.labels(route, str(resp.status)).observe(time.perf_counter() - t0)
         return resp
 
     async def authorize(request: web.Request) -> Any:
@@ -136,10 +136,10 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
         return web.json_response(acc.plan.to_wire())
 
     async def plan_route(request: web.Request) -> web.StreamResponse:
-        return await timed(request, get_plan)
+        return await timed(request, get_plan, "plan")
 
     async def steps_route(request: web.Request) -> web.StreamResponse:
-        return await timed(request, post_steps)
+        return await timed(request, post_steps, "steps")
 
     @web.middleware
     async def unavailable(request: web.Request, handler: Handler) -> web.StreamResponse:
