@@ -15,9 +15,15 @@ uses an existing cluster instead (then etcd's flags are that cluster's).
 Rounds: ``--rounds`` alternations of a baseline (the same status writes made directly against
 the API server, without the operator), a short warm-up and the measured load; p50/p99 pool
 every round's answers, and each round's p99 is printed beside its baseline's. On a small
-shared machine the API server's own tail moves a lot from minute to minute (its CPU is most
-of the cost of a report: ~12-16 ms per status write on 2 cores, profiled with
-``RLPACER_CLUSTER_PROFILING=1``), so a single short run says little.
+shared machine the API server's own tail moves a lot from minute to minute, so a single short
+run says little.
+
+Where the time goes, also printed: the operator's own histograms over the measured windows (a
+report's handling time and the status PUT inside it), the CPU each process used per answered
+report (the local control plane's processes and the operator; on 2 cores the API server's
+~14 ms per status write is most of it), and with ``--trace FILE`` every timed request as CSV
+(start time, latency, phase, job) to line slow ones up with the components' logs.
+``RLPACER_CLUSTER_PROFILING=1`` turns on the local API server's /debug/pprof.
 """
 
 from __future__ import annotations
