@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from rlpacer.api import contract
 from rlpacer.api.job import parse_spec
@@ -353,12 +354,10 @@ def test_step_reports_drive_sagc_exactly_like_the_library(
 
 
 def _sample(text: str, name: str, **labels: str) -> float:
-    want = {f'{k}="{v}"' for k, v in labels.items()}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            series, value = line.rsplit(" ", 1)
-            if set(series[len(name) + 1:-1].split(",")) == want:
-                return float(value)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
     raise AssertionError(f"{name}{labels} not exposed")
 
 

@@ -64,8 +64,8 @@ def _pct(xs: list[float], q: float) -> float:
 #: The operator's histograms the bench reads: a step report's handling time (POST, 200) and
 #: the status PUT inside it.
 _HISTOGRAMS = {
-    "report": ("rlpacer_step_report_duration_seconds", ('code="200"', 'route="steps"')),
-    "status_write": ("rlpacer_status_write_duration_seconds", ('result="ok"',)),
+    "report": ("rlpacer_step_report_duration_seconds", {"code": "200", "route": "steps"}),
+    "status_write": ("rlpacer_status_write_duration_seconds", {"result": "ok"}),
 }
 
 Histo = dict[str, Any]  # {"buckets": {le: cumulative count}, "sum": seconds, "count": n}
@@ -75,25 +75,29 @@ def _scrape(metrics_port: int) -> dict[str, Histo]:
     """The operator's histograms now (cumulative since it started)."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
     except OSError:
         return {}
+    families = {f.name: f for f in text_string_to_metric_families(text)}
     out: dict[str, Histo] = {}
     for key, (name, labels) in _HISTOGRAMS.items():
         h: Histo = {"buckets": {}, "sum": 0.0, "count": 0.0}
-        for line in text.splitlines():
-            if not line.startswith(name) or not all(lab in line for lab in labels):
+        fam = families.get(name)
+        for sample in fam.samples if fam is not None else []:
+            lab = dict(sample.labels)
+            le = lab.pop("le", None)
+            if lab != labels:
                 continue
-            value = float(line.rsplit(" ", 1)[1])
-            if line.startswith(name + "_bucket"):
-                le = line.split('le="')[1].split('"')[0]
-                h["buckets"][float("inf") if le == "+Inf" else float(le)] = value
-            elif line.startswith(name + "_sum"):
-                h["sum"] = value
-            elif line.startswith(name + "_count"):
-                h["count"] = value
+            if sample.name == name + "_bucket" and le is not None:
+                h["buckets"][float(le)] = sample.value
+            elif sample.name == name + "_sum":
+                h["sum"] = sample.value
+            elif sample.name == name + "_count":
+                h["count"] = sample.value
         out[key] = h
     return out
 
