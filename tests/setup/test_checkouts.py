@@ -25,7 +25,7 @@ def _where(python: Path | str, *, cwd: Path | None = None) -> list[str]:
     """Where `python` imports rlpacer and rlpacer_trainer from, as a fresh process sees it."""
     out = subprocess.run(
         [str(python), "-c",
-         "import rlpacer, rlpacer_trainer; print(rlpacer.__file__); print(rlpacer_trainer.__file__)"],
+         "import rlpacer, rlpacer_trainer as t; print(rlpacer.__file__); print(t.__file__)"],
         capture_output=True, text=True, check=True, cwd=cwd or "/",
         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     return out.stdout.split()
@@ -144,5 +144,6 @@ def test_tests_refuse_to_run_against_another_checkouts_code(tmp_path: Path) -> N
          "tests/setup/test_checkouts.py::test_this_process_imports_this_checkout"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 4, proc.stdout + proc.stderr
-    assert f"rlpacer is imported from {tmp_path / 'operator' / 'rlpacer'}" in proc.stdout, proc.stdout
+    where = tmp_path / "operator" / "rlpacer"
+    assert f"rlpacer is imported from {where}" in proc.stdout, proc.stdout
     assert "outside the checkout under test" in proc.stdout
