@@ -139,15 +139,23 @@ for f in "$VENV"/bin/*; do
   { echo "#!$LOCAL/bin/python"; tail -n +2 "$f"; } > "$LOCAL/bin/$name.tmp"
   chmod +x "$LOCAL/bin/$name.tmp"; mv -f "$LOCAL/bin/$name.tmp" "$LOCAL/bin/$name"
 done
-if ! "$LOCAL/bin/python" -m pip install -q --no-deps --no-build-isolation \
-      --disable-pip-version-check -e . >"$LOCAL/.install.log" 2>&1; then
-  cat "$LOCAL/.install.log" >&2
-  die "installing this checkout into $LOCAL failed (pip's output above)"
+imports_here() {
+  local got
+  got=$("$LOCAL/bin/python" -c 'import rlpacer, rlpacer_trainer; print(rlpacer.__file__, rlpacer_trainer.__file__)' 2>/dev/null) || return 1
+  for f in $got; do [[ "$f" == "$ROOT"/* ]] || return 1; done
+}
+# The editable install is redone only when the project's metadata or this checkout moved.
+stamp="$ROOT $(sha256sum pyproject.toml | cut -c1-16)"
+if [[ "$(cat "$LOCAL/.installed" 2>/dev/null)" != "$stamp" ]] || ! imports_here; then
+  if ! "$LOCAL/bin/python" -m pip install -q --no-deps --no-build-isolation \
+        --disable-pip-version-check -e . >"$LOCAL/.install.log" 2>&1; then
+    cat "$LOCAL/.install.log" >&2
+    die "installing this checkout into $LOCAL failed (pip's output above)"
+  fi
+  echo "$stamp" > "$LOCAL/.installed"
 fi
 echo "$VENV" > "$LOCAL/.shared-env"
-for got in $("$LOCAL/bin/python" -c 'import rlpacer, rlpacer_trainer; print(rlpacer.__file__, rlpacer_trainer.__file__)'); do
-  [[ "$got" == "$ROOT"/* ]] || die "$LOCAL imports $got, outside this checkout ($ROOT)"
-done
+imports_here || die "$LOCAL imports rlpacer or rlpacer_trainer from outside this checkout ($ROOT): remove $LOCAL and re-run"
 done_step
 
 # --- Kubernetes control plane binaries ---------------------------------------------------
@@ -156,11 +164,14 @@ if [[ $WHAT == all ]]; then
     step "control-plane binaries: all built ($CACHE/bin)"
   else
     step "control-plane binaries into $CACHE/bin (cold: 25-35 minutes on 2 cores; warm: skipped)"
-    command -v go >/dev/null 2>&1 || [[ -x /usr/local/go/bin/go ]] \
-      || die "Go is needed to build the control plane (hack/build-binaries.sh): install Go 1.26 or newer (golang.org/dl or apt-get install golang), then re-run"
-    need_disk "$HOME" 12 "building the control plane (Go module and build caches)"
+    GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
+    [[ -x "$GO" ]] \
+      || die "Go is needed to build the control plane (hack/build-binaries.sh): install Go 1.26 or newer (apt-get install golang-go, or a release from the Go project), or set GO=/path/to/go; then re-run"
+    export GO
+    need_disk "$CACHE" 1 "the control-plane binaries"
+    need_disk "$("$GO" env GOMODCACHE)" 10 "building the control plane (Go's module and build caches)"
     bash hack/build-binaries.sh \
-      || die "building the control plane failed (see above): it needs Go and the Go module proxy (GOPROXY=$(go env GOPROXY 2>/dev/null || echo unset)); re-run once fixed, finished binaries are kept"
+      || die "building the control plane failed (see above): it needs Go and the Go module proxy (GOPROXY=$("$GO" env GOPROXY)); re-run once fixed, finished binaries are kept"
     done_step
   fi
 fi

@@ -38,17 +38,35 @@ def _env() -> dict[str, str]:
 
 
 def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
+    """Two rollout replicas: two engine actors, each bound to its own core, both generating
+    at the learner's weights (from their own reports in the metrics)."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["rollout"]["replicas"] = 2
+    doc["spec"]["tailBatching"]["longRound"]["rolloutReplicas"] = 2
+    manifest = tmp_path / "tiny-local-2.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
     proc = subprocess.run(
-        [str(BIN / "rlpacer"), "run", str(EXAMPLE), "--steps", "4", "--out", str(out),
+        [str(BIN / "rlpacer"), "run", str(manifest), "--steps", "4", "--out", str(out),
          "--eval-prompts", "64"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=480)
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    held = None
     for r in recs:
         assert r["group_size"] in (4, 8, 16) and r["len_max"] >= r["len_median"] > 0
         assert r["seconds_rollout"] > 0 and r["seconds_sync"] > 0
+        engines = r["engines"]
+        assert sorted(e["replica"] for e in engines) == [0, 1], engines
+        assert all(e["responses"] > 0 and e["tokens"] > 0 and e["address"] for e in engines)
+        assert engines[0]["cores"] != engines[1]["cores"]  # not both on core 0
+        versions = {e["policy_version"] for e in engines}
+        assert len(versions) == 1 and (held is None or versions == {held}), (held, engines)
+        # this step's update made a new version (unless it had nothing to train on: a long
+        # round whose groups all had equal rewards)
+        assert (r["policy_version"] in versions) == (r["learner_samples"] == 0), r
+        held = r["policy_version"]
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["eval_accuracy_start"] <= 1.0 and summary["steps"] == 4
     assert (out / "report.png").stat().st_size > 10_000

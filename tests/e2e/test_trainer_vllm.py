@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlpacer_trainer import runtime, task, tiny
+from rlpacer_trainer import runtime, task, tiny, weights
 from rlpacer_trainer.config import RunConfig
 from rlpacer_trainer.engine import EngineConfig, GenRequest, VLLMEngine
 from rlpacer_trainer.learner import state_bytes
@@ -64,12 +64,18 @@ def test_weight_sync_changes_outputs_in_place(engine: VLLMEngine) -> None:
     before = _greedy(engine, probs, "a")
     hits = sum(task.reward(tiny.decode(list(t)), p) for t, p in zip(before, probs, strict=True))
     assert hits > 0
-    seconds = engine.load_weights(state_bytes(tiny.new_model(seed=3)))
+    other = tiny.new_model(seed=3)
+    seconds = engine.load_weights(state_bytes(other))
+    # the policy version is the fingerprint the engine's worker took of what it loaded
+    assert engine.info().policy_version == weights.fingerprint(other.state_dict().items())
     changed = _greedy(engine, probs, "b")
     assert changed != before
     warm = tiny.load_model(tiny.resolve_source("builtin://tiny-chain"))
     engine.load_weights(state_bytes(warm))
     assert _greedy(engine, probs, "c") == before  # and back: the sync is exact
+    info = engine.info()
+    assert info.policy_version == weights.fingerprint(warm.state_dict().items())
+    assert info.pid == os.getpid() and info.address  # in-process engine, on this host
     _record("weight_sync_seconds", seconds)
 
 

@@ -13,6 +13,7 @@ import pytest
 
 import rlpacer
 import rlpacer_trainer
+from rlpacer.testing.checkout import copy_checkout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,14 +57,7 @@ def test_checkout_commands_import_this_checkout() -> None:
 
 
 def _copy_checkout(dst: Path) -> None:
-    """This working tree's files (tracked and untracked, not ignored), as a second clone has."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        src = ROOT / rel
-        if src.is_file():
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / rel)
+    copy_checkout(ROOT, dst)
 
 
 def _setup(checkout: Path) -> str:

@@ -64,16 +64,34 @@ def ragged_group_advantages(
     return out
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: LossAggregation | str) -> torch.Tensor:
-    """Per-token ``loss`` [B, T] and ``mask`` [B, T] -> scalar, by ``mode``."""
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: LossAggregation | str,
+              denominator: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Per-token ``loss`` [B, T] and ``mask`` [B, T] -> scalar, by ``mode``.
+
+    ``denominator`` replaces the batch's own count (:func:`aggregate_count`): data-parallel
+    ranks each pass the whole batch's count, so their losses sum to the whole batch's loss."""
+    if denominator is None:
+        denominator = aggregate_count(mask, mode)
+    return aggregate_sum(loss, mask, mode) / denominator
+
+
+def aggregate_sum(loss: torch.Tensor, mask: torch.Tensor, mode: LossAggregation | str
+                  ) -> torch.Tensor:
+    """The numerator of :func:`aggregate`: additive over any split of the batch's rows."""
     mode = LossAggregation(mode)
     masked = loss * mask
     if mode is LossAggregation.TOKEN_MEAN:
-        return masked.sum() / mask.sum().clamp_min(1.0)
-    per_seq_tokens = mask.sum(dim=1).clamp_min(1.0)
+        return masked.sum()
     if mode is LossAggregation.SEQUENCE_MEAN_TOKEN_MEAN:
-        return (masked.sum(dim=1) / per_seq_tokens).mean()
-    return masked.sum(dim=1).mean()
+        return (masked.sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)).sum()
+    return masked.sum()
+
+
+def aggregate_count(mask: torch.Tensor, mode: LossAggregation | str) -> torch.Tensor:
+    """The denominator of :func:`aggregate` (tokens for token-mean, else sequences), >= 1."""
+    if LossAggregation(mode) is LossAggregation.TOKEN_MEAN:
+        return mask.sum().clamp_min(1.0)
+    return torch.tensor(float(max(1, mask.shape[0])))
 
 
 def clipped_policy_loss(
@@ -85,6 +103,7 @@ def clipped_policy_loss(
     clip_low: float,
     clip_high: float,
     aggregation: LossAggregation | str,
+    denominator: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-style clipped surrogate with separate low/high ratios (DAPO's clip-higher).
 
@@ -99,7 +118,7 @@ def clipped_policy_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
-    loss = aggregate(per_token, mask, aggregation)
+    loss = aggregate(per_token, mask, aggregation, denominator)
     with torch.no_grad():
         n = mask.sum().clamp_min(1.0)
         clipfrac = (((clipped < unclipped).to(mask.dtype)) * mask).sum() / n

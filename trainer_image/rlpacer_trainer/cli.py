@@ -87,7 +87,9 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
         bar.set_postfix(reward=f"{rec['reward']:.2f}", G=rec["group_size"],
                         round=rec["round_kind"], stragglers=f"{rec['straggler_rate']:.2f}")
 
-    drv = runtime.build_driver(cfg, engines, checkpoint_dir=out / "checkpoints", on_step=on_step)
+    learners = runtime.start_learners(cfg)
+    drv = runtime.build_driver(cfg, engines, checkpoint_dir=out / "checkpoints", on_step=on_step,
+                               learners=learners)
     if resume and drv.load_checkpoint():
         print(f"resumed at step {drv.step}")
     extra: dict[str, Any] = {}

@@ -44,9 +44,10 @@ class RunConfig:
     lr_reference_samples: int = 256  # sqrt lr scaling below this many samples per update
     max_refill_rounds: int = 2  # dynamic sampling: extra short rounds per step at most
     kv_cache_gib: int = 1
-    threads_bind: str = "0"
+    threads_bind: str = "slot:auto"  # one core per engine on a host (engine.resolve_threads_bind)
     engine_cpus: float = 0.5  # Ray actor CPUs per engine (fractional: engines and learner share)
     learner_threads: int = 1
+    learner_cpus: float = 0.5  # Ray actor CPUs per learner replica (fractional, as engines)
 
     def __post_init__(self) -> None:
         spec = self.job.spec

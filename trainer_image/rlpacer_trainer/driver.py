@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import random
 import shutil
 import statistics
 import time
@@ -38,8 +37,9 @@ import torch
 from rlpacer.api.protocol import LengthSummary, Plan, RoundKind, StepReport, StepSeconds
 from rlpacer.control.tail_batching import TailBatchingPlanner
 from rlpacer_trainer import algos, task, tiny
-from rlpacer_trainer.engine import Finished, GenRequest, total_stats
-from rlpacer_trainer.learner import Learner, Sample
+from rlpacer_trainer.engine import EngineInfo, EngineStats, Finished, GenRequest, total_stats
+from rlpacer_trainer.learner import Sample
+from rlpacer_trainer.learners import driver_rng_state, set_driver_rng_state
 from rlpacer_trainer.rewards import RewardScorer
 
 
@@ -99,7 +99,7 @@ class Driver:
         cfg: Any,  # RunConfig
         controller: Any,  # ControllerClient
         engines: Sequence[Any],
-        learner: Learner,
+        learner: Any,  # learners.InProcessLearners | learners.RayLearners
         planner: TailBatchingPlanner,
         attempt: int = 0,
         checkpoint_dir: Path | None = None,
@@ -120,6 +120,8 @@ class Driver:
         self.scorer = RewardScorer(self._score, timeout_s=float(cfg.spec.reward.timeout_seconds))
         self.rollout_wall = 0.0  # wall time inside rollouts (engine busy fraction's base)
         self._pending: dict[str, tuple[int, int, int]] = {}  # request id -> engine, prompt, idx
+        self._served = [0] * len(self.engines)  # responses each engine finished this step
+        self.policy_version: str | None = None  # the learner's, as last pushed to the engines
 
     # --- rewards -----------------------------------------------------------------------------
     def _score(self, tokens: tuple[int, ...], finish_reason: str, pid: int) -> float:
@@ -162,7 +164,8 @@ class Driver:
             for f in _poll_all(self.engines, busy):
                 if f.request_id not in self._pending:
                     continue  # aborted while this batch was in flight
-                _, p, i = self._pending.pop(f.request_id)
+                e, p, i = self._pending.pop(f.request_id)
+                self._served[e] += 1
                 d = self.planner.on_response_finished(p, i)
                 if d.keep:
                     k = Kept(p, i, f.token_ids, f.finish_reason)
@@ -203,6 +206,8 @@ class Driver:
         rollout_s = reward_s = 0.0
         dropped = refills = 0
         rewards_all: list[float] = []
+        self._served = [0] * len(self.engines)
+        stats_before = self._engine_stats()
         while True:
             rnd = self.run_round(g)
             rollout_s += rnd.rollout_s
@@ -238,6 +243,7 @@ class Driver:
             prompt = tiny.prompt_ids(self.problems[pid].prompt)
             for k, a in zip(groups[key], adv, strict=True):
                 samples.append(Sample(prompt, list(k.tokens), float(a)))
+        served = self._served_by_engine(stats_before)
         t0 = time.perf_counter()
         stats = self.learner.train_step(samples)
         train_s = time.perf_counter() - t0
@@ -252,7 +258,7 @@ class Driver:
             next_round_kind=self.planner.next_round_kind, reward=mean_reward,
         )
         next_plan = self.controller.report(report)
-        est = total_stats(e.stats() for e in self.engines)
+        est = total_stats(self._engine_stats())
         rec = {
             "step": self.step, "attempt": self.attempt, "group_size": g,
             "prompts": sorted(key[1] for key in groups),
@@ -270,6 +276,7 @@ class Driver:
             "engine_tokens": est.tokens, "engine_busy_s": est.busy_seconds,
             "rollout_wall_s": self.rollout_wall, "dropped_groups": dropped, "refills": refills,
             "reward_timeouts": self.scorer.timeouts,
+            "policy_version": self.policy_version, "engines": served,
             **{f"learner_{k}": v for k, v in stats.items()},
         }
         if hasattr(self.controller, "posterior_means"):
@@ -279,12 +286,63 @@ class Driver:
         self._next_plan = next_plan
         return rec
 
+    # --- engines ------------------------------------------------------------------------------
+    def _ray_engines(self) -> bool:
+        return bool(self.engines) and hasattr(self.engines[0], "info_async")
+
+    def engine_infos(self) -> list[EngineInfo]:
+        """What each engine reports about itself (read in its own process), in engine order."""
+        if self._ray_engines():
+            import ray
+
+            return list(ray.get([e.info_async() for e in self.engines]))
+        return [e.info() for e in self.engines]
+
+    def _engine_stats(self) -> list[EngineStats]:
+        return [dataclasses.replace(e.stats()) for e in self.engines]  # a copy: deltas later
+
+    def _served_by_engine(self, before: Sequence[EngineStats]) -> list[dict[str, Any]]:
+        """The step's work per engine that served it (its own report of where it ran and
+        which weights it held while generating, before this step's sync)."""
+        out = []
+        after = self._engine_stats()
+        for e, info in enumerate(self.engine_infos()):
+            tokens = after[e].tokens - before[e].tokens
+            if self._served[e] == 0 and tokens == 0:
+                continue
+            out.append({"replica": info.replica, "address": info.address,
+                        "hostname": info.hostname, "netns": info.netns,
+                        "cores": info.threads_bind,
+                        "responses": self._served[e], "tokens": tokens,
+                        "policy_version": info.policy_version})
+        return out
+
     def sync_weights(self) -> float:
-        blob = self.learner.weights_bytes()
+        """Pushes the learner's weights to every engine: one serialized copy per update (on
+        Ray one object in the object store, fetched once per node, loaded by every engine at
+        once); then checks that every engine's worker reports the learner's fingerprint."""
+        blob, version = self.learner.publish()  # bytes, or a ref to rank 0's in the store
         t0 = time.perf_counter()
-        for e in self.engines:
-            e.load_weights(blob)
-        return time.perf_counter() - t0
+        if self._ray_engines():
+            import ray
+
+            ref = blob if isinstance(blob, ray.ObjectRef) else ray.put(blob)
+            ray.get([e.load_weights_async(ref) for e in self.engines])
+        else:
+            if not isinstance(blob, bytes):
+                import ray
+
+                blob = ray.get(blob)
+            for e in self.engines:
+                e.load_weights(blob)
+        seconds = time.perf_counter() - t0
+        self.policy_version = version
+        stale = [(i.replica, i.policy_version) for i in self.engine_infos()
+                 if i.policy_version != version]
+        if stale:
+            raise RuntimeError(f"weight sync: engines (replica, version) {stale} do not hold "
+                               f"the learner's weights {version}")
+        return seconds
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
@@ -333,8 +391,8 @@ class Driver:
         tmp = self.checkpoint_dir / f".tmp-step-{self.step:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        torch.save({"learner": self.learner.state_dict(), "torch_rng": torch.get_rng_state(),
-                    "py_rng": random.getstate()}, tmp / "learner.pt")
+        self.learner.save(tmp / "learner.pt")  # learner rank 0 writes its part
+        torch.save(driver_rng_state(), tmp / "driver.pt")
         state = {
             "step": self.step, "attempt": self.attempt,
             "planner": self.planner.state_dict(),
@@ -354,10 +412,11 @@ class Driver:
             if self.checkpoint_dir is None or not (self.checkpoint_dir / "latest").exists():
                 return False
             path = self.checkpoint_dir / (self.checkpoint_dir / "latest").read_text().strip()
-        blob = torch.load(path / "learner.pt", weights_only=False)
-        self.learner.load_state_dict(blob["learner"])
-        torch.set_rng_state(blob["torch_rng"])
-        random.setstate(blob["py_rng"])
+        self.learner.load(path / "learner.pt")  # every learner replica
+        if (path / "driver.pt").exists():
+            set_driver_rng_state(torch.load(path / "driver.pt", weights_only=False))
+        else:  # checkpoints written before learners moved out of the driver
+            set_driver_rng_state(torch.load(path / "learner.pt", weights_only=False))
         state = json.loads((path / "state.json").read_text())
         self.step = int(state["step"])
         self.planner = TailBatchingPlanner.from_state_dict(state["planner"])

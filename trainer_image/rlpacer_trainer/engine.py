@@ -18,8 +18,8 @@ engine and the learner each use one thread and take turns (the loop is synchrono
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import io
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -61,12 +61,64 @@ class EngineStats:
     aborted: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What an engine reports about itself, read inside its own process."""
+
+    replica: int  # the rollout replica index it serves
+    address: str  # its host's address (a pod's IP on a cluster)
+    hostname: str
+    pid: int
+    netns: int  # inode of its network namespace (distinct per host)
+    policy_version: str | None  # fingerprint of the weights its worker loaded last
+    threads_bind: str = ""  # the cores its threads are bound to (VLLM_CPU_OMP_THREADS_BIND)
+
+
 class RolloutEngine(Protocol):
     def submit(self, requests: Sequence[GenRequest]) -> None: ...
     def poll(self, max_steps: int = 16) -> list[Finished]: ...
     def abort(self, request_ids: Sequence[str]) -> None: ...
     def load_weights(self, blob: bytes) -> float: ...
     def stats(self) -> EngineStats: ...
+    def info(self) -> EngineInfo: ...
+
+
+def host_address() -> str:
+    """This host's address as its peers see it: Ray's node address inside Ray, else the
+    address of the interface that routes outward (no packet is sent), else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    except ImportError:
+        pass
+    import socket
+
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # TEST-NET-1: connect() on UDP only picks a route
+        return str(s.getsockname()[0])
+    return "127.0.0.1"
+
+
+def netns_inode() -> int:
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+def resolve_threads_bind(bind: str, slot: int) -> str:
+    """``slot:auto`` binds engine ``slot`` on this host to one core of those this process may
+    use (round robin), so engines sharing a machine do not share a core; anything else is
+    vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` as given."""
+    if bind != "slot:auto":
+        return bind
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = list(range(os.cpu_count() or 1))
+    return str(cores[slot % len(cores)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +129,12 @@ class EngineConfig:
     max_model_len: int = 256
     max_num_seqs: int = 256
     kv_cache_gib: int = 1
-    threads_bind: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: a core list, "auto" or "nobind"
+    # VLLM_CPU_OMP_THREADS_BIND: a core list, "auto", "nobind", or "slot:auto" (one core per
+    # engine on this host, by ``slot``; see resolve_threads_bind)
+    threads_bind: str = "slot:auto"
     seed: int = 0
+    replica: int = 0  # the rollout replica this engine serves
+    slot: int = 0  # its index among the engines on its host (core choice)
     dtype: EngineDtype = "float32"
     # One process per engine: the engine core and its worker run in the caller's process
     # (inside a Ray actor, that actor). Starting vLLM's extra processes costs minutes on a
@@ -91,12 +147,19 @@ class WorkerExtension:
 
     model_runner: Any
 
-    def rlpacer_load_weights(self, blob: bytes) -> int:
-        import torch
+    def rlpacer_load_weights(self, blob: bytes) -> str:
+        """Loads the weights in place; returns their fingerprint (the policy version), taken
+        here in the worker from the tensors it loads."""
+        from rlpacer_trainer import weights
 
-        sd = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        sd = weights.from_bytes(blob)
+        version = weights.fingerprint(sd.items())
         self.model_runner.reload_weights(weights_iterator=iter(sd.items()))
-        return len(sd)
+        self.rlpacer_version = version
+        return version
+
+    def rlpacer_policy_version(self) -> str | None:
+        return getattr(self, "rlpacer_version", None)
 
 
 def _bind_threads(bind: str) -> int:
@@ -123,6 +186,8 @@ class VLLMEngine:
     """One vLLM engine driven step by step (works in-process and as a Ray actor)."""
 
     def __init__(self, cfg: EngineConfig) -> None:
+        cfg = dataclasses.replace(cfg, threads_bind=resolve_threads_bind(cfg.threads_bind,
+                                                                         cfg.slot))
         _env_for(cfg)
         import torch
 
@@ -207,6 +272,22 @@ class VLLMEngine:
         self.llm.collective_rpc("rlpacer_load_weights", args=(blob,))
         return time.perf_counter() - t0
 
+    def policy_version(self) -> str | None:
+        """The fingerprint of the weights the worker loaded last (every worker agrees, or
+        the engine is inconsistent and this raises)."""
+        versions = set(self.llm.collective_rpc("rlpacer_policy_version"))
+        if len(versions) != 1:
+            raise RuntimeError(
+                f"engine workers hold different weights: {sorted(map(str, versions))}")
+        return cast("str | None", versions.pop())
+
+    def info(self) -> EngineInfo:
+        import socket
+
+        return EngineInfo(replica=self.cfg.replica, address=host_address(),
+                          hostname=socket.gethostname(), pid=os.getpid(), netns=netns_inode(),
+                          policy_version=self.policy_version(), threads_bind=self.cfg.threads_bind)
+
     def stats(self) -> EngineStats:
         return dataclasses.replace(self._stats)
 
@@ -251,8 +332,18 @@ class RayEngine:
     def pending(self) -> int:
         return int(self._ray.get(self.actor.pending.remote()))
 
-    def load_weights(self, blob: bytes) -> float:
-        return float(self._ray.get(self.actor.load_weights.remote(blob)))
+    def load_weights(self, blob: Any) -> float:
+        """``blob``: bytes, or an object ref to them (one ``ray.put`` serves every engine)."""
+        return float(self._ray.get(self.load_weights_async(blob)))
+
+    def load_weights_async(self, blob: Any) -> Any:
+        return self.actor.load_weights.remote(blob)
+
+    def info(self) -> EngineInfo:
+        return cast(EngineInfo, self._ray.get(self.actor.info.remote()))
+
+    def info_async(self) -> Any:
+        return self.actor.info.remote()
 
     def stats(self) -> EngineStats:
         return cast(EngineStats, self._ray.get(self.actor.stats.remote()))

@@ -9,13 +9,12 @@ left-padding without matching position ids: the update then differs from the sam
 from __future__ import annotations
 
 import dataclasses
-import io
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rlpacer_trainer import algos
+from rlpacer_trainer import algos, weights
 from rlpacer_trainer.tiny import PAD_ID
 
 
@@ -86,6 +85,44 @@ class LearnerConfig:
     reference_samples: int = 0
 
 
+def _raw_count(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """What a mini-batch part adds to its loss's denominator (before clamping)."""
+    if algos.LossAggregation(mode) is algos.LossAggregation.TOKEN_MEAN:
+        return mask.sum().to(torch.float64)
+    return torch.tensor(float(mask.shape[0]), dtype=torch.float64)
+
+
+@dataclasses.dataclass
+class Shard:
+    """This rank's part of a data-parallel update: the positions of its samples in the whole
+    batch (``total`` samples), and the process group the ranks sum over (None: the default
+    group of ``torch.distributed``, gloo on CPU, NCCL on GPU)."""
+
+    positions: Sequence[int]
+    total: int
+    group: Any = None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def all_reduce_grads(self, params: Any) -> None:
+        """Sums every parameter's gradient over the ranks (one flat buffer, one collective)."""
+        import torch.distributed as dist
+
+        ps = [p for p in params if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        off = 0
+        for p, g in zip(ps, grads, strict=True):
+            p.grad = flat[off: off + g.numel()].view_as(g).clone()
+            off += g.numel()
+
+
 class Learner:
     """Owns the policy, its optimizer and (when ``kl_coef > 0``) a frozen reference copy."""
 
@@ -102,52 +139,84 @@ class Learner:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
 
-    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+    def train_step(self, samples: Sequence[Sample], shard: Shard | None = None
+                   ) -> dict[str, float]:
         """One policy update on ``samples`` (split into ``mini_batches`` optimizer steps).
 
         The behaviour log-probabilities are recomputed by the learner before the first
         optimizer step, so the first mini-batch is exactly on-policy (ratio 1) and later ones
         are clipped with DAPO's low/high ratios.
+
+        With ``shard`` (data parallel), ``samples`` are this rank's part of a batch of
+        ``shard.total``: mini-batches are formed by position in the whole batch, each loss is
+        normalized by the whole mini-batch's count, and gradients are summed over the ranks
+        before clipping, so every rank takes exactly the update a single learner would take
+        on the whole batch (up to float summation order).
         """
-        if not samples:
+        n = shard.total if shard is not None else len(samples)
+        if n == 0:
             return {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "samples": 0.0}
+        positions = list(shard.positions) if shard is not None else list(range(len(samples)))
+        if len(positions) != len(samples):
+            raise ValueError(f"shard has {len(positions)} positions for {len(samples)} samples")
         cfg = self.cfg
         self.model.train()
-        ids, attn, pos, tgt, mask = pack([s.prompt_ids for s in samples],
-                                         [s.response_ids for s in samples])
-        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-        with torch.no_grad():
-            t = cfg.temperature
-            old = sequence_logprobs(self.model, ids, attn, pos, tgt, t)
-            ref = (sequence_logprobs(self.ref, ids, attn, pos, tgt, t)
-                   if self.ref is not None else None)
-        n = len(samples)
+        packed = old = ref = adv = None
+        if samples:
+            packed = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+            ids, attn, pos, tgt, mask = packed
+            adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+            with torch.no_grad():
+                t = cfg.temperature
+                old = sequence_logprobs(self.model, ids, attn, pos, tgt, t)
+                ref = (sequence_logprobs(self.ref, ids, attn, pos, tgt, t)
+                       if self.ref is not None else None)
         k = max(1, min(cfg.mini_batches, n))
         # a fixed (not random) split keeps the update deterministic for resume tests
-        chunks = [list(range(i, n, k)) for i in range(k)]
+        chunks = [[i for i, g in enumerate(positions) if g % k == j] for j in range(k)]
         stats = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0}
         for idx in chunks:
-            sel = torch.tensor(idx, dtype=torch.long)
-            width = int(attn[sel].sum(dim=1).max())
-            logp = sequence_logprobs(self.model, ids[sel, :width], attn[sel, :width],
-                                     pos[sel, :width], tgt[sel, : width - 1], cfg.temperature)
-            m = mask[sel, : width - 1]
-            loss, st = algos.clipped_policy_loss(
-                logp, old[sel, : width - 1], adv[sel], m,
-                clip_low=cfg.clip_low, clip_high=cfg.clip_high, aggregation=cfg.aggregation,
-            )
+            loss: torch.Tensor | None = None
+            st = {"clipfrac": 0.0}
             kl_val = 0.0
-            if ref is not None:
-                kl = algos.aggregate(algos.kl_k3(logp, ref[sel, : width - 1]), m, cfg.aggregation)
-                loss = loss + cfg.kl_coef * kl
-                kl_val = float(kl)
+            count = torch.zeros((), dtype=torch.float64)
+            m = None
+            if idx:
+                assert packed is not None and old is not None and adv is not None
+                ids, attn, pos, tgt, mask = packed
+                sel = torch.tensor(idx, dtype=torch.long)
+                width = int(attn[sel].sum(dim=1).max())
+                m = mask[sel, : width - 1]
+                count = _raw_count(m, cfg.aggregation)
+            denom = None
+            if shard is not None:
+                count = shard.all_reduce(count)
+                denom = count.clamp_min(1.0).to(torch.float32)
+            if idx:
+                assert m is not None and old is not None and adv is not None
+                logp = sequence_logprobs(self.model, ids[sel, :width], attn[sel, :width],
+                                         pos[sel, :width], tgt[sel, : width - 1],
+                                         cfg.temperature)
+                loss, st = algos.clipped_policy_loss(
+                    logp, old[sel, : width - 1], adv[sel], m,
+                    clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                    aggregation=cfg.aggregation, denominator=denom,
+                )
+                if ref is not None:
+                    kl = algos.aggregate(algos.kl_k3(logp, ref[sel, : width - 1]), m,
+                                         cfg.aggregation, denom)
+                    loss = loss + cfg.kl_coef * kl
+                    kl_val = float(kl.detach())
             self._set_lr(n)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+            if loss is not None:
+                loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+            if shard is not None:
+                shard.all_reduce_grads(self.model.parameters())
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             self.opt.step()
             self.updates += 1
-            stats["loss"] += float(loss.detach()) / k
+            stats["loss"] += float(loss.detach()) / k if loss is not None else 0.0
             stats["clipfrac"] += st["clipfrac"] / k
             stats["kl"] += kl_val / k
         stats["samples"] = float(n)
@@ -166,6 +235,11 @@ class Learner:
         """The policy's state dict as ``torch.save`` bytes (what the engines load in place)."""
         return state_bytes(self.model)
 
+    def publish(self) -> tuple[bytes, str]:
+        """The policy's weights as the engines load them, and their policy version."""
+        sd = weights.cpu_state(self.model)
+        return weights.to_bytes(sd), weights.fingerprint(sd.items())
+
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
                 "updates": self.updates}
@@ -177,6 +251,4 @@ class Learner:
 
 
 def state_bytes(model: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, buf)
-    return buf.getvalue()
+    return weights.to_bytes(weights.cpu_state(model))

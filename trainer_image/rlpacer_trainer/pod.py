@@ -65,7 +65,9 @@ def run_driver(env: Mapping[str, str]) -> int:
         print(f"step {rec['step']} G={rec['group_size']} {rec['round_kind']}"
               f" reward={rec['reward']:.3f}", flush=True)
 
+    learners = runtime.start_learners(cfg)
     drv = runtime.build_driver(cfg, engines, controller=controller, attempt=attempt,
+                               learners=learners,
                                checkpoint_dir=ckpt, on_step=on_step)
     if drv.load_checkpoint():
         print(f"resumed from checkpoint at step {drv.step} (attempt {attempt})", flush=True)

@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from rlpacer.control.tail_batching import TailBatchingPlanner
-from rlpacer_trainer import tiny
 from rlpacer_trainer.config import RunConfig
 from rlpacer_trainer.controller_client import InProcessController
 from rlpacer_trainer.driver import Driver
 from rlpacer_trainer.engine import EngineConfig, RayEngine, VLLMEngine
-from rlpacer_trainer.learner import Learner
+from rlpacer_trainer.learners import InProcessLearners, LearnerWorker, RayLearners
 
 
 def init_ray(address: str | None = None, num_cpus: int = 2) -> None:
@@ -34,7 +33,8 @@ def init_ray(address: str | None = None, num_cpus: int = 2) -> None:
                  log_to_driver=False)
 
 
-def engine_config(cfg: RunConfig, model_path: Path | None = None) -> EngineConfig:
+def engine_config(cfg: RunConfig, model_path: Path | None = None, *, replica: int = 0,
+                  slot: int = 0) -> EngineConfig:
     return EngineConfig(
         model_path=str(model_path or cfg.model_path),
         max_model_len=256,
@@ -42,14 +42,18 @@ def engine_config(cfg: RunConfig, model_path: Path | None = None) -> EngineConfi
         kv_cache_gib=cfg.kv_cache_gib,
         threads_bind=cfg.threads_bind,
         seed=cfg.data_seed,
+        replica=replica,
+        slot=slot,
     )
 
 
 def start_engines(cfg: RunConfig, count: int, use_ray: bool = True) -> list[Any]:
-    ecfg = engine_config(cfg)
+    """``count`` engines on this machine, one per rollout replica, each bound to its own core
+    (round robin over the cores this process may use: ``threads_bind`` ``slot:auto``)."""
+    cfgs = [engine_config(cfg, replica=i, slot=i) for i in range(count)]
     if use_ray:
-        return [RayEngine(ecfg, num_cpus=cfg.engine_cpus) for _ in range(count)]
-    return [VLLMEngine(ecfg) for _ in range(count)]
+        return [RayEngine(c, num_cpus=cfg.engine_cpus) for c in cfgs]
+    return [VLLMEngine(c) for c in cfgs]
 
 
 def build_driver(
@@ -60,11 +64,12 @@ def build_driver(
     attempt: int = 0,
     checkpoint_dir: Path | None = None,
     on_step: Any = None,
+    learners: Any | None = None,
 ) -> Driver:
-    """A fresh driver at the model source's weights (engines are reset to them too)."""
-    tiny.set_threads(cfg.learner_threads)
-    model = tiny.load_model(cfg.model_path)
-    learner = Learner(model, cfg.learner_config())
+    """A fresh driver at the model source's weights (engines are reset to them too).
+    ``learners``: from :func:`start_learners`; None: one learner in this process."""
+    learner = learners or InProcessLearners(LearnerWorker(
+        str(cfg.model_path), cfg.learner_config(), threads=cfg.learner_threads))
     planner = TailBatchingPlanner(cfg.planner_config(), cfg.num_prompts, seed=cfg.data_seed,
                                   epochs=cfg.planner_epochs())
     if controller is None:
@@ -75,6 +80,15 @@ def build_driver(
                  on_step=on_step)
     drv.sync_weights()  # engines may hold another run's weights (bench-train reuses them)
     return drv
+
+
+def start_learners(cfg: RunConfig) -> RayLearners:
+    """``spec.trainer.replicas`` learner actors, each on its learner pod when the job's Ray
+    cluster has them (data parallel from two replicas on), else on this machine's Ray."""
+    spec = cfg.spec.trainer
+    return RayLearners(str(cfg.model_path), cfg.learner_config(), int(spec.replicas),
+                       num_cpus=cfg.learner_cpus, gpus=int(spec.gpus_per_replica),
+                       threads=cfg.learner_threads)
 
 
 def local_cpu_count() -> int:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from rlpacer_trainer import runtime, task, tiny
+from rlpacer_trainer import runtime, task, tiny, weights
 from rlpacer_trainer.config import RunConfig
 from rlpacer_trainer.driver import length_summary
-from rlpacer_trainer.engine import EngineStats, Finished, GenRequest
+from rlpacer_trainer.engine import EngineInfo, EngineStats, Finished, GenRequest
 
 pytestmark = pytest.mark.unit
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-local.yaml"
@@ -22,7 +22,9 @@ class ScriptedEngine:
     """Answers each prompt correctly with probability 1/2 (seeded per request); a response
     of n tokens finishes at engine step n, so finish order is length order."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica: int = 0) -> None:
+        self.replica = replica
+        self.version: str | None = None
         self.live: dict[str, tuple[int, tuple[int, ...]]] = {}
         self.clock = 0
         self.st = EngineStats()
@@ -67,7 +69,11 @@ class ScriptedEngine:
 
     def load_weights(self, blob: bytes) -> float:
         self.loads += 1
+        self.version = weights.fingerprint(weights.from_bytes(blob).items())
         return 0.0
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.replica, "127.0.0.1", "scripted", 0, 0, self.version)
 
     def stats(self) -> EngineStats:
         return self.st
@@ -132,3 +138,31 @@ def test_resume_from_checkpoint_continues_identically(tmp_path: Path) -> None:
         [{k: r[k] for k in keys} for r in a.records[2:]]
     sa, sb = a.learner.model.state_dict(), b.learner.model.state_dict()
     assert all((sa[k] - sb[k]).abs().max() < 1e-6 for k in sa)
+
+
+def test_step_records_policy_version_and_each_engines_work() -> None:
+    engines = [ScriptedEngine(0), ScriptedEngine(1)]
+    drv = runtime.build_driver(_cfg(steps=3), engines)
+    v0 = drv.policy_version
+    assert v0 == weights.fingerprint(drv.learner.model.state_dict().items())
+    drv.run()
+    held = v0
+    for r in drv.records:
+        # each update changes the weights; every engine served the step at the version it held
+        assert r["policy_version"] != held
+        assert [e["replica"] for e in r["engines"]] == [0, 1]
+        assert all(e["policy_version"] == held for e in r["engines"])
+        assert sum(e["responses"] for e in r["engines"]) >= r["kept"]
+        assert all(e["tokens"] > 0 for e in r["engines"])
+        held = r["policy_version"]
+    assert all(e.version == drv.policy_version for e in engines)
+
+
+def test_sync_fails_when_an_engine_does_not_hold_the_learners_weights() -> None:
+    class Stale(ScriptedEngine):
+        def load_weights(self, blob: bytes) -> float:
+            self.loads += 1  # drops the weights on the floor
+            return 0.0
+
+    with pytest.raises(RuntimeError, match=r"engines \(replica, version\) \[\(1, None\)\]"):
+        runtime.build_driver(_cfg(steps=1), [ScriptedEngine(0), Stale(1)])

@@ -1,0 +1,88 @@
+"""Learner replicas as Ray actors (the runtime path of `rlpacer run` and the driver pod): two
+replicas train data-parallel on disjoint shards and take one learner's update on the whole
+batch; rank 0 publishes the weights into the object store and writes the checkpoint that
+every replica resumes from."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlpacer_trainer import runtime, tiny, weights
+from rlpacer_trainer.learner import LearnerConfig, Sample
+from rlpacer_trainer.learners import InProcessLearners, LearnerWorker, RayLearners
+
+pytestmark = pytest.mark.e2e
+MODEL = str(tiny.resolve_source("builtin://tiny-chain"))
+CFG = LearnerConfig(learning_rate=1e-3, mini_batches=2, clip_low=0.2, clip_high=0.28)
+
+
+def _batch(n: int, seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+    return [Sample(tiny.prompt_ids(f"{rng.randint(10, 99)}-{rng.randint(1, 9)}:"),
+                   tiny.encode("".join(rng.choice("0123456789,") for _ in range(
+                       rng.randint(2, 30)))), rng.uniform(-1.5, 1.5)) for _ in range(n)]
+
+
+def _norm(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The L2 distance between two state dicts."""
+    return sum(float((a[k] - b[k]).double().pow(2).sum()) for k in a) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    import ray
+
+    runtime.init_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def test_two_learner_actors_take_one_learners_update(ray_local: None, tmp_path: Path) -> None:
+    import ray
+
+    group = RayLearners(MODEL, CFG, 2, num_cpus=0.5, pinned=False)
+    single = InProcessLearners(LearnerWorker(MODEL, CFG))
+    try:
+        infos = group.infos()
+        assert [i["rank"] for i in infos] == [0, 1]
+        assert len({i["pid"] for i in infos}) == 2  # two processes
+        start = group.fingerprints()[0]
+        start_sd = {k: v.clone() for k, v in single.model.state_dict().items()}
+        for step in range(2):
+            batch = _batch(11, seed=step)
+            stats = group.train_step(batch)
+            single.train_step(batch)
+            assert stats["samples"] == 11.0
+        fps = group.fingerprints()
+        assert fps[0] == fps[1] != start  # the replicas hold identical, updated weights
+        blob_ref, version = group.publish()
+        assert isinstance(blob_ref, ray.ObjectRef)  # the driver never held the bytes
+        got = weights.from_bytes(ray.get(blob_ref))
+        assert version == weights.fingerprint(got.items())
+        want = single.model.state_dict()
+        # equal up to float summation order: the difference is a tiny part of the update
+        assert _norm(got, want) < 1e-3 * _norm(want, start_sd), (_norm(got, want),
+                                                                  _norm(want, start_sd))
+
+        group.save(tmp_path / "learner.pt")  # rank 0 writes it
+        other = RayLearners(MODEL, CFG, 1, num_cpus=0.5, pinned=False)
+        try:
+            assert other.fingerprints()[0] == start
+            other.load(tmp_path / "learner.pt")
+            assert other.fingerprints()[0] == fps[0]
+            # the optimizer came back too: the next update matches the group's
+            batch = _batch(11, seed=9)
+            group.train_step(batch)
+            other.train_step(batch)
+            a = weights.from_bytes(ray.get(group.publish()[0]))
+            b = weights.from_bytes(ray.get(other.publish()[0]))
+            assert _norm(a, b) < 1e-3 * _norm(want, start_sd)
+        finally:
+            other.shutdown()
+    finally:
+        group.shutdown()

@@ -1,0 +1,211 @@
+"""The learner replicas: where the policy, its optimizer and the reference model live.
+
+A :class:`LearnerWorker` is one replica (rank): it loads the model, trains on its shard of
+each batch, and (rank 0) publishes the weights and writes the learner part of checkpoints.
+The driver talks to the replicas through a group with one interface:
+
+* :class:`RayLearners`: one Ray actor per replica (``spec.trainer.replicas``), each placed on
+  its learner pod when the Ray cluster advertises the pod's resource
+  (``rlpacer.io/learner-<i>``, see :mod:`rlpacer_trainer.pod`), else anywhere (the local
+  ``rlpacer run``). Two or more replicas train data-parallel with ``torch.distributed``
+  (gloo on CPU, NCCL on GPU): rank 0 opens the rendezvous on its own address, every rank
+  trains on its own shard and gradients are summed before each optimizer step
+  (:class:`rlpacer_trainer.learner.Shard`), so the update equals one learner's on the whole
+  batch. The driver holds no weights: rank 0's published weights go straight into Ray's
+  object store and the engines fetch them from there, one object per update.
+* :class:`InProcessLearners`: one replica in the driver's process (unit tests, scripted
+  engines).
+
+The device is CUDA when the replica's process sees a GPU, else the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from rlpacer_trainer import tiny, weights
+from rlpacer_trainer.learner import Learner, LearnerConfig, Sample, Shard
+
+#: The custom Ray resource a learner pod advertises for replica ``i`` (pod.py sets it).
+LEARNER_RESOURCE = "rlpacer.io/learner-{index}"
+
+
+class LearnerWorker:
+    """One learner replica; a Ray actor on its pod, or a plain object in-process."""
+
+    def __init__(self, model_path: str, cfg: LearnerConfig, *, rank: int = 0, world: int = 1,
+                 threads: int = 1) -> None:
+        tiny.set_threads(threads)
+        self.rank, self.world = rank, world
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = tiny.load_model(Path(model_path)).to(self.device)
+        self.learner = Learner(model, cfg)
+        self._group = False
+
+    # --- data parallel ----------------------------------------------------------------------
+    def rendezvous(self) -> str:
+        """Rank 0: the address the others join (this host's address, a free port)."""
+        from rlpacer_trainer.engine import host_address
+
+        addr = host_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{addr}:{port}"
+
+    def join(self, init_method: str) -> str:
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank,
+                                world_size=self.world)
+        self._group = True
+        return backend
+
+    # --- training ---------------------------------------------------------------------------
+    def train_step(self, samples: Sequence[Sample], positions: Sequence[int] | None = None,
+                   total: int | None = None) -> dict[str, float]:
+        shard = None
+        if self._group:
+            assert positions is not None and total is not None
+            shard = Shard(list(positions), total)
+        return self.learner.train_step(samples, shard)
+
+    def publish(self) -> tuple[bytes, str]:
+        """The weights as the engines load them, and their fingerprint (policy version)."""
+        return self.learner.publish()
+
+    def fingerprint(self) -> str:
+        return weights.fingerprint(self.learner.model.state_dict().items())
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Writes the learner's part of a checkpoint (model, optimizer, RNG) to ``path``."""
+        tmp = Path(path).with_name(Path(path).name + ".tmp")
+        torch.save({"learner": self.learner.state_dict(), "torch_rng": torch.get_rng_state()},
+                   tmp)
+        tmp.replace(path)
+
+    def load(self, path: str) -> None:
+        blob = torch.load(path, map_location=self.device, weights_only=False)
+        self.learner.load_state_dict(blob["learner"])
+        if "torch_rng" in blob:
+            torch.set_rng_state(blob["torch_rng"].cpu())
+
+    def info(self) -> dict[str, Any]:
+        from rlpacer_trainer.engine import host_address, netns_inode
+
+        return {"rank": self.rank, "address": host_address(), "hostname": socket.gethostname(),
+                "netns": netns_inode(), "pid": os.getpid(), "device": self.device}
+
+
+def shard_positions(n: int, world: int) -> list[list[int]]:
+    """Positions of a batch of ``n`` per rank: interleaved, so shards differ by one at most."""
+    return [list(range(r, n, world)) for r in range(world)]
+
+
+class InProcessLearners:
+    """One learner replica in this process."""
+
+    def __init__(self, worker: LearnerWorker) -> None:
+        self.worker = worker
+        self.replicas = 1
+
+    @property
+    def model(self) -> Any:
+        return self.worker.learner.model
+
+    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        return self.worker.train_step(samples)
+
+    def publish(self) -> tuple[bytes, str]:
+        return self.worker.publish()
+
+    def save(self, path: Path) -> None:
+        self.worker.save(str(path))
+
+    def load(self, path: Path) -> None:
+        self.worker.load(str(path))
+
+    def infos(self) -> list[dict[str, Any]]:
+        return [self.worker.info()]
+
+    def shutdown(self) -> None:
+        pass
+
+
+class RayLearners:
+    """``replicas`` learner actors (see the module docstring)."""
+
+    def __init__(self, model_path: str, cfg: LearnerConfig, replicas: int, *,
+                 num_cpus: float = 0.5, gpus: int = 0, threads: int = 1,
+                 pinned: bool | None = None) -> None:
+        import ray
+
+        self._ray = ray
+        self.replicas = replicas
+        if pinned is None:  # pin to learner pods when the cluster has them
+            have = ray.cluster_resources()  # type: ignore[no-untyped-call]
+            pinned = all(LEARNER_RESOURCE.format(index=i) in have for i in range(replicas))
+        actor_cls = ray.remote(LearnerWorker)
+        self.actors: list[Any] = []
+        for rank in range(replicas):
+            opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": gpus}
+            if pinned:
+                opts["resources"] = {LEARNER_RESOURCE.format(index=rank): 0.01}
+            self.actors.append(actor_cls.options(**opts).remote(
+                model_path, cfg, rank=rank, world=replicas, threads=threads))
+        if replicas > 1:
+            url = ray.get(self.actors[0].rendezvous.remote())
+            ray.get([a.join.remote(url) for a in self.actors])  # all at once: it blocks
+        else:
+            ray.get(self.actors[0].info.remote())  # wait until it is up
+
+    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        n = len(samples)
+        refs = []
+        for actor, pos in zip(self.actors, shard_positions(n, self.replicas), strict=True):
+            if self.replicas == 1:
+                refs.append(actor.train_step.remote(list(samples)))
+            else:
+                refs.append(actor.train_step.remote([samples[i] for i in pos], pos, n))
+        stats = self._ray.get(refs)
+        return cast("dict[str, float]", stats[0])
+
+    def publish(self) -> tuple[Any, str]:
+        """(an object ref to rank 0's weights, their version): the bytes stay in the object
+        store, and each engine's node fetches them from there."""
+        blob_ref, version_ref = self.actors[0].publish.options(num_returns=2).remote()
+        return blob_ref, str(self._ray.get(version_ref))
+
+    def save(self, path: Path) -> None:
+        self._ray.get(self.actors[0].save.remote(str(path)))
+
+    def load(self, path: Path) -> None:
+        self._ray.get([a.load.remote(str(path)) for a in self.actors])
+
+    def infos(self) -> list[dict[str, Any]]:
+        return list(self._ray.get([a.info.remote() for a in self.actors]))
+
+    def fingerprints(self) -> list[str]:
+        return list(self._ray.get([a.fingerprint.remote() for a in self.actors]))
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            self._ray.kill(a)
+
+
+def driver_rng_state() -> dict[str, Any]:
+    return {"torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
+
+
+def set_driver_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["py_rng"])
