@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# GPU check of the trainer runtime (vLLM on CUDA, the same tiny model and code paths as the
-# CPU tests): engine start, greedy accuracy of the shipped warm start, finish order + abort,
-# in-place weight sync, and a few RL steps through the real driver. A few minutes on one GPU.
-# Needs a Python with CUDA vLLM, torch, transformers, ray and this project importable, e.g.
-#   pip install vllm && pip install --no-deps -e . && pip install ray tqdm matplotlib
-#   bash scripts/gpu_check.sh
-# Prints one JSON line per check and "GPU CHECK OK" at the end.
+# GPU check of the trainer runtime, in two parts. A few minutes on one GPU.
+#
+# 1. Always (needs torch + transformers only): python -m rlpacer_trainer.gpu_check: the
+#    learner's update on CUDA in bfloat16 against the CPU float32 path (loss, gradients),
+#    the learner checkpoint round trip on the device, and weight publication throughput
+#    (bytes per update, extrapolated to 7B).
+# 2. When CUDA vLLM is importable: engine start, greedy accuracy of the shipped warm start,
+#    finish order + abort, in-place weight sync, and a few RL steps through the real driver.
+#    Skipped, and said so, where vLLM is not installed (a bare GPU machine).
+#
+# Needs a Python with torch and this project importable, e.g.
+#   pip install --no-deps -e . && bash scripts/gpu_check.sh
+# Prints one JSON line per check and "GPU CHECK OK" at the end of each part.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$ROOT/operator:$ROOT/trainer_image${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
+"$PY" -m rlpacer_trainer.gpu_check "$@"
+if ! "$PY" -c 'import vllm, ray' 2>/dev/null; then
+  echo '{"check": "vllm_engine", "skipped": "vllm or ray is not installed here"}'
+  exit 0
+fi
 "$PY" - <<'PY'
 import json, time
 import torch

@@ -135,6 +135,9 @@ class EngineConfig:
     seed: int = 0
     replica: int = 0  # the rollout replica this engine serves
     slot: int = 0  # its index among the engines on its host (core choice)
+    # GPUs the engine spans (vLLM's tensor parallelism; 1 on CPU). Above 1 vLLM starts one
+    # worker process per GPU (the multiprocessing executor), which single_process rules out.
+    tensor_parallel_size: int = 1
     dtype: EngineDtype = "float32"
     # One process per engine: the engine core and its worker run in the caller's process
     # (inside a Ray actor, that actor). Starting vLLM's extra processes costs minutes on a
@@ -208,7 +211,9 @@ class VLLMEngine:
             seed=cfg.seed,
             worker_extension_cls=f"{__name__}.WorkerExtension",
             disable_log_stats=True,
-            distributed_executor_backend="uni" if cfg.single_process else None,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            distributed_executor_backend=("uni" if cfg.single_process and
+                                          cfg.tensor_parallel_size == 1 else "mp"),
         )
         self.engine = self.llm.llm_engine
         self._live: set[str] = set()
@@ -308,10 +313,12 @@ class RayEngine:
     coexist, and the loop is synchronous, so they take turns rather than compete.
     """
 
-    def __init__(self, cfg: EngineConfig, num_cpus: float = 0.5) -> None:
+    def __init__(self, cfg: EngineConfig, num_cpus: float = 0.5, num_gpus: int = 0,
+                 resources: dict[str, float] | None = None) -> None:
         import ray
 
-        actor_cls = ray.remote(num_cpus=num_cpus)(VLLMEngine)
+        actor_cls = ray.remote(VLLMEngine).options(num_cpus=num_cpus, num_gpus=num_gpus,
+                                                   resources=resources or {})
         self._ray = ray
         # Any: Ray's stubs give an actor handle's undecorated methods no ``.remote``
         self.actor = cast(Any, actor_cls.remote(cfg))

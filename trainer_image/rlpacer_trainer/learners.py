@@ -16,11 +16,13 @@ The driver talks to the replicas through a group with one interface:
 * :class:`InProcessLearners`: one replica in the driver's process (unit tests, scripted
   engines).
 
-The device is CUDA when the replica's process sees a GPU, else the CPU.
+The device is CUDA when the replica's process sees a GPU (forward passes in bfloat16 under
+autocast, float32 master weights and optimizer state), else the CPU (float32).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import socket
@@ -46,6 +48,8 @@ class LearnerWorker:
         self.rank, self.world = rank, world
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         model = tiny.load_model(Path(model_path)).to(self.device)
+        if self.device == "cuda" and cfg.autocast is None:
+            cfg = dataclasses.replace(cfg, autocast="bfloat16")  # float32 master weights
         self.learner = Learner(model, cfg)
         self._group = False
 

@@ -7,6 +7,7 @@ driver process with one intra-op thread (see engine.py on why threads are capped
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -47,13 +48,34 @@ def engine_config(cfg: RunConfig, model_path: Path | None = None, *, replica: in
     )
 
 
+#: The custom Ray resource a rollout pod advertises for replica ``i`` (pod.py sets it).
+ROLLOUT_RESOURCE = "rlpacer.io/rollout-{index}"
+
+
 def start_engines(cfg: RunConfig, count: int, use_ray: bool = True) -> list[Any]:
-    """``count`` engines on this machine, one per rollout replica, each bound to its own core
-    (round robin over the cores this process may use: ``threads_bind`` ``slot:auto``)."""
-    cfgs = [engine_config(cfg, replica=i, slot=i) for i in range(count)]
-    if use_ray:
-        return [RayEngine(c, num_cpus=cfg.engine_cpus) for c in cfgs]
-    return [VLLMEngine(c) for c in cfgs]
+    """One engine per rollout replica ``0..count-1``.
+
+    On a job's Ray cluster whose rollout pods advertise ``rlpacer.io/rollout-<i>``, engine i
+    is placed on replica i's pod, alone there, with ``gpusPerReplica`` GPUs and
+    ``tensorParallelSize``. Otherwise (``rlpacer run``) all run on this machine, each bound to
+    its own core (round robin over the cores this process may use: ``slot:auto``)."""
+    if not use_ray:
+        return [VLLMEngine(engine_config(cfg, replica=i, slot=i)) for i in range(count)]
+    import ray
+
+    have = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    pinned = all(ROLLOUT_RESOURCE.format(index=i) in have for i in range(count))
+    rollout = cfg.spec.rollout
+    engines = []
+    for i in range(count):
+        ecfg = engine_config(cfg, replica=i, slot=0 if pinned else i)
+        if int(rollout.gpus_per_replica) > 0:
+            ecfg = dataclasses.replace(ecfg, tensor_parallel_size=int(rollout.tensor_parallel_size),
+                                       dtype="bfloat16", single_process=False)
+        engines.append(RayEngine(
+            ecfg, num_cpus=cfg.engine_cpus, num_gpus=int(rollout.gpus_per_replica),
+            resources={ROLLOUT_RESOURCE.format(index=i): 0.01} if pinned else None))
+    return engines
 
 
 def build_driver(
