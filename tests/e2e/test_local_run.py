@@ -67,6 +67,12 @@ def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
         # round whose groups all had equal rewards)
         assert (r["policy_version"] in versions) == (r["learner_samples"] == 0), r
         held = r["policy_version"]
+    topo = json.loads((out / "topology.json").read_text())
+    assert [e["replica"] for e in topo["engines"]] == [0, 1]
+    assert [x["rank"] for x in topo["learners"]] == [0]
+    pids = {e["pid"] for e in topo["engines"]} | {x["pid"] for x in topo["learners"]}
+    # two engine actors and a learner actor, none of them the driver
+    assert len(pids) == 3 and topo["driver"]["pid"] not in pids
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["eval_accuracy_start"] <= 1.0 and summary["steps"] == 4
     assert (out / "report.png").stat().st_size > 10_000

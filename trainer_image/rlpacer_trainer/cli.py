@@ -92,6 +92,7 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
                                learners=learners)
     if resume and drv.load_checkpoint():
         print(f"resumed at step {drv.step}")
+    (out / "topology.json").write_text(json.dumps(drv.topology(), indent=1))
     extra: dict[str, Any] = {}
     evalset = cfg.eval_problems()
     if evaluate:

@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
+import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -297,6 +299,12 @@ class Driver:
 
             return list(ray.get([e.info_async() for e in self.engines]))
         return [e.info() for e in self.engines]
+
+    def topology(self) -> dict[str, Any]:
+        """Where every engine and learner replica runs, each as it reports itself."""
+        return {"engines": [dataclasses.asdict(i) for i in self.engine_infos()],
+                "learners": self.learner.infos(), "policy_version": self.policy_version,
+                "driver": {"pid": os.getpid(), "hostname": socket.gethostname()}}
 
     def _engine_stats(self) -> list[EngineStats]:
         return [dataclasses.replace(e.stats()) for e in self.engines]  # a copy: deltas later

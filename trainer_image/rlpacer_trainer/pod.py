@@ -18,6 +18,7 @@ Runnable as a plain local process (tests play KWOK pods this way).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def run_driver(env: Mapping[str, str]) -> int:
                                checkpoint_dir=ckpt, on_step=on_step)
     if drv.load_checkpoint():
         print(f"resumed from checkpoint at step {drv.step} (attempt {attempt})", flush=True)
+    (ckpt / f"topology-attempt{attempt}.json").write_text(json.dumps(drv.topology(), indent=1))
     drv.run()
     drv.save_checkpoint()
     metrics.close()
