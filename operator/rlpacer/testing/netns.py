@@ -12,6 +12,7 @@ resolves here). :class:`TestHosts` gives each played pod a network namespace of 
 * per host a namespace ``<tag>-<host>`` with ``lo`` up and a veth pair: one end on the
   bridge, the other renamed ``eth0`` inside the namespace with the host's address. No
   default route: traffic goes only to the hosts and the bridge, never out of the machine;
+* each process in a UTS namespace whose hostname is the host's name (``unshare --uts``);
 * ``/etc/netns/<namespace>/hosts`` (``ip netns exec`` bind-mounts ``/etc/netns/<ns>/*`` over
   ``/etc``) mapping each host's name and any extra names (Service DNS names such as
   ``<svc>.<ns>.svc`` and ``<svc>.<ns>.svc.cluster.local``) to the hosts' addresses, and a
@@ -317,8 +318,14 @@ class TestHosts:
     # --- processes ---------------------------------------------------------------------------
 
     def argv(self, host: str, argv: Sequence[str]) -> list[str]:
-        """``argv`` wrapped to run in ``host``'s namespace (``ip netns exec``)."""
-        return ["ip", "netns", "exec", self.hosts[host].netns, *argv]
+        """``argv`` wrapped to run in ``host``'s network namespace (``ip netns exec``) and a
+        UTS namespace of its own whose hostname is the host's name (a pod's hostname is its
+        own too; Ray resolves it when it looks for the node's address)."""
+        h = self.hosts[host]
+        wrapped = ["ip", "netns", "exec", h.netns]
+        if shutil.which("unshare") and shutil.which("hostname"):
+            wrapped += ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', h.name]
+        return [*wrapped, *argv]
 
     def popen(
         self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
