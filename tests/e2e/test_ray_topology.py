@@ -1,7 +1,8 @@
 """The Ray topology across played hosts: every pod its own network namespace.
 
 A Ray head, a rollout node (index 1) and a learner node are started by the pod entrypoint
-(``rlpacer_trainer.pod``), each in a host of its own (:class:`rlpacer.testing.netns.TestHosts`),
+(``rlpacer_trainer.pod``), each in a host of its own (:class:`rlpacer.testing.netns.TestHosts`:
+network, UTS and PID namespaces, so no process sees another host's addresses or processes),
 with the job's Ray token and no shared home (so no host can fall back on ``~/.ray/auth_token``).
 A driver on a fourth host attaches the way a driver pod does (``topology.attached``: its own
 ``--num-cpus=0`` node) and places an actor with the rollout-1 resource; the actor must run on

@@ -27,25 +27,32 @@ In a cluster every pod is its own host. The pods of a job make one Ray cluster:
   ``ray.init(address=$RAY_ADDRESS, _node_ip_address=<pod IP>, _temp_dir=<its temp dir>)``,
   which connects to that local node.
 
-Why a local node and not Ray Client (``ray://<head>:10001``): a Ray driver must share a host
-with a raylet (``ray.init(address=...)`` from a pod without one fails with "No node info
-found matching attributes"; tried across two network namespaces). Ray Client avoids that by
-proxying every call through the head's client server, which is fine for small control
-traffic but not for this driver: it ships the learner's weights to every engine each step,
-and under Ray Client each ``ray.put`` goes driver -> head proxy -> object store as gRPC
-messages (size-limited, one more copy, the head pod's memory and CPU on the data path).
-Ray's docs recommend Ray Client for interactive use and a driver on a cluster node for
-ML workloads; with a local node the driver's objects live in its own object store and
-engines pull them directly, and every Ray API works (the client lacks some). The cost is one
-raylet in the driver pod, killed with the driver (``--block`` child of the entrypoint).
+Why a local node and not Ray Client (``ray://<head>:10001``), after trying all three on
+played hosts (``tests/e2e/test_ray_topology.py``: network, UTS and PID namespaces per pod):
 
-**Token auth.** Ray 2.60 turns token authentication on for clusters it starts when
-``RAY_AUTH_MODE`` is unset, generating ``~/.ray/auth_token`` in the head's home, which no
-other pod has; and a process that connects to an explicit address never turns it on by
-itself. So every pod of a job must get the same token and ``RAY_AUTH_MODE=token``: Ray
-reads the token from ``RAY_AUTH_TOKEN`` (env) or the file at ``RAY_AUTH_TOKEN_PATH``
-(a mounted Secret key), and every process started by a Ray node inherits them.
-:func:`ray_env` fills in ``RAY_AUTH_MODE=token`` when a token is given without a mode.
+* ``ray.init(address=<head>:6379)`` with no node in the pod fails after 60 s ("Failed to
+  connect to Ray cluster": Ray finds no raylet on the driver's host to attach to, "No node
+  info found matching attributes"): a Ray driver is not a remote client.
+* Ray Client works (head started with ``--ray-client-server-port``) and attaches fastest
+  (2.4 s to the first actor call vs 18 s with a local node, on a loaded 2-core machine). But
+  it runs the real driver as a proxy process on the head pod: every ``ray.put`` and
+  ``ray.get`` crosses driver -> head as 5 MiB gRPC chunks and the objects live in the head's
+  object store, owned by the proxy. This driver ships the learner's weights to every engine
+  each step: through Ray Client that is one more copy and the head pod's memory, CPU and
+  network on the hot path, and some Ray APIs behave differently under the client.
+* A local node (chosen): the driver's objects live in its own pod's object store and engines
+  pull them directly from it; every Ray API works as in a local run. The cost is one raylet
+  (no CPUs offered) in the driver pod and ~15 s of start-up, once per attempt.
+
+**Token auth.** Ray 2.60 turns token authentication on, with ``RAY_AUTH_MODE`` unset, for a
+head (``ray start --head``) that finds a token (``RAY_AUTH_TOKEN``, the file at
+``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``), and for a local ``ray.init()``, which
+also generates ``~/.ray/auth_token`` when there is none; a node or driver that joins an
+explicit address never turns it on by itself, and is then refused ("InvalidAuthToken").
+So every pod of a job needs the same token and ``RAY_AUTH_MODE=token``: :func:`ray_env` sets
+the mode whenever a token is given, for the ``ray start`` of every role and (re-reading Ray's
+config, see :func:`attached`) for the driver process itself. A pod must never rely on
+``~/.ray/auth_token``: each pod's home is its own.
 
 **Several nodes on one host** (tests, laptops): each node gets its own ``--temp-dir``
 (:data:`~rlpacer.api.contract.ENV_RAY_TEMP_DIR`; Ray's default ``/tmp/ray`` would be shared

@@ -12,7 +12,13 @@ resolves here). :class:`TestHosts` gives each played pod a network namespace of 
 * per host a namespace ``<tag>-<host>`` with ``lo`` up and a veth pair: one end on the
   bridge, the other renamed ``eth0`` inside the namespace with the host's address. No
   default route: traffic goes only to the hosts and the bridge, never out of the machine;
-* each process in a UTS namespace whose hostname is the host's name (``unshare --uts``);
+* each process started in a host (:meth:`TestHosts.popen`) also gets a UTS namespace whose
+  hostname is the host's name and a PID namespace of its own (``unshare --uts --pid --fork
+  --mount-proc``), as a container would: it cannot find other hosts' processes (Ray looks
+  for a raylet on "this host" with ``ps``: without this the driver would find one of
+  another host and hide the very bug these hosts exist to show), and when it exits,
+  everything it left running in its PID namespace is killed by the kernel. The filesystem is
+  shared: give each host its own folders (Ray: ``--temp-dir``);
 * ``/etc/netns/<namespace>/hosts`` (``ip netns exec`` bind-mounts ``/etc/netns/<ns>/*`` over
   ``/etc``) mapping each host's name and any extra names (Service DNS names such as
   ``<svc>.<ns>.svc`` and ``<svc>.<ns>.svc.cluster.local``) to the hosts' addresses, and a
@@ -318,13 +324,14 @@ class TestHosts:
     # --- processes ---------------------------------------------------------------------------
 
     def argv(self, host: str, argv: Sequence[str]) -> list[str]:
-        """``argv`` wrapped to run in ``host``'s network namespace (``ip netns exec``) and a
-        UTS namespace of its own whose hostname is the host's name (a pod's hostname is its
-        own too; Ray resolves it when it looks for the node's address)."""
+        """``argv`` wrapped to run in ``host``'s network namespace (``ip netns exec``), in new
+        UTS (hostname: the host's name, as a pod's is its own) and PID namespaces (see the
+        module docstring); without ``unshare`` only the network namespace."""
         h = self.hosts[host]
         wrapped = ["ip", "netns", "exec", h.netns]
         if shutil.which("unshare") and shutil.which("hostname"):
-            wrapped += ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', h.name]
+            wrapped += ["unshare", "--uts", "--pid", "--fork", "--mount-proc", "--kill-child",
+                        "sh", "-c", 'hostname "$0" && exec "$@"', h.name]
         return [*wrapped, *argv]
 
     def popen(
