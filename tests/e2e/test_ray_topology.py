@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 
 from rlpacer.api import contract
+from rlpacer.testing import netns
 from rlpacer.testing.netns import TestHosts
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 JOB, NS = "topo", "team-a"
 HEAD_SVC = f"{JOB}-head.{NS}.svc"
@@ -54,8 +55,10 @@ DRIVER = textwrap.dedent("""
 
     with topology.attached(dict(os.environ)):
         want = topology.pod_resource("rollout", 1)
+        # every node registered (the learner may join after the rollout node)
+        needed = {want, topology.pod_resource("learner", 0)}
         deadline = time.monotonic() + 60
-        while want not in ray.cluster_resources() and time.monotonic() < deadline:
+        while not needed <= set(ray.cluster_resources()) and time.monotonic() < deadline:
             time.sleep(0.5)
         nodes = [{"ip": n["NodeManagerAddress"], "labels": n.get("Labels", {}),
                   "resources": n["Resources"]} for n in ray.nodes() if n["Alive"]]
@@ -88,6 +91,26 @@ def _leftovers(tag: str) -> list[str]:
     return found
 
 
+def test_leftovers_of_dead_runs_are_removed() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid now names a run that is gone
+    tag = netns.tag_for(dead.pid, 0)
+    subprocess.run(["ip", "netns", "add", f"{tag}-head"], check=True)
+    subprocess.run(["ip", "link", "add", f"{tag}b", "type", "bridge"], check=True)
+    (Path("/etc/netns") / f"{tag}-head").mkdir(parents=True)
+    try:
+        with TestHosts() as hosts:
+            hosts.add("a")
+            assert _leftovers(tag) == []
+            assert hosts.run("a", ["hostname"]).stdout.strip() == "a"
+        assert _leftovers(hosts.tag) == []
+    finally:
+        subprocess.run(["ip", "netns", "del", f"{tag}-head"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{tag}b"], capture_output=True)
+        shutil.rmtree(Path("/etc/netns") / f"{tag}-head", ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_actor_lands_on_the_pod_it_asks_for(tmp_path: Path) -> None:
     token = secrets.token_hex(32)
     logs = tmp_path / "logs"
@@ -150,6 +173,7 @@ def test_actor_lands_on_the_pod_it_asks_for(tmp_path: Path) -> None:
                 + "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
                             for p in logs.iterdir()))
             res = json.loads(lines[-1][len("RESULT "):])
+            print(json.dumps(res, indent=1))  # shown by pytest when an assertion below fails
             rollout, driver = hosts.hosts["rollout"], hosts.hosts["driver"]
             assert res["actor"]["ip"] == rollout.address
             assert res["actor"]["netns"] == rollout.netns_inode()

@@ -52,3 +52,9 @@ def test_hosts_file_maps_each_address_to_all_its_names() -> None:
     assert lines[0].split() == ["127.0.0.1", "localhost"]
     assert lines[2:] == ["10.1.0.2\thead job-head.ns.svc", "10.1.0.3\tdriver",
                          "10.1.0.10\trollout"]
+
+
+def test_a_missing_ip_tool_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns.shutil, "which", lambda name: None)
+    with pytest.raises(netns.NetnsUnavailable, match="iproute2"):
+        netns.TestHosts().start()
