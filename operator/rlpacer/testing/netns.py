@@ -214,6 +214,11 @@ class TestHosts:
             self._bridge_made = True
             _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _run("ip", "link", "set", self.bridge, "up")
+        except subprocess.CalledProcessError as err:
+            self.close()
+            raise NetnsUnavailable(
+                f"cannot create the bridge {self.bridge} (`{' '.join(err.cmd)}` needs "
+                f"CAP_NET_ADMIN): {(err.stderr or '').strip()}") from err
         except BaseException:
             self.close()
             raise
