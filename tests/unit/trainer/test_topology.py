@@ -64,3 +64,32 @@ def test_a_token_turns_token_auth_on() -> None:
     assert topology.ray_env({"RAY_AUTH_TOKEN": "t", "RAY_AUTH_MODE": "disabled"})[
         "RAY_AUTH_MODE"] == "disabled"
     assert "RAY_AUTH_MODE" not in topology.ray_env({})
+
+
+def test_the_driver_pod_attaches_through_its_own_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_driver: with RAY_ADDRESS, the loop runs inside topology.attached (never a bare
+    ray.init on the cluster's address); without it, Ray starts locally."""
+    from rlpacer_trainer import pod, runtime
+    from rlpacer_trainer.config import RunConfig
+
+    calls: list[str] = []
+
+    class Attached:
+        def __init__(self, env: dict[str, str], runtime_env: object = None) -> None:
+            calls.append(f"attach {env[c.ENV_RAY_ADDRESS]} {runtime_env is runtime.RUNTIME_ENV}")
+
+        def __enter__(self) -> None:
+            calls.append("enter")
+
+        def __exit__(self, *exc: object) -> None:
+            calls.append("exit")
+
+    monkeypatch.setattr(RunConfig, "load", staticmethod(lambda *a, **k: "cfg"))
+    monkeypatch.setattr(topology, "attached", Attached)
+    monkeypatch.setattr(runtime, "init_ray", lambda *a, **k: calls.append("local"))
+    monkeypatch.setattr(pod, "_run_loop", lambda *a: calls.append("loop") or 0)
+    assert pod.run_driver(BASE) == 0
+    assert calls == ["attach j-head.ns.svc:6379 True", "enter", "loop", "exit"]
+    calls.clear()
+    assert pod.run_driver({c.ENV_POD_IP: "10.0.0.7"}) == 0
+    assert calls == ["local", "loop"]
