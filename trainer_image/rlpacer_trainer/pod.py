@@ -4,14 +4,20 @@ Reads the env the operator sets (names in :mod:`rlpacer.api.contract`, re-export
 :mod:`rlpacer_trainer.contract`) and plays the pod's role:
 
 * ``driver``  loads the run config (the RLTrainingJob manifest at ``RLPACER_CONFIG``), joins
-  Ray at ``RAY_ADDRESS`` (or starts it locally when unset), resumes from the latest checkpoint
+  Ray at ``RAY_ADDRESS`` through a Ray node of its own (or starts Ray locally when unset; see
+  :mod:`rlpacer_trainer.topology` for why and how), resumes from the latest checkpoint
   in ``RLPACER_CHECKPOINT_DIR``, and runs the loop, reporting each step to
   ``RLPACER_REPORT_URL`` with the token in ``RLPACER_TOKEN_FILE`` (in-process controller when
   no URL is set). Exit 0 when the job's steps are done, non-zero on failure: the operator
   then starts a new attempt (``RLPACER_ATTEMPT``) from the last checkpoint.
-* ``head``    ``ray start --head --block``.
+* ``head``    ``ray start --head --block`` bound to the pod's IP (``RLPACER_POD_IP``).
 * ``rollout`` / ``learner``  ``ray start --address=$RAY_ADDRESS --block``: they contribute
-  resources on which the driver places its engine actors and learners.
+  resources on which the driver places its engine actors and learners, and advertise their
+  role and index (``rlpacer.io/<role>-<i>`` resource, ``rlpacer.io/role``/``rank`` labels)
+  so an actor can be placed on exactly one pod (:mod:`rlpacer_trainer.topology`).
+
+Ray's token auth: every role passes ``RAY_AUTH_TOKEN``/``RAY_AUTH_TOKEN_PATH`` through and
+sets ``RAY_AUTH_MODE=token`` when a token is given (:func:`topology.ray_env`).
 
 Runnable as a plain local process (tests play KWOK pods this way).
 """
@@ -24,8 +30,14 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlpacer_trainer import contract as c
+from rlpacer_trainer import topology
+
+if TYPE_CHECKING:
+    from rlpacer_trainer.config import RunConfig
+    from rlpacer_trainer.controller_client import HTTPController
 
 
 class PodEnvError(RuntimeError):
@@ -54,7 +66,18 @@ def run_driver(env: Mapping[str, str]) -> int:
         token_file = Path(env.get(c.ENV_TOKEN_FILE) or c.TOKEN_PATH)
         controller = HTTPController(url, _need(env, c.ENV_NAMESPACE), _need(env, c.ENV_JOB),
                                     token_file.read_text().strip())
-    runtime.init_ray(env.get(c.ENV_RAY_ADDRESS) or None)
+    if env.get(c.ENV_RAY_ADDRESS):
+        # a separate host: attach through a Ray node of this pod (topology's docstring)
+        with topology.attached(env, runtime_env=runtime.RUNTIME_ENV):
+            return _run_loop(cfg, ckpt, attempt, controller)
+    runtime.init_ray()
+    return _run_loop(cfg, ckpt, attempt, controller)
+
+
+def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
+              controller: HTTPController | None) -> int:
+    from rlpacer_trainer import runtime
+
     engines = runtime.start_engines(cfg, count=int(cfg.spec.rollout.replicas))
     from rlpacer_trainer.report import MetricsWriter
 
@@ -81,11 +104,9 @@ def run_driver(env: Mapping[str, str]) -> int:
 
 
 def ray_command(role: str, env: Mapping[str, str]) -> list[str]:
-    ray = str(Path(sys.executable).with_name("ray"))
-    if role == c.Role.HEAD:
-        return [ray, "start", "--head", "--block", "--include-dashboard=false",
-                f"--port={os.environ.get('RLPACER_RAY_PORT', '6379')}"]
-    return [ray, "start", "--block", f"--address={_need(env, c.ENV_RAY_ADDRESS)}"]
+    if role != c.Role.HEAD:
+        _need(env, c.ENV_RAY_ADDRESS)
+    return topology.ray_start_command(role, env)
 
 
 def main(env: Mapping[str, str] | None = None) -> int:
@@ -95,9 +116,9 @@ def main(env: Mapping[str, str] | None = None) -> int:
         if role == c.Role.DRIVER:
             return run_driver(env)
         if role in (c.Role.HEAD, c.Role.ROLLOUT, c.Role.LEARNER):
-            return subprocess.call(ray_command(role, env))
+            return subprocess.call(ray_command(role, env), env=topology.ray_env(env))
         raise PodEnvError(f"{c.ENV_ROLE}={role!r}: expected one of {[r.value for r in c.Role]}")
-    except PodEnvError as err:
+    except (PodEnvError, topology.TopologyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

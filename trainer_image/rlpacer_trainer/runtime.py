@@ -19,19 +19,30 @@ from rlpacer_trainer.driver import Driver
 from rlpacer_trainer.engine import EngineConfig, RayEngine, VLLMEngine
 from rlpacer_trainer.learners import InProcessLearners, LearnerWorker, RayLearners
 
+#: The job-level runtime env of every driver (actors inherit it). The driver's modules must be
+#: importable by actors (editable install, or the source tree).
+RUNTIME_ENV: dict[str, Any] = {
+    "env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+}
 
-def init_ray(address: str | None = None, num_cpus: int = 2) -> None:
+
+def init_ray(address: str | None = None, num_cpus: int = 2, **ray_kwargs: Any) -> None:
+    """Start Ray in-process (no address), or connect to a node on this host (``address``).
+
+    A driver on a host of its own (a pod) must not call this with the cluster's address
+    directly: :func:`rlpacer_trainer.topology.attached` starts the pod's Ray node first and
+    passes the ``ray_kwargs`` (``_node_ip_address``, ``_temp_dir``) that pick it.
+    """
     import ray
 
     if ray.is_initialized():
         return
-    # the driver's modules must be importable by actors (editable install, or the source tree)
-    runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}}
+    runtime_env = {**RUNTIME_ENV, "env_vars": dict(RUNTIME_ENV["env_vars"])}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, **ray_kwargs)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=False)
+                 log_to_driver=False, **ray_kwargs)
 
 
 def engine_config(cfg: RunConfig, model_path: Path | None = None, *, replica: int = 0,

@@ -51,6 +51,12 @@ ENV_CONFIG = "RLPACER_CONFIG"
 ENV_RAY_ADDRESS = "RAY_ADDRESS"
 #: Folder of the job's checkpoints (the mounted volume, or a local folder in tests).
 ENV_CHECKPOINT_DIR = "RLPACER_CHECKPOINT_DIR"
+#: The pod's own IP (downward API ``status.podIP``): the address its Ray node registers and
+#: binds, so other pods reach it (every pod but the head's Service clients needs no DNS).
+ENV_POD_IP = "RLPACER_POD_IP"
+#: Root temp folder of the pod's Ray node. Never set by the builders (a pod's ``/tmp/ray``
+#: is its own); set where several played pods share one filesystem (tests).
+ENV_RAY_TEMP_DIR = "RLPACER_RAY_TEMP_DIR"
 
 #: Every env name above, for harnesses that copy a pod's env onto a local process.
 ALL_ENV = (
@@ -65,6 +71,8 @@ ALL_ENV = (
     ENV_CONFIG,
     ENV_RAY_ADDRESS,
     ENV_CHECKPOINT_DIR,
+    ENV_POD_IP,
+    ENV_RAY_TEMP_DIR,
 )
 
 # --- files ----------------------------------------------------------------------------------

@@ -164,6 +164,9 @@ def _env(inputs: BuildInputs, role: contract.Role, world_size: int) -> list[Obj]
     else:
         env.append({"name": contract.ENV_RANK, "value": "0"})
     env += [
+        # the address the pod's Ray node binds and registers (rlpacer_trainer.topology)
+        {"name": contract.ENV_POD_IP,
+         "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": contract.ENV_WORLD_SIZE, "value": str(world_size)},
         {"name": contract.ENV_CONFIG, "value": contract.CONFIG_PATH},
         {"name": contract.ENV_CHECKPOINT_DIR, "value": contract.CHECKPOINT_DIR},

@@ -111,6 +111,24 @@ def test_driver_pod_carries_the_contract() -> None:
     assert set(env) <= set(contract.ALL_ENV)
 
 
+@pytest.mark.parametrize("child", ["demo-head", "demo-learner", "demo-rollout", "demo-driver-2"])
+def test_every_pod_gets_its_own_ip_and_its_index(child: str) -> None:
+    """The pod's Ray node binds its own address (downward API status.podIP); the workers'
+    index (their Ray placement resource) comes from the StatefulSet's pod-index label."""
+    obj = next(c for c in builders.build_children(_inputs())
+               if c["metadata"]["name"] == child and c["kind"] in ("StatefulSet", "Pod"))
+    pod = obj["spec"]["template"]["spec"] if obj["kind"] == "StatefulSet" else obj["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env[contract.ENV_POD_IP]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    rank = env[contract.ENV_RANK]
+    if child in ("demo-learner", "demo-rollout"):
+        assert rank["valueFrom"]["fieldRef"]["fieldPath"] == (
+            f"metadata.labels['{builders.POD_INDEX_LABEL}']")
+    else:
+        assert rank["value"] == "0"
+    assert set(env) <= set(contract.ALL_ENV)
+
+
 def test_config_map_is_a_runnable_manifest() -> None:
     import yaml
 
