@@ -165,7 +165,9 @@ async def _watch_one(jobs: Jobs, loops: JobLoops, path: str, namespace: str | No
         try:
             listing = await jobs.kube.request("GET", path, accept=METADATA_ONLY_LIST)
             seen = set()
-            for item in listing.get("items", []):
+            # A metadata-only list of an empty collection has "items": null (the API server
+            # omits nothing; PartialObjectMetadataList's items is not omitempty).
+            for item in listing.get("items") or []:
                 meta = item.get("metadata") or {}
                 seen.add((meta.get("namespace"), meta.get("name")))
                 await on_job_event(jobs, loops, "ADDED", item)
