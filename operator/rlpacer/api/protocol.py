@@ -67,13 +67,22 @@ class LengthSummary(APIModel):
         return self
 
 
+#: Largest value of each ``seconds`` field (about 31.7 years): any real step is far below,
+#: and it keeps their sum, and the operator's mean of a window of them, a finite float.
+MAX_SECONDS = 1e9
+
+
 class StepSeconds(APIModel):
     """Where the step's wall-clock time went."""
 
-    rollout: float = Field(default=0.0, ge=0, description="Generation time, seconds.")
-    reward: float = Field(default=0.0, ge=0, description="Reward time not hidden by rollout.")
-    train: float = Field(default=0.0, ge=0, description="Policy update time, seconds.")
-    sync: float = Field(default=0.0, ge=0, description="Weight sync to engines, seconds.")
+    rollout: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+                           description="Generation time, seconds.")
+    reward: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+                          description="Reward time not hidden by rollout.")
+    train: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+                         description="Policy update time, seconds.")
+    sync: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+                        description="Weight sync to engines, seconds.")
 
     @property
     def total(self) -> float:
