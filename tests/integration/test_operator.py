@@ -139,7 +139,7 @@ def small_job(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
         "data": {"source": "builtin://adder"},
         "steps": 100,
         "promptsPerStep": 8,
-        "rollout": {"replicas": 1, "gpusPerReplica": 0},
+        "rollout": {"replicas": 1, "gpusPerReplica": 0, "maxResponseTokens": 1024},
         "trainer": {"replicas": 1, "gpusPerReplica": 0},
         "groupControl": {"stragglerRatio": "4", "targetStragglerRate": "0.2", "seed": 3},
         "tailBatching": {"longRound": {"rolloutReplicas": 3, "scaleUpTimeoutSeconds": 30}},

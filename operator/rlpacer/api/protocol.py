@@ -9,8 +9,10 @@ trainer's client, and the in-process transport of ``rlpacer run``).
   :class:`StepReport` -> :class:`Plan` for the next step, sent only after the controller
   state is persisted.
 
-Idempotency key: ``(attempt, step)``. Errors: 401 bad token, 404 unknown job, 422 impossible
-report; each answered with an :class:`ErrorBody` and no state change.
+Idempotency key: ``(attempt, step)``. Errors: 401 bad token, 404 unknown job, 413 body over
+64 KiB, 422 malformed or impossible report (including values the job's spec rules out and
+steps after the plan said done: charts/rlpacer/README.md "Step reports"); each answered
+with an :class:`ErrorBody` and no state change. 5xx only for what a retry can fix.
 """
 
 from __future__ import annotations

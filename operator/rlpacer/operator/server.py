@@ -196,7 +196,17 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
             return _error(404, "NotFound", f"rltrainingjob {rt.namespace}/{rt.name} not found")
         except ManifestError as e:
             return _error(422, "InvalidSpec", str(e))
-        except (ConflictLoop, ApiError, OSError) as e:
+        except ApiError as e:
+            if e.status in (400, 422):
+                # The API server refused the new status itself (invalid, not unavailable):
+                # it would refuse it again on every retry of this report.
+                log.warning("report for %s/%s refused by the API server: %s", rt.namespace,
+                            rt.name, e)
+                return _error(422, "StatusRejected",
+                              f"the API server refused the status this report makes: {e}")
+            log.warning("report for %s/%s not persisted: %s", rt.namespace, rt.name, e)
+            return _error(503, "Unavailable", f"state not persisted, retry: {e}")
+        except (ConflictLoop, OSError) as e:
             log.warning("report for %s/%s not persisted: %s", rt.namespace, rt.name, e)
             return _error(503, "Unavailable", f"state not persisted, retry: {e}")
         if acc.new:
