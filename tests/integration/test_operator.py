@@ -462,8 +462,9 @@ def test_driver_failure_restarts_then_backoff_limit_fails(
     pod0 = names.driver_pod("fl", 0)
     wait(cluster, lambda: (get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod0}") or {})
          .get("status", {}).get("phase") == "Running", "driver 0 running", 90)
-    g = drv.plan()["groupSize"]
-    assert drv.post(report(0, g, 150.0))[0] == 200
+    code, plan = drv.post(report(0, drv.plan()["groupSize"], 150.0))
+    assert code == 200
+    g = plan["groupSize"]  # the plan for step 1, whichever attempt runs it
     cluster.mark_pod_exit(namespace, pod0, 1)
     wait(cluster, lambda: status(cluster, namespace, "fl").get("attempt") == 1, "attempt 1")
     pod1 = names.driver_pod("fl", 1)
