@@ -309,9 +309,6 @@ class Jobs:
         h = token_hash(tok)
         if h in rt.status.token_hashes or rt.hash_tried == h:
             return
-        # Tried once per token and process: with a CRD older than the operator the API
-        # server prunes the field, and a write on every pass would follow.
-        rt.hash_tried = h
 
         def mutate(
             spec: RLTrainingJobSpec, st: RLTrainingJobStatus
@@ -324,6 +321,9 @@ class Jobs:
 
         async with rt.lock:
             await self.commit(rt, mutate)
+        # Written once per token and process: with a CRD older than the operator the API
+        # server prunes the field, and a write on every pass would follow.
+        rt.hash_tried = h
 
     # --- events -------------------------------------------------------------------------
     async def post_events(self, rt: JobRuntime, events: list[Event]) -> None:

@@ -112,3 +112,37 @@ def test_a_lost_token_is_replaced_and_the_running_driver_keeps_reporting() -> No
             await close()
 
     run(body)
+
+
+def test_an_older_crd_that_prunes_token_hashes_costs_no_write_per_pass() -> None:
+    async def body() -> None:
+        fk = FakeKube()
+        real = fk.request
+
+        async def pruning(method: str, path: str, body: Any = None, **kw: Any) -> Any:
+            if method == "PUT" and path.endswith("/status"):
+                body = {**body, "status": {k: v for k, v in body["status"].items()
+                                           if k != "tokenHashes"}}
+            return await real(method, path, body, **kw)
+
+        fk.request = pruning  # type: ignore[method-assign]
+        add_job(fk, "job")
+        env, close = await open_env(fk)
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            await env.jobs.reconcile(rt)
+            tok = _secret_token(fk)
+            assert "tokenHashes" not in env.status("job")
+            puts = sum(1 for m, _ in fk.calls if m == "PUT")
+            for _ in range(3):
+                rt.applied.clear()
+                await env.jobs.reconcile(rt)
+            assert sum(1 for m, _ in fk.calls if m == "PUT") == puts
+            g = (await env.plan("job"))["groupSize"]
+            code, plan = await env.post("job", report(0, g, 20), token=tok)  # the Secret's
+            assert code == 200, plan
+        finally:
+            await close()
+
+    run(body)
