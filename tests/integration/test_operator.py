@@ -139,7 +139,7 @@ def small_job(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
         "data": {"source": "builtin://adder"},
         "steps": 100,
         "promptsPerStep": 8,
-        "rollout": {"replicas": 1, "gpusPerReplica": 0},
+        "rollout": {"replicas": 1, "gpusPerReplica": 0, "maxResponseTokens": 1024},
         "trainer": {"replicas": 1, "gpusPerReplica": 0},
         "groupControl": {"stragglerRatio": "4", "targetStragglerRate": "0.2", "seed": 3},
         "tailBatching": {"longRound": {"rolloutReplicas": 3, "scaleUpTimeoutSeconds": 30}},
@@ -462,8 +462,9 @@ def test_driver_failure_restarts_then_backoff_limit_fails(
     pod0 = names.driver_pod("fl", 0)
     wait(cluster, lambda: (get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod0}") or {})
          .get("status", {}).get("phase") == "Running", "driver 0 running", 90)
-    g = drv.plan()["groupSize"]
-    assert drv.post(report(0, g, 150.0))[0] == 200
+    code, plan = drv.post(report(0, drv.plan()["groupSize"], 150.0))
+    assert code == 200
+    g = plan["groupSize"]  # the plan for step 1, whichever attempt runs it
     cluster.mark_pod_exit(namespace, pod0, 1)
     wait(cluster, lambda: status(cluster, namespace, "fl").get("attempt") == 1, "attempt 1")
     pod1 = names.driver_pod("fl", 1)
@@ -609,3 +610,73 @@ def test_policy_at_run_time_slo_violated_and_long_round_clamp(
     # The clamp and the SLO are re-judged on each report; deleting the job removes the series.
     cluster.kubectl("delete", "rltj", "slo", "-n", namespace, "--wait=true")
     wait(cluster, lambda: lab not in operator.metrics(), "metrics series removed", 30)
+
+
+def test_job_in_an_empty_watched_namespace_is_picked_up_at_once(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    # The namespace had no job when the operator listed it: the API server's metadata-only
+    # list then says "items": null. Before the fix each relist failed on it and the watch
+    # restarted with a backoff growing to 10 s, so a new job waited up to 10 s.
+    time.sleep(12)
+    t0 = time.monotonic()
+    apply(cluster, small_job("late", namespace))
+    wait(cluster, lambda: status(cluster, namespace, "late").get("observedGeneration"),
+         "the job reconciled", timeout=30)
+    took = time.monotonic() - t0
+    print(f"new job in an empty namespace reconciled after {took:.1f}s")
+    assert took < 4, took
+    assert "object is not iterable" not in operator.log.read_text()  # no relist loop
+
+
+def test_deleted_children_and_token_secret_come_back_and_the_driver_keeps_reporting(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    apply(cluster, small_job("cm", namespace))
+    tok = token(cluster, namespace, "cm")
+    ns_api = f"/api/v1/namespaces/{namespace}"
+    children = {
+        "configmap": f"{ns_api}/configmaps/{names.config_map('cm')}",
+        "service": f"{ns_api}/services/{names.head_service('cm')}",
+        "secret": f"{ns_api}/secrets/{names.secret('cm')}",
+    }
+    for what, path in children.items():
+        uid = wait(cluster, lambda p=path: get(cluster, p), what)["metadata"]["uid"]
+        cluster.kubectl("delete", "-n", namespace, what, path.rsplit("/", 1)[1])
+        wait(cluster, lambda p=path, u=uid: (get(cluster, p) or {"metadata": {"uid": u}})[
+            "metadata"]["uid"] != u, f"{what} re-created", timeout=15)
+    assert token(cluster, namespace, "cm") == tok  # the same token
+    drv = Driver(operator, namespace, "cm", tok)
+    g = drv.plan()["groupSize"]
+    code, plan = drv.post(report(0, g, 150.0))
+    assert code == 200, plan
+    # the Secret is deleted while no operator runs: the running driver keeps its token
+    operator.kill(signal.SIGKILL)
+    cluster.kubectl("delete", "-n", namespace, "secret", names.secret("cm"))
+    operator.start()
+    operator.wait_ready()
+    code, plan = drv.post(report(1, plan["groupSize"], 150.0))
+    assert code == 200, plan
+    new = wait(cluster, lambda: get(cluster, children["secret"]), "secret re-created")
+    tok2 = base64.b64decode(new["data"][contract.TOKEN_KEY]).decode()
+    assert tok2 != tok and len(status(cluster, namespace, "cm")["tokenHashes"]) == 2
+    code, plan = drv.post(report(2, plan["groupSize"], 150.0), tok=tok2)
+    assert code == 200, plan
+    code, plan = drv.post(report(3, plan["groupSize"], 150.0))
+    assert code == 200, plan
+
+
+def test_reports_the_api_server_would_refuse_are_422_not_503(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    apply(cluster, small_job("big", namespace))
+    drv = Driver(operator, namespace, "big", token(cluster, namespace, "big"))
+    g = drv.plan()["groupSize"]
+    for body in ({**report(0, g, 150.0), "longQueue": 1e19},  # int64 overflow in status
+                 {**report(0, g, 150.0), "longQueue": 10**19},
+                 report(0, g, 5000.0)):  # over maxResponseTokens
+        code, err = drv.post(body)
+        assert code == 422, (body, err)
+    assert status(cluster, namespace, "big").get("step", 0) == 0
+    code, plan = drv.post(report(0, g, 150.0))
+    assert code == 200, plan

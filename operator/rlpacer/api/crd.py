@@ -23,6 +23,8 @@ The models are the source of truth; this module turns their JSON schema into a K
 from __future__ import annotations
 
 import copy
+import functools
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -401,3 +403,59 @@ def check(out_dirs: Iterable[Path]) -> list[str]:
             if not path.exists() or path.read_text() != text:
                 drift.append(str(path))
     return drift
+
+
+#: The API server's integers are int64 (a larger JSON integer fails "must be of type integer").
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def schema_violations(schema: Schema, value: Any, path: str = "", limit: int = 5) -> list[str]:
+    """What in ``value`` (wire JSON) breaks the bounds of the structural ``schema``: int64
+    and minimum/maximum of integers and numbers, maxLength/minLength/pattern of strings,
+    maxItems of arrays. The API server refuses such an object every time (422), so a writer
+    checks first instead of retrying. CEL rules are not evaluated. At most ``limit`` items."""
+    out: list[str] = []
+    _violations(schema, value, path, out, limit)
+    return out
+
+
+def _violations(schema: Schema, value: Any, path: str, out: list[str], limit: int) -> None:
+    if len(out) >= limit or value is None:
+        return
+    t = schema.get("type")
+    where = path or "."
+    if t in ("integer", "number") and isinstance(value, int | float) and not isinstance(
+        value, bool
+    ):
+        if t == "integer" and isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+            out.append(f"{where}: {value} is outside int64")
+        if "minimum" in schema and value < schema["minimum"]:
+            out.append(f"{where}: {value} < minimum {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            out.append(f"{where}: {value} > maximum {schema['maximum']}")
+    elif t == "string" and isinstance(value, str):
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            out.append(f"{where}: {len(value)} characters > maxLength {schema['maxLength']}")
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            out.append(f"{where}: {len(value)} characters < minLength {schema['minLength']}")
+        if "pattern" in schema and re.search(schema["pattern"], value) is None:
+            out.append(f"{where}: {value[:40]!r} does not match {schema['pattern']}")
+    elif t == "array" and isinstance(value, list):
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            out.append(f"{where}: {len(value)} items > maxItems {schema['maxItems']}")
+        items = schema.get("items")
+        if isinstance(items, dict):
+            for i, v in enumerate(value):
+                _violations(items, v, f"{path}[{i}]", out, limit)
+    elif isinstance(value, dict):
+        props = schema.get("properties") or {}
+        for k, v in value.items():
+            sub = props.get(k)
+            if isinstance(sub, dict):
+                _violations(sub, v, f"{path}.{k}", out, limit)
+
+
+@functools.cache
+def status_schema() -> Schema:
+    """The RLTrainingJob status schema, as the CRD carries it."""
+    return model_schema(RLTrainingJobStatus, CEL_RULES, "status")

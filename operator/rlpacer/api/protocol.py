@@ -9,8 +9,10 @@ trainer's client, and the in-process transport of ``rlpacer run``).
   :class:`StepReport` -> :class:`Plan` for the next step, sent only after the controller
   state is persisted.
 
-Idempotency key: ``(attempt, step)``. Errors: 401 bad token, 404 unknown job, 422 impossible
-report; each answered with an :class:`ErrorBody` and no state change.
+Idempotency key: ``(attempt, step)``. Errors: 401 bad token, 404 unknown job, 413 body over
+64 KiB, 422 malformed or impossible report (including values the job's spec rules out and
+steps after the plan said done: charts/rlpacer/README.md "Step reports"); each answered
+with an :class:`ErrorBody` and no state change. 5xx only for what a retry can fix.
 """
 
 from __future__ import annotations
@@ -67,13 +69,22 @@ class LengthSummary(APIModel):
         return self
 
 
+#: Largest value of each ``seconds`` field (about 31.7 years): any real step is far below,
+#: and it keeps their sum, and the operator's mean of a window of them, a finite float.
+MAX_SECONDS = 1e9
+
+
 class StepSeconds(APIModel):
     """Where the step's wall-clock time went."""
 
-    rollout: float = Field(default=0.0, ge=0, description="Generation time, seconds.")
-    reward: float = Field(default=0.0, ge=0, description="Reward time not hidden by rollout.")
-    train: float = Field(default=0.0, ge=0, description="Policy update time, seconds.")
-    sync: float = Field(default=0.0, ge=0, description="Weight sync to engines, seconds.")
+    rollout: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+                           description="Generation time, seconds.")
+    reward: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+                          description="Reward time not hidden by rollout.")
+    train: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+                         description="Policy update time, seconds.")
+    sync: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+                        description="Weight sync to engines, seconds.")
 
     @property
     def total(self) -> float:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from rlpacer.api._base import APIModel, Decimal
 
@@ -165,6 +166,11 @@ class ScaleAction(APIModel):
     step: int = Field(ge=0, description="The step the action was for.")
 
 
+#: Token hashes kept in status (a new one is added only when the Secret's token was lost).
+MAX_TOKEN_HASHES = 4
+TokenHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", max_length=64)]
+
+
 class RLTrainingJobStatus(APIModel):
     """Observed state of an RLTrainingJob, written only by the operator."""
 
@@ -237,6 +243,16 @@ class RLTrainingJobStatus(APIModel):
     last_report_time: str | None = Field(
         default=None, description="When the last step report was accepted (RFC 3339).",
         json_schema_extra={"format": "date-time"},
+    )
+    token_hashes: list[TokenHash] = Field(
+        default_factory=list, max_length=MAX_TOKEN_HASHES,
+        description=(
+            "SHA-256 (hex) of the step-report tokens the job's Secret has held, newest last"
+            f" (at most {MAX_TOKEN_HASHES}): a report must present one of them. The operator"
+            " re-creates a deleted Secret with the same token; only when it no longer knows"
+            " the token (the Secret was deleted while no operator held it) does it mint a new"
+            " one, and the running driver's token stays valid."
+        ),
     )
     controller_state: str | None = Field(
         default=None, max_length=1_048_576,

@@ -36,6 +36,9 @@ Decisions taken here (ALGORITHMS.md leaves them open):
   cannot underflow to an improper Beta(0, .) (the floor is far below any count that matters).
 * Ties in the Thompson score go to the smaller G (the cheaper, safer choice).
 * ``decide()`` again before ``observe()`` returns the same pending G and draws nothing.
+* The first decision (no step observed yet) is ``initial`` and draws nothing: the spec
+  documents ``initial`` as the first group size, and a draw before any evidence would only
+  move G by the prior's noise.
 * The Thompson draws use one numpy ``Generator`` (PCG64); its full bit-generator state is in
   ``state_dict()``, so ``from_state_dict(state_dict())`` continues bit for bit.
 
@@ -320,6 +323,11 @@ class SAGCController:
     def decide(self) -> int:
         """The group size for the next step (the same pending G until it is observed)."""
         if self._pending is not None:
+            return self._pending
+        if self._counters.steps == 0:
+            # Step 0 runs ``initial``, as documented (a Thompson draw would already move G
+            # within the radius, before any evidence: initial 8 gave G=16 at step 0).
+            self._pending = self._cfg.initial
             return self._pending
         r = self._cfg.radius
         lo = max(0, self._index - r)

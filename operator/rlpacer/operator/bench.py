@@ -175,7 +175,7 @@ def bench_job(name: str, namespace: str) -> dict[str, Any]:
             "data": {"source": "builtin://adder"},
             "steps": 1_000_000,
             "promptsPerStep": 16,
-            "rollout": {"replicas": 1, "gpusPerReplica": 0},
+            "rollout": {"replicas": 1, "gpusPerReplica": 0, "maxResponseTokens": 1024},
             "trainer": {"replicas": 1, "gpusPerReplica": 0},
             "groupControl": {"stragglerRatio": "4"},
             "tailBatching": {"enabled": False},

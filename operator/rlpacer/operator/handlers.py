@@ -1,8 +1,8 @@
 """Kopf handlers: thin translations of watch events into calls on :class:`Jobs`.
 
-Kopf watches the children (pods, StatefulSets) and serves admission webhooks; the jobs
-themselves are list+watched by :func:`watch_jobs` (cheaper per event, see there). The
-decisions are pure (``decide``, ``accept_report``,
+Kopf watches the children (pods, StatefulSets, ConfigMaps, Services, the token Secret) and
+serves admission webhooks; the jobs themselves are list+watched by :func:`watch_jobs`
+(cheaper per event, see there). The decisions are pure (``decide``, ``accept_report``,
 ``build_children``) and the writes go through ``rlpacer.operator.runtime``. Each job gets a
 *level-based* reconcile loop (an asyncio task owned by :class:`JobLoops`): it reconciles on
 start, whenever something relevant changes (the job's spec, its pods or StatefulSets, a step
@@ -165,7 +165,9 @@ async def _watch_one(jobs: Jobs, loops: JobLoops, path: str, namespace: str | No
         try:
             listing = await jobs.kube.request("GET", path, accept=METADATA_ONLY_LIST)
             seen = set()
-            for item in listing.get("items", []):
+            # A metadata-only list of an empty collection has "items": null (the API server
+            # omits nothing; PartialObjectMetadataList's items is not omitempty).
+            for item in listing.get("items") or []:
                 meta = item.get("metadata") or {}
                 seen.add((meta.get("namespace"), meta.get("name")))
                 await on_job_event(jobs, loops, "ADDED", item)
@@ -223,6 +225,8 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         selector = f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY}"
         settings.watching.label_selectors[("v1", "pods")] = selector
         settings.watching.label_selectors[("apps", "v1", "statefulsets")] = selector
+        for plural in ("configmaps", "services", "secrets"):
+            settings.watching.label_selectors[("v1", plural)] = selector
         settings.networking.request_timeout = 60
         if ctx.settings.webhook_enabled:
             from rlpacer.operator import admission
@@ -259,6 +263,11 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     kopf.on.event("v1", "pods", labels=managed, registry=registry)(child_event("pod"))
     kopf.on.event("apps", "v1", "statefulsets", labels=managed, registry=registry)(
         child_event("statefulset"))
+    # Every other child too: a deleted ConfigMap, Service or token Secret is re-created on
+    # the next pass, not after reapply_seconds (the Secret with the same token).
+    for plural in ("configmaps", "services", "secrets"):
+        kopf.on.event("v1", plural, labels=managed, registry=registry)(
+            child_event(plural[:-1]))
 
     if ctx.settings.webhook_enabled:
         from rlpacer.operator.policies import policy_admission

@@ -63,6 +63,11 @@ class Metrics:
             "Step-report endpoint handling time (route steps: state persisted; plan: a read),"
             " by route and HTTP code.", ("route", "code"),
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.report_errors = Counter(
+            "rlpacer_step_report_errors_total",
+            "Step-report endpoint answers >= 400, by route, HTTP code and the ErrorBody's"
+            " reason (e.g. InvalidReport, StepOutOfOrder, Unauthorized, Unavailable).",
+            ("route", "code", "reason"), registry=r)
         self.status_write = Histogram(
             "rlpacer_status_write_duration_seconds",
             "PUT of a job's status to the API server (each step report makes one), by result"

@@ -8,10 +8,13 @@ a repeat, answered identically, or validated against the new state).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from rlpacer.api._base import decimal
+from rlpacer.api.crd import schema_violations, status_schema
 from rlpacer.api.job import RLTrainingJobSpec
 from rlpacer.api.policy import RLTrainingPolicy
 from rlpacer.api.protocol import Plan, StepReport
@@ -96,11 +99,15 @@ def accept_report(
     state = status.controller_state or hosting.new_state(spec)
     if status.controller_state is None:
         ctl = None  # a live controller always matches a persisted state
+    # A live ``ctl`` was taken from the job's runtime: if this raises, it is dropped, so an
+    # in-memory controller that observed a rejected report is never used again.
     new_state, cp, ctl = hosting.apply_report(state, report, ctl)
     st = status.model_copy(deep=True)
     if new_state == state and status.controller_state is not None:
-        # an idempotent repeat
+        # an idempotent repeat (checked first: a replay of an accepted step always gets the
+        # same answer, even when the spec's bounds changed since)
         return st, Accepted(_plan(spec, st, cp), [], new=False, controller=ctl)
+    check_report(spec, report)
 
     t = fmt_time(now)
     gen = generation
@@ -147,8 +154,66 @@ def accept_report(
             steps=ctl.steps_observed, now=t, generation=gen)
         events = [*events, *enforce.record_notes(st, lim.notes), *slo_events]
     st.summary = summarize(st.conditions)
+    bad = schema_violations(status_schema(), st.to_wire())
+    if bad:
+        # The API server would refuse this status on every retry: answer 422, not 503.
+        raise ReportRejected(
+            "StatusOutOfRange",
+            "the report would make the job's status break its schema: " + "; ".join(bad))
     return st, Accepted(_plan(spec, st, cp), events, new=True, straggler=bool(cp.straggler),
                         controller=ctl)
 
 
-__all__ = ["Accepted", "ReportRejected", "accept_report", "current_plan"]
+#: Rounds one step may run at most (a short round plus DAPO dynamic sampling's refill
+#: rounds; the trainer refills at most 2 by default): bounds a report's counts.
+MAX_ROUNDS_PER_STEP = 16
+
+
+def report_bounds(spec: RLTrainingJobSpec, group_size: int) -> dict[str, tuple[int, str]]:
+    """The largest value the spec allows for each bounded field of a report with this group
+    size, with how it follows from the spec (for the message)."""
+    p0 = spec.prompts_per_step
+    tb = spec.tail_batching
+    eta = decimal(tb.prompt_overprovision) if tb.enabled else 1.0
+    launched = math.ceil(eta * p0 - 1e-9)
+    per_prompt = group_size + (tb.extra_responses_per_prompt if tb.enabled else 0)
+    rounds = MAX_ROUNDS_PER_STEP if spec.algorithm.dynamic_sampling else 1
+    times = f" x {rounds} rounds" if rounds > 1 else ""
+    return {
+        "lengths.max": (spec.rollout.max_response_tokens, "spec.rollout.maxResponseTokens"),
+        "lengths.count": (group_size * p0 * rounds,
+                          f"groupSize {group_size} x spec.promptsPerStep {p0}{times}"),
+        "lengths.aborted": (
+            launched * per_prompt * rounds,
+            f"ceil(promptOverprovision x promptsPerStep) {launched} x (groupSize"
+            f" + extraResponsesPerPrompt) {per_prompt}{times}"),
+        "longQueue": (launched * rounds,
+                      f"ceil(promptOverprovision x promptsPerStep) {launched}{times}"),
+    }
+
+
+def check_report(spec: RLTrainingJobSpec, report: StepReport) -> None:
+    """Reject (:class:`ReportRejected`) a new report the job's spec makes impossible: a step
+    after the last one (``spec.steps``; the plan said done), a response longer than the
+    length cap, counts beyond what the step could launch. Such a report would move SAGC."""
+    if report.step >= spec.steps:
+        raise ReportRejected(
+            "JobDone",
+            f"step {report.step} is past the job's last step {spec.steps - 1} (spec.steps"
+            f" {spec.steps}): the plan said done; the driver should exit")
+    values = {
+        "lengths.max": report.lengths.max,
+        "lengths.count": report.lengths.count,
+        "lengths.aborted": report.lengths.aborted,
+        "longQueue": report.long_queue,
+    }
+    for name, (bound, why) in report_bounds(spec, report.group_size).items():
+        if values[name] > bound:
+            raise ReportRejected(
+                "OutOfBounds", f"{name} {values[name]} exceeds {bound} ({why})")
+
+
+__all__ = [
+    "Accepted", "ReportRejected", "accept_report", "check_report", "current_plan",
+    "report_bounds",
+]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import hmac
 import json
 import logging
@@ -42,6 +43,7 @@ from rlpacer.api.job import (
 )
 from rlpacer.api.policy import RLTrainingPolicy
 from rlpacer.api.status import (
+    MAX_TOKEN_HASHES,
     ConditionType,
     Reason,
     RLTrainingJobStatus,
@@ -98,6 +100,8 @@ class JobRuntime:
     #: controller from JSON on every report. Taken (removed) by the writer that uses it, so
     #: a failed write can never leave a controller ahead of the persisted state.
     live: tuple[str, JobController] | None = None
+    #: The token hash this process last tried to record in status (see _record_token_hash).
+    hash_tried: str | None = None
 
     def take_controller(self, state: str | None) -> JobController | None:
         live, self.live = self.live, None
@@ -244,13 +248,53 @@ class Jobs:
         return rt.token
 
     async def check_token(self, rt: JobRuntime, presented: str) -> bool:
+        """Whether ``presented`` is a token of this job: one whose hash is in
+        ``status.tokenHashes`` (survives the Secret's deletion and operator restarts), or,
+        for a job whose status has none yet (made by an older operator), its Secret's."""
+        hashes = rt.status.token_hashes
+        if hashes:
+            h = token_hash(presented)
+            return any(hmac.compare_digest(h, k) for k in hashes)
         tok = await self.token(rt)
         return tok is not None and hmac.compare_digest(tok.encode(), presented.encode())
 
     async def _ensure_token(self, rt: JobRuntime, inputs: builders.BuildInputs) -> None:
-        if await self.token(rt) is not None:
+        """Make sure the job's token Secret exists and its token's hash is in status.
+
+        Checked (one GET) whenever the applied cache was cleared: on the Secret's deletion
+        event and every ``reapply_seconds``. A deleted Secret is re-created with the token
+        this process knows, so the running driver (which read its token once) and the next
+        attempts agree. Only a token that is lost (the Secret deleted while no operator
+        held it in memory) is replaced by a new one; the old hash stays in status, so the
+        running driver keeps reporting.
+        """
+        key = f"Secret/{names.secret(rt.name)}"
+        if key in rt.applied:
             return
-        tok = secrets.token_urlsafe(32)
+        path = object_path("v1", "secrets", rt.namespace, names.secret(rt.name))
+        sec = await self.kube.get(path)
+        if sec is not None:
+            if not _owned_by(sec, rt.uid):
+                log.warning("%s/%s: Secret %s is not this job's; not using it", rt.namespace,
+                            rt.name, names.secret(rt.name))
+                return
+            rt.token = base64.b64decode(sec["data"][contract.TOKEN_KEY]).decode()
+            await self._record_token_hash(rt, rt.token)
+            rt.applied[key] = ""
+            return
+        tok = rt.token
+        if tok is None or (rt.status.token_hashes
+                           and token_hash(tok) not in rt.status.token_hashes):
+            tok = secrets.token_urlsafe(32)
+            if rt.status.token_hashes:
+                log.warning("%s/%s: token Secret lost while its token was unknown; a new"
+                            " token for new pods, the running driver's stays valid",
+                            rt.namespace, rt.name)
+        else:
+            log.info("%s/%s: re-creating the token Secret with the same token", rt.namespace,
+                     rt.name)
+        # Hash first: a pod can never mount a token the endpoint would refuse.
+        await self._record_token_hash(rt, tok)
         try:
             await self.kube.create(builders.token_secret(inputs, tok))
             rt.token = tok
@@ -258,7 +302,28 @@ class Jobs:
             if e.status != 409:
                 raise
             rt.token = None
-            await self.token(rt)
+            return  # created meanwhile: read (and its hash recorded) on the next pass
+        rt.applied[key] = ""
+
+    async def _record_token_hash(self, rt: JobRuntime, tok: str) -> None:
+        h = token_hash(tok)
+        if h in rt.status.token_hashes or rt.hash_tried == h:
+            return
+
+        def mutate(
+            spec: RLTrainingJobSpec, st: RLTrainingJobStatus
+        ) -> tuple[RLTrainingJobStatus, None]:
+            if h in st.token_hashes:
+                return st, None
+            new = st.model_copy(deep=True)
+            new.token_hashes = [*st.token_hashes, h][-MAX_TOKEN_HASHES:]
+            return new, None
+
+        async with rt.lock:
+            await self.commit(rt, mutate)
+        # Written once per token and process: with a CRD older than the operator the API
+        # server prunes the field, and a write on every pass would follow.
+        rt.hash_tried = h
 
     # --- events -------------------------------------------------------------------------
     async def post_events(self, rt: JobRuntime, events: list[Event]) -> None:
@@ -357,10 +422,10 @@ class Jobs:
             log.info("%s/%s: ttlSecondsAfterFinished passed; deleting", rt.namespace, rt.name)
             await self.kube.delete(job_path(rt.namespace, rt.name))
             return None
-        await self._ensure_token(rt, inputs)
         if time.monotonic() - rt.applied_at > self.settings.reapply_seconds:
             rt.applied.clear()
             rt.applied_at = time.monotonic()
+        await self._ensure_token(rt, inputs)
         for obj in builders.build_children(inputs):
             key = f"{obj['kind']}/{obj['metadata']['name']}"
             text = json.dumps(obj, sort_keys=True)
@@ -405,6 +470,12 @@ class Jobs:
                     raise
         if flipped:
             await self.post_events(rt, [Event("Warning", "InvalidSpec", msg)])
+
+
+def token_hash(token: str) -> str:
+    """What ``status.tokenHashes`` keeps of a token: its SHA-256, hex. Safe to show to anyone
+    who can read the job (the tokens are 256 random bits), unlike the token itself."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def _owned_by(obj: dict[str, Any], uid: str) -> bool:

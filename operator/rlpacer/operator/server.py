@@ -5,9 +5,12 @@
   ``POST /v1/namespaces/{ns}/rltrainingjobs/{name}/steps`` (``Authorization: Bearer``).
   A POST is answered only after the new controller state is persisted in the job's status.
   Errors carry an :class:`~rlpacer.api.protocol.ErrorBody`: 401 bad/missing token (a token is
-  valid for its own job only), 404 unknown job, 422 impossible report (reason from the control
-  layer), 503 while this replica is not the leader or the API server is unavailable (the
-  driver retries; reports are idempotent).
+  valid for its own job only), 404 unknown job, 413 a body over :data:`MAX_REPORT_BYTES`,
+  422 malformed or impossible report (reason from the control layer), 503 while this replica
+  is not the leader or the API server is unavailable (the driver retries; reports are
+  idempotent). Every answer is counted by route and code, every error also by reason
+  (``rlpacer_step_report_errors_total``); an unexpected exception is logged with its
+  traceback and answered 500 with an ErrorBody, never with a traceback.
 * ``/metrics``, ``/healthz`` and ``/readyz`` on ``metrics_port``. ``/readyz`` is 200 only on
   the leader, so a Service in front of several replicas routes reports to the active one.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -38,6 +42,52 @@ log = logging.getLogger("rlpacer.operator.reports")
 
 BASE = f"/{PROTOCOL_VERSION}/namespaces/{{namespace}}/rltrainingjobs/{{name}}"
 
+#: Largest step-report body accepted (413 beyond). A report is a few hundred bytes.
+MAX_REPORT_BYTES = 64 * 1024
+#: JSON integers must fit the API server's int64 (a report's counts end up in the status).
+INT64_MAX = 2**63 - 1
+
+
+class BadBody(ValueError):
+    """A request body that is not a JSON document this endpoint can read (422)."""
+
+
+def _parse_int(text: str) -> int:
+    # Checked on the literal before int(): Python refuses literals over 4300 digits with a
+    # ValueError of its own, and anything over 19 digits is outside int64 anyway.
+    digits = text.lstrip("-")
+    if len(digits) > 19 or abs(int(text)) > INT64_MAX:
+        shown = text if len(text) <= 24 else f"{text[:20]}... ({len(digits)} digits)"
+        raise BadBody(f"integer {shown} is out of range (at most {INT64_MAX})")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadBody(f"number {text[:32]} is out of range (not a finite double)")
+    return value
+
+
+def _parse_constant(text: str) -> float:
+    raise BadBody(f"{text} is not a JSON number")
+
+
+def parse_body(data: bytes) -> Any:
+    """The JSON document in ``data``; raises :class:`BadBody` with what is wrong (not UTF-8,
+    not JSON, NaN/Infinity, numbers out of the double or int64 range)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadBody(f"body is not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float,
+                          parse_constant=_parse_constant)
+    except BadBody:
+        raise
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise BadBody(f"body is not JSON: {str(e)[:200]}") from None
+
 
 class LeaderState:
     """Whether this replica may act (set by the Lease loop)."""
@@ -48,7 +98,13 @@ class LeaderState:
 
 def _error(code: int, reason: str, message: str) -> web.Response:
     body = ErrorBody(code=code, reason=reason, message=message).to_wire()
-    return web.json_response(body, status=code)
+    resp = web.json_response(body, status=code)
+    resp[_REASON] = reason
+    return resp
+
+
+#: The ErrorBody's reason, kept on the response for the error counter.
+_REASON = web.ResponseKey("rlpacer.reason", str)
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -64,8 +120,26 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Application:
     async def timed(request: web.Request, fn: Handler, route: str) -> web.StreamResponse:
         t0 = time.perf_counter()
-        resp = await fn(request)
-        metrics.report_latency.labels(route, str(resp.status)).observe(time.perf_counter() - t0)
+        resp: web.StreamResponse
+        try:
+            resp = await fn(request)
+        except web.HTTPException as e:  # e.g. aiohttp's 413 for a body over client_max_size
+            reason = "TooLarge" if e.status == 413 else "BadRequest"
+            msg = (f"body over {MAX_REPORT_BYTES} bytes" if e.status == 413
+                   else (e.text or e.reason))
+            resp = _error(e.status, reason, msg)
+        except (ApiError, aiohttp.ClientError, OSError) as e:
+            # The API server is unreachable or failing: nothing was persisted, retry.
+            log.warning("step-report endpoint: API server unavailable: %s", e)
+            resp = _error(503, "Unavailable", f"API server unavailable, retry: {e}")
+        except Exception:
+            log.exception("step-report endpoint: %s %s failed", request.method, request.path)
+            resp = _error(500, "InternalError", "the operator failed to handle this request;"
+                          " see its log")
+        code = str(resp.status)
+        metrics.report_latency.labels(route, code).observe(time.perf_counter() - t0)
+        if resp.status >= 400:
+            metrics.report_errors.labels(route, code, resp.get(_REASON, "")).inc()
         return resp
 
     async def authorize(request: web.Request) -> Any:
@@ -76,6 +150,9 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
         if rt is None:
             return _error(404, "NotFound", f"rltrainingjob {ns}/{name} not found")
         presented = _bearer(request)
+        if presented is not None and not presented.isascii():
+            return _error(401, "Unauthorized", "the bearer token is not ASCII (a job's token"
+                          " is URL-safe base64)")
         if presented is None or not await jobs.check_token(rt, presented):
             return _error(401, "Unauthorized", "missing or wrong bearer token for this job")
         return rt
@@ -95,10 +172,10 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
         if isinstance(rt, web.Response):
             return rt
         try:
-            raw = await request.json()
+            raw = parse_body(await request.read())
             report = StepReport.model_validate(raw)
-        except json.JSONDecodeError as e:
-            return _error(422, "InvalidReport", f"body is not JSON: {e}")
+        except BadBody as e:
+            return _error(422, "InvalidReport", str(e))
         except ValidationError as e:
             reason = "ImpossibleLengths" if "lengths" in str(e) else "InvalidReport"
             return _error(422, reason, format_validation_error(e))
@@ -119,7 +196,17 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
             return _error(404, "NotFound", f"rltrainingjob {rt.namespace}/{rt.name} not found")
         except ManifestError as e:
             return _error(422, "InvalidSpec", str(e))
-        except (ConflictLoop, ApiError, OSError) as e:
+        except ApiError as e:
+            if e.status in (400, 422):
+                # The API server refused the new status itself (invalid, not unavailable):
+                # it would refuse it again on every retry of this report.
+                log.warning("report for %s/%s refused by the API server: %s", rt.namespace,
+                            rt.name, e)
+                return _error(422, "StatusRejected",
+                              f"the API server refused the status this report makes: {e}")
+            log.warning("report for %s/%s not persisted: %s", rt.namespace, rt.name, e)
+            return _error(503, "Unavailable", f"state not persisted, retry: {e}")
+        except (ConflictLoop, OSError) as e:
             log.warning("report for %s/%s not persisted: %s", rt.namespace, rt.name, e)
             return _error(503, "Unavailable", f"state not persisted, retry: {e}")
         if acc.new:
@@ -150,7 +237,7 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
             log.warning("step-report endpoint: API server unavailable: %s", e)
             return _error(503, "Unavailable", f"API server unavailable, retry: {e}")
 
-    app = web.Application(middlewares=[unavailable])
+    app = web.Application(middlewares=[unavailable], client_max_size=MAX_REPORT_BYTES)
     app.router.add_get(BASE + "/plan", plan_route)
     app.router.add_post(BASE + "/steps", steps_route)
     return app

@@ -21,13 +21,13 @@ all policies); bubble fraction is time-weighted over rollout phases (rlpacer.sim
     fixed4               3.66 h      2.16x      0.130   0.907    4.00    1.94    200     0
     fixed8               5.22 h      1.52x      0.230   0.855    8.00    2.72    200     0
     fixed16              7.92 h      1.00x      0.400   0.783   16.00    3.59    200     0
-    sagc                 5.02 h      1.58x      0.215   0.845    7.94    2.81    200     0
+    sagc                 5.11 h      1.55x      0.220   0.845    8.18    2.84    200     0
     tail8                3.76 h      2.10x      0.065   0.632    8.00    4.30    200    40
-    sagc_tail            3.36 h      2.36x      0.040   0.639    6.94    4.18    200    40
+    sagc_tail            3.68 h      2.15x      0.065   0.647    7.62    4.18    200    40
 
-sagc_tail 2.36x fixed16 (bubble 0.64 vs 0.78), tail8 1.39x fixed8, sagc's straggler rate 0.215
-with delta 0.2, p(4) 0.13 < delta < p(16) 0.40. Seeds 1 and 2: sagc_tail 2.14x / 2.17x,
-tail8 1.42x / 1.42x fixed8, sagc 0.24 / 0.22.
+sagc_tail 2.15x fixed16 (bubble 0.65 vs 0.78), tail8 1.39x fixed8, sagc's straggler rate 0.220
+with delta 0.2, p(4) 0.13 < delta < p(16) 0.40. Seeds 1, 2, 3: sagc_tail 2.46x / 2.24x /
+2.34x, sagc 0.225 / 0.220 / 0.240 (step 0 runs ``groupControl.initial``).
 """
 
 from __future__ import annotations

@@ -121,11 +121,15 @@ def test_decide_is_idempotent_until_observed() -> None:
     assert ctl.pending is None
 
 
-def test_first_decision_climbs_from_initial_with_lambda_zero() -> None:
-    ctl = SAGCController(SAGCConfig())
+@pytest.mark.parametrize("initial", [4, 8, 16])
+def test_step_0_runs_initial_then_climbs_with_lambda_zero(initial: int) -> None:
+    ctl = SAGCController(SAGCConfig(initial=initial))
     assert ctl.lambda_ == 0.0
-    assert ctl.current == 8
-    assert ctl.decide() == 16  # lambda = 0: the largest allowed size wins
+    assert ctl.current == initial
+    assert ctl.decide() == initial  # the documented first group size, not a draw
+    ctl.observe(initial, max_len=200, median_len=100)  # not a straggler
+    # lambda = 0: the largest allowed size wins from the second step on
+    assert ctl.decide() == min(initial * 2, 16)
 
 
 @pytest.mark.parametrize(
@@ -271,7 +275,7 @@ def test_deterministic_under_a_seed() -> None:
 def test_no_stragglers_climbs_to_the_largest_size() -> None:
     ctl = SAGCController(SAGCConfig(candidates=(2, 4, 8, 16, 32), initial=2))
     chosen = _drive(ctl, {2: 0.0, 4: 0.0, 8: 0.0, 16: 0.0, 32: 0.0}, 100, 0)
-    assert chosen[:4] == [4, 8, 16, 32]  # one notch per step (radius 1)
+    assert chosen[:5] == [2, 4, 8, 16, 32]  # initial, then one notch per step (radius 1)
     assert set(chosen[4:]) == {32}
     assert ctl.lambda_ == 0.0
 

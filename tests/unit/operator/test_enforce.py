@@ -47,14 +47,14 @@ def data(step: int, g: int, mx: float, kind: str = "Short", nxt: str = "Short",
     from rlpacer.api.protocol import RoundKind
     return StepReportData(attempt=0, step=step, group_size=g, round_kind=RoundKind(kind),
                           lengths=LengthStats(max=mx, median=10.0, p90=min(mx, 20.0),
-                                              count=8 * g),
+                                              count=4 * g),
                           seconds=StepSecondsData(rollout=seconds), next_round_kind=RoundKind(nxt))
 
 
 def wire(step: int, g: int, mx: float, nxt: str = "Short", seconds: float = 1.5) -> StepReport:
     return StepReport.model_validate({
         "attempt": 0, "step": step, "groupSize": g, "roundKind": "Short",
-        "lengths": {"max": mx, "median": 10.0, "p90": min(mx, 20.0), "count": 8 * g},
+        "lengths": {"max": mx, "median": 10.0, "p90": min(mx, 20.0), "count": 4 * g},
         "seconds": {"rollout": seconds}, "longQueue": 0, "nextRoundKind": nxt})
 
 

@@ -107,7 +107,7 @@ def report(
         "step": step,
         "groupSize": g,
         "roundKind": kind,
-        "lengths": {"max": mx, "median": med, "p90": min(mx, med * 2), "count": 8 * g},
+        "lengths": {"max": mx, "median": med, "p90": min(mx, med * 2), "count": 4 * g},
         "seconds": {"rollout": 1.0, "train": 0.5},
         "longQueue": 0,
         "nextRoundKind": nxt,
