@@ -109,15 +109,19 @@ def netns_inode() -> int:
 
 
 def resolve_threads_bind(bind: str, slot: int) -> str:
-    """``slot:auto`` binds engine ``slot`` on this host to one core of those this process may
-    use (round robin), so engines sharing a machine do not share a core; anything else is
-    vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` as given."""
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for an engine. ``slot:auto``: when this process
+    was given a subset of the machine's cores (a pod with a cpuset, e.g. Kubernetes' static
+    CPU manager), all of them; else the core ``slot`` picks, round robin over the cores, so
+    engines sharing a machine (local runs, several rollout pods on a node without cpusets,
+    played pods) do not share a core. Anything else is passed through as given."""
     if bind != "slot:auto":
         return bind
     try:
         cores = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = list(range(os.cpu_count() or 1))
+    if len(cores) < (os.cpu_count() or len(cores)):
+        return ",".join(map(str, cores))
     return str(cores[slot % len(cores)])
 
 

@@ -32,11 +32,8 @@ from typing import Any, cast
 
 import torch
 
-from rlpacer_trainer import tiny, weights
+from rlpacer_trainer import tiny, topology, weights
 from rlpacer_trainer.learner import Learner, LearnerConfig, Sample, Shard
-
-#: The custom Ray resource a learner pod advertises for replica ``i`` (pod.py sets it).
-LEARNER_RESOURCE = "rlpacer.io/learner-{index}"
 
 
 class LearnerWorker:
@@ -157,13 +154,13 @@ class RayLearners:
         self.replicas = replicas
         if pinned is None:  # pin to learner pods when the cluster has them
             have = ray.cluster_resources()  # type: ignore[no-untyped-call]
-            pinned = all(LEARNER_RESOURCE.format(index=i) in have for i in range(replicas))
+            pinned = all(topology.pod_resource("learner", i) in have for i in range(replicas))
         actor_cls = ray.remote(LearnerWorker)
         self.actors: list[Any] = []
         for rank in range(replicas):
             opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": gpus}
             if pinned:
-                opts["resources"] = {LEARNER_RESOURCE.format(index=rank): 0.01}
+                opts["resources"] = {topology.pod_resource("learner", rank): 0.01}
             self.actors.append(actor_cls.options(**opts).remote(
                 model_path, cfg, rank=rank, world=replicas, threads=threads))
         if replicas > 1:

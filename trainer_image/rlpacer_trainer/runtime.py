@@ -1,8 +1,10 @@
 """Assembles a run: Ray, engines (Ray actors), learner, planner, controller, driver.
 
-Locally Ray starts in-process with ``num_cpus=2`` (no dashboard); in a pod, ``RAY_ADDRESS``
-joins the job's cluster. Engines are Ray actors with fractional CPUs; the learner lives in the
-driver process with one intra-op thread (see engine.py on why threads are capped).
+Locally Ray starts in-process with ``num_cpus=2`` (no dashboard); in a pod the driver attaches
+to the job's Ray cluster (:mod:`rlpacer_trainer.topology`). Engines (one per rollout replica)
+and learners (one per learner replica) are Ray actors with fractional CPUs, each placed on its
+own pod when the cluster's nodes advertise them; the driver holds no model weights. Threads
+are capped (see engine.py on why).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpacer.control.tail_batching import TailBatchingPlanner
+from rlpacer_trainer import topology
 from rlpacer_trainer.config import RunConfig
 from rlpacer_trainer.controller_client import InProcessController
 from rlpacer_trainer.driver import Driver
@@ -59,10 +62,6 @@ def engine_config(cfg: RunConfig, model_path: Path | None = None, *, replica: in
     )
 
 
-#: The custom Ray resource a rollout pod advertises for replica ``i`` (pod.py sets it).
-ROLLOUT_RESOURCE = "rlpacer.io/rollout-{index}"
-
-
 def start_engines(cfg: RunConfig, count: int, use_ray: bool = True) -> list[Any]:
     """One engine per rollout replica ``0..count-1``.
 
@@ -75,17 +74,17 @@ def start_engines(cfg: RunConfig, count: int, use_ray: bool = True) -> list[Any]
     import ray
 
     have = ray.cluster_resources()  # type: ignore[no-untyped-call]
-    pinned = all(ROLLOUT_RESOURCE.format(index=i) in have for i in range(count))
+    pinned = all(topology.pod_resource("rollout", i) in have for i in range(count))
     rollout = cfg.spec.rollout
     engines = []
     for i in range(count):
-        ecfg = engine_config(cfg, replica=i, slot=0 if pinned else i)
+        ecfg = engine_config(cfg, replica=i, slot=i)
         if int(rollout.gpus_per_replica) > 0:
             ecfg = dataclasses.replace(ecfg, tensor_parallel_size=int(rollout.tensor_parallel_size),
                                        dtype="bfloat16", single_process=False)
         engines.append(RayEngine(
             ecfg, num_cpus=cfg.engine_cpus, num_gpus=int(rollout.gpus_per_replica),
-            resources={ROLLOUT_RESOURCE.format(index=i): 0.01} if pinned else None))
+            resources={topology.pod_resource("rollout", i): 0.01} if pinned else None))
     return engines
 
 

@@ -1,0 +1,159 @@
+"""The data plane across played hosts: every pod of a job on a host of its own.
+
+A Ray head, two learner pods, two rollout pods and a driver pod run the pod entrypoint
+(``python -m rlpacer_trainer.pod``), each in its own network, UTS and PID namespace
+(:class:`rlpacer.testing.netns.TestHosts`), reaching each other only through the job's Service
+name and their own addresses, with the job's Ray token. The driver trains a few steps of the
+tiny job with its in-process controller. From what the engines and learners report about
+themselves (the driver's ``topology-attempt0.json`` and metrics records):
+
+* each rollout replica's engine ran on that replica's host (address and network namespace
+  read inside the engine's actor) and generated responses in every step;
+* every engine held the learner's weight fingerprint after each sync (the version each engine
+  generated with is the previous update's), computed inside the engine's worker;
+* the two learner replicas ran on the learner hosts, data parallel (gloo across hosts), and
+  rank 0 wrote the checkpoint;
+* the driver's process holds no learner or engine (they are on other hosts).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlpacer.api import contract
+from rlpacer.testing.netns import TestHosts
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-local.yaml"
+JOB, NS = "hosts", "team-a"
+HEAD_SVC = f"{JOB}-head.{NS}.svc"
+STEPS = 3
+
+
+def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"head exited with {proc.returncode}"
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"{host}:{port} not listening after {timeout}s")
+
+
+def _manifest(path: Path) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    spec = doc["spec"]
+    spec["rollout"]["replicas"] = 2
+    spec["tailBatching"]["longRound"]["rolloutReplicas"] = 2
+    spec["trainer"]["replicas"] = 2
+    spec["steps"] = STEPS
+    spec["promptsPerStep"] = 16
+    spec["checkpoint"]["everySteps"] = 2
+    path.write_text(yaml.safe_dump(doc))
+
+
+def test_every_pod_does_its_roles_work_on_its_own_host(tmp_path: Path) -> None:
+    token = secrets.token_hex(32)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    ckpt = tmp_path / "checkpoints"  # the checkpoint claim: driver and learner pods mount it
+    _manifest(tmp_path / "job.yaml")
+    hosts = TestHosts()
+    temp_root = Path(f"/tmp/{hosts.tag}")  # short: Ray's unix socket paths
+    pods = {"head": contract.Role.HEAD, "learner-0": contract.Role.LEARNER,
+            "learner-1": contract.Role.LEARNER, "rollout-0": contract.Role.ROLLOUT,
+            "rollout-1": contract.Role.ROLLOUT, "driver": contract.Role.DRIVER}
+    python = sys.executable
+    try:
+        with hosts:
+            for name in pods:
+                hosts.add(name)
+            hosts.alias("head", HEAD_SVC, f"{HEAD_SVC}.cluster.local")
+
+            def start(name: str) -> subprocess.Popen[bytes]:
+                role = pods[name]
+                home = tmp_path / "home" / name
+                home.mkdir(parents=True)
+                env = {
+                    "PATH": f"{Path(python).parent}:/usr/sbin:/usr/bin:/sbin:/bin",
+                    "HOME": str(home), "RAY_AUTH_TOKEN": token, "PYTHONUNBUFFERED": "1",
+                    "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
+                    "TOKENIZERS_PARALLELISM": "false",
+                    contract.ENV_JOB: JOB, contract.ENV_NAMESPACE: NS,
+                    contract.ENV_ROLE: role.value, contract.ENV_POD_IP: hosts.address(name),
+                    contract.ENV_RAY_TEMP_DIR: str(temp_root / name),
+                    contract.ENV_RANK: name.rsplit("-", 1)[-1] if "-" in name else "0",
+                }
+                if role is not contract.Role.HEAD:
+                    env[contract.ENV_RAY_ADDRESS] = f"{HEAD_SVC}:{contract.RAY_GCS_PORT}"
+                if role is contract.Role.DRIVER:
+                    env |= {contract.ENV_CONFIG: str(tmp_path / "job.yaml"),
+                            contract.ENV_CHECKPOINT_DIR: str(ckpt), contract.ENV_ATTEMPT: "0"}
+                log = open(logs / f"{name}.log", "wb")  # noqa: SIM115
+                return hosts.popen(name, [python, "-m", contract.POD_ENTRYPOINT_MODULE],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT)
+
+            head = start("head")
+            _wait_port(hosts.address("head"), contract.RAY_GCS_PORT, head, 90)
+            for name in ("learner-0", "learner-1", "rollout-0", "rollout-1"):
+                start(name)
+            driver = start("driver")
+            try:
+                rc = driver.wait(timeout=780)
+            except subprocess.TimeoutExpired:
+                driver.kill()
+                rc = -1
+            assert rc == 0, "driver failed:\n" + "\n".join(
+                f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+                for p in sorted(logs.iterdir()))
+            topo = json.loads((ckpt / "topology-attempt0.json").read_text())
+            recs = [json.loads(x) for x in
+                    (ckpt / "metrics-attempt0.jsonl").read_text().splitlines()]
+            inode = {n: hosts.hosts[n].netns_inode() for n in pods}
+            addr = {n: hosts.address(n) for n in pods}
+    finally:
+        shutil.rmtree(temp_root, ignore_errors=True)
+    print(json.dumps(topo, indent=1))
+    print("weight sync seconds per update across hosts:",
+          [round(r["seconds_sync"], 3) for r in recs])
+
+    # each engine on its rollout replica's host, as the engine itself reports it
+    for e in topo["engines"]:
+        host = f"rollout-{e['replica']}"
+        assert (e["address"], e["netns"], e["hostname"]) == (addr[host], inode[host], host), e
+    assert sorted(e["replica"] for e in topo["engines"]) == [0, 1]
+    # each learner replica on its learner host
+    for x in topo["learners"]:
+        host = f"learner-{x['rank']}"
+        assert (x["address"], x["netns"], x["hostname"]) == (addr[host], inode[host], host), x
+    assert sorted(x["rank"] for x in topo["learners"]) == [0, 1]
+    assert topo["driver"]["hostname"] == "driver"
+
+    # every step: both engines generated, at the weights of the previous update
+    held = topo["policy_version"]
+    assert [r["step"] for r in recs] == list(range(STEPS))
+    for r in recs:
+        assert sorted(e["replica"] for e in r["engines"]) == [0, 1], r["engines"]
+        for e in r["engines"]:
+            assert e["responses"] > 0 and e["tokens"] > 0
+            assert e["address"] == addr[f"rollout-{e['replica']}"]
+            assert e["policy_version"] == held, (r["step"], e, held)
+        held = r["policy_version"]
+    # the checkpoint: learner rank 0 wrote the learner part, the driver the rest
+    latest = ckpt / (ckpt / "latest").read_text().strip()
+    assert (latest / "learner.pt").stat().st_size > 100_000
+    assert (latest / "state.json").exists() and (latest / "driver.pt").exists()
