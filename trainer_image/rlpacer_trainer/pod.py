@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -109,14 +110,39 @@ def ray_command(role: str, env: Mapping[str, str]) -> list[str]:
     return topology.ray_start_command(role, env)
 
 
+class Terminated(SystemExit):
+    """SIGTERM (the kubelet stopping the pod): unwind and exit 143 (128 + SIGTERM)."""
+
+
+def _on_sigterm(signum: int, _frame: object) -> None:
+    raise Terminated(128 + signum)
+
+
+def _run_node(role: str, env: Mapping[str, str]) -> int:
+    """``ray start --block`` for this pod; SIGTERM stops it (and what it started) first."""
+    proc = subprocess.Popen(ray_command(role, env), env=topology.ray_env(env))
+    try:
+        return proc.wait()
+    except Terminated:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+
+
 def main(env: Mapping[str, str] | None = None) -> int:
     env = dict(os.environ if env is None else env)
     role = env.get(c.ENV_ROLE, c.Role.DRIVER.value)
+    # A container's entrypoint is PID 1, which ignores SIGTERM unless it handles it: without
+    # this a stopped pod would wait out its grace period and be killed without cleanup.
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if role == c.Role.DRIVER:
             return run_driver(env)
         if role in (c.Role.HEAD, c.Role.ROLLOUT, c.Role.LEARNER):
-            return subprocess.call(ray_command(role, env), env=topology.ray_env(env))
+            return _run_node(role, env)
         raise PodEnvError(f"{c.ENV_ROLE}={role!r}: expected one of {[r.value for r in c.Role]}")
     except (PodEnvError, topology.TopologyError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -187,6 +187,7 @@ class TestHosts:
         self.subnet: ipaddress.IPv4Network | None = None
         self.bridge = f"{self.tag}b"
         self._bridge_made = False
+        self._next = 0  # hosts made so far (addresses and link names are never reused)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -282,7 +283,8 @@ class TestHosts:
             raise ValueError(f"host name {name!r}: lowercase letters, digits and '-' only")
         if name in self.hosts:
             raise ValueError(f"host {name!r} exists")
-        i = len(self.hosts)
+        i = self._next
+        self._next += 1
         if i + 2 >= self.subnet.num_addresses - 1:
             raise ValueError(f"no address left in {self.subnet}")
         address = str(self.subnet.network_address + 2 + i)
@@ -308,8 +310,26 @@ class TestHosts:
 
     def alias(self, host: str, *names: str) -> None:
         """Make ``names`` resolve to ``host``'s address in every host."""
-        for n in names:
-            self.names[n] = self.hosts[host].address
+        self.map_names({n: self.hosts[host].address for n in names})
+
+    def map_names(self, names: Mapping[str, str]) -> None:
+        """Make each name resolve to its address in every host (e.g. a Service name to the
+        gateway, where a process of the root namespace serves it)."""
+        if any(self.names.get(n) != a for n, a in names.items()):
+            self.names.update(names)
+            self._write_etc()
+
+    def remove(self, name: str) -> None:
+        """Kill ``name``'s processes and remove the host (a pod deleted for good); the names
+        that resolved to it stop resolving."""
+        h = self.hosts.pop(name)
+        for p in h.procs:
+            _signal_group(p, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+        _remove_netns(h.netns)
+        _run("ip", "link", "del", h.veth, check=False)
+        self.names = {n: a for n, a in self.names.items() if a != h.address}
         self._write_etc()
 
     def _write_etc(self) -> None:
