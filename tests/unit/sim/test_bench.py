@@ -26,7 +26,9 @@ KEYS = {
     "responses_per_s",
     "prompts_trained",
     "speedup_vs_fixed16",
+    "setups",
 }
+SETUP_KEYS = {"small", "large", "elastic", "elastic_vs_large", "elastic_vs_small", "target_met"}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,28 @@ def test_cli_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert set(data["policies"]) == set(POLICY_NAMES)
     for entry in data["policies"].values():
         assert set(entry) >= KEYS
+        assert set(entry["setups"]) >= SETUP_KEYS
+        for k in ("small", "large", "elastic"):
+            assert set(entry["setups"][k]) >= {
+                "rollout_replicas", "wall_clock_s", "rollout_gpu_s", "rollout_gpu_s_per_prompt"
+            }
+    assert data["elastic"]["long_replicas"] == 4 and data["elastic"]["scale_up_s"] == 90.0
+    assert "elastic/large" in printed and "GPU-s/pr" in printed
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_elastic_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "bench.json"
+    code = main(["bench", "--steps", "4", "--long-round-replicas", "6", "--scale-up-s", "20",
+                 "--json", str(out_json)])
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    assert data["elastic"]["long_replicas"] == 6 and data["elastic"]["scale_up_s"] == 20.0
+    assert data["policies"]["tail8"]["setups"]["large"]["rollout_replicas"] == 6
+    assert data["policies"]["fixed8"]["setups"]["large"]["rollout_replicas"] == 2
+    capsys.readouterr()
+    assert main(["bench", "--steps", "4", "--scale-up-s", "-1"]) == 2
+    assert "scale_up_s" in capsys.readouterr().err
 
 
 def test_cli_rejects_unknown_scenario(capsys: pytest.CaptureFixture[str]) -> None:
