@@ -15,7 +15,29 @@ run. ``--ablations`` adds ``sagc_tail_feed`` (long rounds feed SAGC) to measure 
 Straggler rates are measured on every step with the scenario's ``tau`` (one definition for
 all policies); bubble fraction is time-weighted over rollout phases (rlpacer.sim.cost).
 
-``rlpacer bench`` (default scenario, 200 steps, seed 0; 10-20 s here)::
+**Elastic long rounds** (the second table). Every policy also reports three rollout set-ups,
+computed from the same schedule (the same rounds, prompts, G and kept responses: a long round
+keeps every response, and nothing in the planner or controller depends on a round's timing):
+
+    small pool   ``engines`` replicas for every round, long rounds included
+    large pool   ``long_round_engines`` replicas held all run; short rounds still run on
+                 ``engines`` (the job's ``rollout.replicas``), the rest idle but paid for
+    elastic      ``engines``; the report before a long round asks for the extra replicas
+                 (as ``rlpacer.operator.scaler.plan_round``); the round starts at once on the
+                 replicas there, the extra ones join ``scale_up_s`` after the request and
+                 take a share of the unfinished requests (rlpacer.sim.rollout); they are
+                 released at the report of the last consecutive long round (the end of its
+                 step: reward, train and sync included). Replicas ready at the round's start
+                 (``scale_up_s`` 0, or a second consecutive long round) spread it like the
+                 large pool does.
+
+Rollout GPU-seconds = sum over replicas of the time held x ``gpus_per_engine``, per trained
+prompt (every policy trains the same prompts). Without tail batching there are no long rounds
+and the operator keeps ``rollout.replicas`` (``scaler.long_replicas``): the three coincide.
+Not modelled: the scale-up timeout (``scaleUpTimeoutSeconds``, 300 s in the example, above the
+default latency), a longer weight sync with more engines, and GPUs the cluster lacks.
+
+``rlpacer bench`` (default scenario, 200 steps, seed 0; 3-20 s here)::
 
     policy           wall clock vs fixed16  straggler  bubble  mean G  resp/s  steps  long
     fixed4               3.66 h      2.16x      0.130   0.907    4.00    1.94    200     0
@@ -28,6 +50,24 @@ all policies); bubble fraction is time-weighted over rollout phases (rlpacer.sim
 sagc_tail 2.15x fixed16 (bubble 0.65 vs 0.78), tail8 1.39x fixed8, sagc's straggler rate 0.220
 with delta 0.2, p(4) 0.13 < delta < p(16) 0.40. Seeds 1, 2, 3: sagc_tail 2.46x / 2.24x /
 2.34x, sagc 0.225 / 0.220 / 0.240 (step 0 runs ``groupControl.initial``).
+
+Elastic long rounds (2 -> 4 replicas of 2 GPUs, scale-up 90 s; GPU-s per trained prompt)::
+
+    policy       small pool       large pool       elastic          el/large         el/small
+    tail8        3.76 h   8.46    3.68 h  16.56    3.76 h  11.81    1.022x  0.713x   1.000x  1.395x
+    sagc_tail    3.68 h   8.29    3.61 h  16.24    3.68 h  11.59    1.021x  0.714x   1.000x  1.399x
+
+The target (elastic within 10% of the large pool's wall clock with at least 25% fewer rollout
+GPU-seconds) is met, but only because the large pool is itself only 2% faster than the small
+one: a long round lasts about as long as its longest response (14 of tail8's 40 long rounds
+have one at the 16k cap), decoded at near batch-1 speed (9 ms a token) on any number of
+replicas. The long rounds' rollout totals 3984 s on 2 replicas, 3692 s on 4, and 3286 s is
+the floor of their longest responses alone at 9 ms a token. By 90 s the 18 long rounds still
+running hold fewer unfinished requests than engines, so the joining replicas find nothing to
+take: elastic pays 1.4x the small pool's GPU-seconds for its wall clock. Replica scale-out
+cannot shorten one sequence's decode; lower per-token latency (larger tensor parallelism for
+long rounds, as RollPacker does) can. With ``--scale-up-s 0`` elastic equals the large pool's
+wall clock (0.978x the small pool's) at 0.69x its GPU-seconds; at 30 s, 0.998x the small pool.
 """
 
 from __future__ import annotations
