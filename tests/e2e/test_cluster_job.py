@@ -45,6 +45,7 @@ from rlpacer.operator import names
 from rlpacer.testing import LocalCluster
 from rlpacer.testing.cluster import find_kubectl, free_ports, repo_root
 from rlpacer.testing.harness import PlayedPod, PodHarness
+from rlpacer.testing.netns import TestHosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 
@@ -52,6 +53,7 @@ CHART = repo_root() / "charts" / "rlpacer"
 EXAMPLE = repo_root() / "examples" / "tiny-cluster.yaml"
 JOB = "tiny-cluster"
 RUN_TIMEOUT = float(os.environ.get("RLPACER_E2E_TIMEOUT", "1200"))
+ALL_ROLES = [r.value for r in contract.Role]
 # The namespace's policy (the example job fits it; see the file's comments).
 POLICY = repo_root() / "examples" / "tiny-cluster-policy.yaml"
 
@@ -73,6 +75,7 @@ class Operator:
         self.env: dict[str, str] = {}
         self.log = tmp / "operator.log"
         self.starts = 0
+        self.report_host = "127.0.0.1"  # where the played pods reach its report endpoint
 
     def start(self) -> None:
         self.starts += 1
@@ -88,8 +91,9 @@ class Operator:
         for key in ("tls.crt", "tls.key"):
             (cert_dir / key).write_bytes(base64.b64decode(secret["data"][key]))
         env["RLPACER_OPERATOR_WEBHOOK_CERT_DIR"] = str(cert_dir)
-        for what in ("WEBHOOK", "REPORT", "METRICS"):  # the pod's IP is loopback here
+        for what in ("WEBHOOK", "METRICS"):  # the pod's IP is loopback here
             env[f"RLPACER_OPERATOR_{what}_HOST"] = "127.0.0.1"
+        env["RLPACER_OPERATOR_REPORT_HOST"] = self.report_host
         env["RLPACER_OPERATOR_KUBECONFIG"] = str(self.cluster.kubeconfig_for_service_account(
             self.system, f"{self.release}-rlpacer"))
         self.env = env
@@ -168,7 +172,13 @@ def release(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
     cluster.create_namespace(jobs)
     values = helm_values(jobs, free_ports(3))
     op = Operator(cluster, name, system, tmp)
-    harness = PodHarness(cluster, jobs, tmp / "harness",
+    # every pod of the job played on a host of its own; the operator's Service resolves to
+    # the hosts' gateway, where the operator (a process of this namespace) listens
+    hosts = TestHosts().start()
+    op.report_host = hosts.gateway
+    svc = f"{name}-rlpacer.{system}.svc"
+    harness = PodHarness(cluster, jobs, tmp / "harness", roles=ALL_ROLES, hosts=hosts,
+                         names={svc: hosts.gateway, f"{svc}.cluster.local": hosts.gateway},
                          label_selector=f"{contract.LABEL_JOB}={JOB}")
     rel = Release(cluster, name, system, jobs, values, op, harness, tmp)
     try:
@@ -187,6 +197,7 @@ def release(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
         yield rel
     finally:
         harness.stop()
+        hosts.close()
         op.stop()
         if not rel.uninstalled:
             cluster.helm("uninstall", name, "-n", system, check=False)
@@ -340,6 +351,38 @@ def test_job_succeeds_because_the_trainer_finished_its_steps(
     # The operator deletes the finished job's workloads (KWOK pods included).
     assert release.get("pod", driver.name, "-n", release.jobs) is None or \
         release.get("pod", driver.name, "-n", release.jobs)["status"]["phase"] == "Succeeded"
+
+
+def test_every_pod_did_its_roles_work_on_its_own_host(release: Release, run: Run) -> None:
+    """Head, learner, rollout and driver pods each played on a host of its own: the engine
+    and the learner report (from inside their own processes) the host of their pod."""
+    h = release.harness
+    head, learner, rollout0 = (h.played(names.statefulset(JOB, r) + "-0")[0] for r in (
+        contract.Role.HEAD, contract.Role.LEARNER, contract.Role.ROLLOUT))
+    (driver,) = run.drivers
+    addresses = [p.address for p in (head, learner, rollout0, driver)]
+    assert None not in addresses and len(set(addresses)) == 4, addresses
+    topo = json.loads((driver.mount(contract.CHECKPOINT_DIR) / "topology-attempt0.json"
+                       ).read_text())
+    (engine,) = topo["engines"]
+    assert (engine["replica"], engine["address"], engine["hostname"]) == \
+        (0, rollout0.address, rollout0.name), engine
+    (lrn,) = topo["learners"]
+    assert (lrn["rank"], lrn["address"], lrn["hostname"]) == \
+        (0, learner.address, learner.name), lrn
+    assert topo["driver"]["hostname"] == driver.name
+    # every step the engine on rollout-0 generated, at the learner's previous weights
+    held = topo["policy_version"]
+    for r in _metrics(driver):
+        assert [(e["replica"], e["address"]) for e in r["engines"]] == \
+            [(0, rollout0.address)], r["engines"]
+        assert r["engines"][0]["responses"] > 0 and r["engines"][0]["policy_version"] == held
+        held = r["policy_version"]
+    # the long round's extra rollout pod was played on a host of its own and joined Ray
+    # (it generates nothing yet: the driver's engines are fixed at the start)
+    (extra,) = h.played(names.statefulset(JOB, contract.Role.ROLLOUT) + "-1")
+    assert extra.address not in addresses
+    assert "Ray runtime started" in extra.log_tail(20000), extra.log_tail()
 
 
 def test_sagc_and_tail_batching_drive_the_run(run: Run) -> None:

@@ -70,6 +70,7 @@ def run_driver(env: Mapping[str, str]) -> int:
     if env.get(c.ENV_RAY_ADDRESS):
         # a separate host: attach through a Ray node of this pod (topology's docstring)
         with topology.attached(env, runtime_env=runtime.RUNTIME_ENV):
+            runtime.wait_for_pods(cfg)  # then every engine and learner goes to its own pod
             return _run_loop(cfg, ckpt, attempt, controller)
     runtime.init_ray()
     return _run_loop(cfg, ckpt, attempt, controller)

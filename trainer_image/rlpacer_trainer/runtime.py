@@ -114,6 +114,34 @@ def build_driver(
     return drv
 
 
+def wait_for_pods(cfg: RunConfig, timeout_s: float = 600.0, poll_s: float = 1.0) -> None:
+    """On a job's Ray cluster: wait until every learner and rollout pod the spec names has
+    joined (its ``rlpacer.io/<role>-<i>`` resource is offered), so each engine and learner
+    can be placed on its own pod; a pod that never joins fails the attempt, naming it."""
+    import time
+
+    import ray
+
+    spec = cfg.spec
+    need = ({topology.pod_resource("learner", i) for i in range(int(spec.trainer.replicas))}
+            | {topology.pod_resource("rollout", i) for i in range(int(spec.rollout.replicas))})
+    deadline = time.monotonic() + timeout_s
+    last_log = 0.0
+    while True:
+        missing = need - set(ray.cluster_resources())  # type: ignore[no-untyped-call]
+        if not missing:
+            return
+        now = time.monotonic()
+        if now > deadline:
+            raise topology.TopologyError(
+                f"these pods never joined the job's Ray cluster in {timeout_s:.0f} s: "
+                f"{sorted(missing)} (their resources are not offered)")
+        if now - last_log > 15:
+            print(f"waiting for pods to join Ray: {sorted(missing)}", flush=True)
+            last_log = now
+        time.sleep(poll_s)
+
+
 def start_learners(cfg: RunConfig) -> RayLearners:
     """``spec.trainer.replicas`` learner actors, each on its learner pod when the job's Ray
     cluster has them (data parallel from two replicas on), else on this machine's Ray."""

@@ -30,6 +30,14 @@ The translation from pod spec to process is one pure function, :func:`local_comm
   ``"<svc>.<ns>:<port>"``) to. The operator runs as a local process listening on the port its
   Service exposes, so the step-report URL the operator gives its pods reaches it unchanged but
   for the host.
+* **Played hosts.** With ``hosts`` (:class:`rlpacer.testing.netns.TestHosts`) every played
+  pod runs on a host of its own, named after the pod: its own network namespace and address
+  (``status.podIP``), hostname and PID namespace, and home folder. Service names are then
+  not rewritten: each Service of the namespace resolves in every host to the played pods its
+  selector picks (a ClusterIP Service to one of them, a headless one per pod as
+  ``<pod>.<svc>.<ns>.svc``), and ``names`` (e.g. the operator's Service, served from the root
+  namespace at the hosts' gateway) to the given addresses, as cluster DNS would. A pod that
+  is deleted takes its host with it; a pod that comes back gets a fresh one.
 * **Roles not played.** Only pods whose role label (:data:`rlpacer.api.contract.LABEL_ROLE`)
   is in ``roles`` get a process; by default that is the driver alone. The driver's engines are
   in-process Ray actors (``RAY_ADDRESS`` is dropped, so ``ray.init`` starts Ray locally), so
@@ -49,6 +57,7 @@ import contextlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,6 +73,7 @@ from rlpacer.testing.cluster import ApiError
 
 if TYPE_CHECKING:
     from rlpacer.testing.cluster import LocalCluster
+    from rlpacer.testing.netns import TestHosts
 
 __all__ = [
     "DEFAULT_ROLES",
@@ -166,7 +176,7 @@ def _expand(value: str, env: Mapping[str, str]) -> str:
     return _VAR_REF.sub(sub, value)
 
 
-def _field_ref(pod: Obj, path: str) -> str:
+def _field_ref(pod: Obj, path: str, pod_ip: str = "127.0.0.1") -> str:
     meta = pod.get("metadata", {})
     spec = pod.get("spec", {})
     simple = {
@@ -175,9 +185,9 @@ def _field_ref(pod: Obj, path: str) -> str:
         "metadata.uid": meta.get("uid"),
         "spec.nodeName": spec.get("nodeName"),
         "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
-        "status.podIP": "127.0.0.1",
-        "status.hostIP": "127.0.0.1",
-        "status.podIPs": "127.0.0.1",
+        "status.podIP": pod_ip,
+        "status.hostIP": pod_ip,
+        "status.podIPs": pod_ip,
     }
     if path in simple:
         return str(simple[path] or "")
@@ -260,12 +270,15 @@ def local_command(
     python: str = sys.executable,
     services: Mapping[str, str] | None = None,
     drop_env: Iterable[str] = (),
+    pod_ip: str | None = None,
 ) -> LocalCommand:
     """The local process that plays ``pod`` (pure but for ``lookup``; see the module docstring).
 
     ``root`` holds the pods' folders (:func:`pod_dir`) and the claims' (:func:`claim_dir`);
     ``drop_env`` names env variables the process must not get (e.g. ``RAY_ADDRESS`` when the
-    Ray head is not played).
+    Ray head is not played). With ``pod_ip`` (the pod plays on a host of its own, see
+    :class:`PodHarness`' ``hosts``) Service names are kept as they are, for the host's
+    resolver, and the downward API's ``status.podIP`` is that address.
     """
     meta, spec = pod.get("metadata", {}), pod.get("spec", {})
     ns, name = meta.get("namespace", "default"), meta.get("name", "")
@@ -330,7 +343,8 @@ def local_command(
         if "valueFrom" in e:
             vf = e["valueFrom"]
             if "fieldRef" in vf:
-                value: str | None = _field_ref(pod, vf["fieldRef"]["fieldPath"])
+                value: str | None = _field_ref(pod, vf["fieldRef"]["fieldPath"],
+                                               pod_ip or "127.0.0.1")
             elif "configMapKeyRef" in vf:
                 value = _key_ref("configMap", vf["configMapKeyRef"], ns, lookup, what)
             elif "secretKeyRef" in vf:
@@ -344,10 +358,13 @@ def local_command(
         env[e["name"]] = value
     for k in drop_env:
         env.pop(k, None)
-    env = {k: rewrite_addresses(_rewrite_paths(v, mounts), services) for k, v in env.items()}
+    def addresses(text: str) -> str:
+        return text if pod_ip else rewrite_addresses(text, services)
+
+    env = {k: addresses(_rewrite_paths(v, mounts)) for k, v in env.items()}
 
     argv = [*c["command"], *(c.get("args") or [])]
-    argv = [rewrite_addresses(_rewrite_paths(_expand(a, env), mounts), services) for a in argv]
+    argv = [addresses(_rewrite_paths(_expand(a, env), mounts)) for a in argv]
     if Path(argv[0]).name in ("python", "python3"):
         argv[0] = python
     cwd = home / "work"
@@ -375,6 +392,10 @@ class PlayedPod:
     marked: bool = False
     #: The pod was deleted while its process ran (the harness killed it).
     killed: bool = False
+    #: The played host it runs on (PodHarness with ``hosts``), while the pod exists.
+    host: str | None = None
+    #: Its address on that host (its ``status.podIP``); kept after the host is gone.
+    address: str | None = None
 
     def mount(self, mount_path: str) -> Path:
         """The local folder standing in for ``mount_path`` (e.g. the checkpoint volume)."""
@@ -422,6 +443,18 @@ class _ApiLookup:
         return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
 
 
+def _main_pid(pod: PlayedPod) -> int:
+    """The container's main process: on a played host the process ``unshare`` forked (PID 1
+    of the pod's PID namespace), else the process itself."""
+    if pod.host is None:
+        return pod.proc.pid
+    with contextlib.suppress(OSError, ValueError):
+        children = Path(f"/proc/{pod.proc.pid}/task/{pod.proc.pid}/children").read_text()
+        if children.split():
+            return int(children.split()[0])
+    return pod.proc.pid
+
+
 def _exit_code(returncode: int) -> int:
     # A container killed by signal N exits 128+N, as a container runtime reports it.
     return 128 - returncode if returncode < 0 else returncode
@@ -445,6 +478,8 @@ class PodHarness:
         extra_env: Mapping[str, str] | None = None,
         poll_seconds: float = 0.5,
         grace_seconds: float = 20.0,
+        hosts: TestHosts | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> None:
         self.cluster = cluster
         self.namespace = namespace
@@ -455,12 +490,15 @@ class PodHarness:
         self.extra_env = dict(extra_env or {})
         self.poll_seconds = poll_seconds
         self.grace_seconds = grace_seconds
+        self.hosts = hosts
+        self.names = dict(names or {})
         self.pods: dict[str, PlayedPod] = {}  # uid -> played pod
         self.errors: list[str] = []
         self._lookup = _ApiLookup(cluster)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._host_uid: dict[str, str] = {}  # host -> uid of the pod it plays now
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -483,6 +521,8 @@ class PodHarness:
         with self._lock:
             for p in self.pods.values():
                 self._terminate(p)
+        if self.hosts is not None:
+            shutil.rmtree(Path("/tmp") / self.hosts.tag, ignore_errors=True)
 
     # -- queries --------------------------------------------------------------------------
 
@@ -500,11 +540,11 @@ class PodHarness:
         """Freeze a played process (SIGSTOP), e.g. to hold a trainer still while the operator
         restarts. :meth:`resume` continues it."""
         if pod.proc.poll() is None:
-            os.kill(pod.proc.pid, signal.SIGSTOP)
+            os.kill(_main_pid(pod), signal.SIGSTOP)
 
     def resume(self, pod: PlayedPod) -> None:
         if pod.proc.poll() is None:
-            os.kill(pod.proc.pid, signal.SIGCONT)
+            os.kill(_main_pid(pod), signal.SIGCONT)
 
     def describe(self) -> str:
         """Every played pod with its command and log tail (for assertion messages)."""
@@ -539,6 +579,9 @@ class PodHarness:
             raise HarnessError(f"GET {path}: HTTP {status}: {body}")
         live = {p["metadata"]["uid"]: p for p in body.get("items", [])}
         with self._lock:
+            if self.hosts is not None:
+                self._resolve_services(live)
+            launched = False
             for uid, pod in live.items():
                 role = pod["metadata"].get("labels", {}).get(contract.LABEL_ROLE, "")
                 if (uid in self.pods or role not in self.roles
@@ -546,11 +589,20 @@ class PodHarness:
                         or pod["metadata"].get("deletionTimestamp")):
                     continue
                 self.pods[uid] = self._launch(pod, role)
+                launched = True
+            if launched and self.hosts is not None:
+                self._resolve_services(live)  # the new pods' names, before they look them up
             for uid, p in self.pods.items():
                 gone = uid not in live or bool(live[uid]["metadata"].get("deletionTimestamp"))
                 if gone and p.exit_code is None:
                     p.killed = True
                     self._terminate(p)
+                if gone and self.hosts is not None and p.host is not None:
+                    if self.hosts.hosts.get(p.host) is not None and p.uid == self._host_uid.get(
+                            p.host):
+                        self.hosts.remove(p.host)  # the pod and its address are gone
+                        self._host_uid.pop(p.host, None)
+                    p.host = None
                 rc = p.proc.poll()
                 if rc is not None and p.exit_code is None:
                     p.exit_code = _exit_code(rc)
@@ -567,8 +619,9 @@ class PodHarness:
 
     def _launch(self, pod: Obj, role: str) -> PlayedPod:
         drop = () if contract.Role.HEAD.value in self.roles else (contract.ENV_RAY_ADDRESS,)
+        pod_ip = self._host_for(pod) if self.hosts is not None else None
         cmd = local_command(pod, self._lookup, root=self.root, services=self.services,
-                            drop_env=drop)
+                            drop_env=drop, pod_ip=pod_ip)
         for d in cmd.dirs:
             d.mkdir(parents=True, exist_ok=True)
         for path, data in cmd.files.items():
@@ -578,10 +631,69 @@ class PodHarness:
         log = pod_dir(self.root, meta["namespace"], meta["name"]) / "log.txt"
         base = {k: v for k, v in os.environ.items() if not k.startswith(_HOST_ENV_PREFIXES)}
         env = {**base, "PYTHONUNBUFFERED": "1", **self.extra_env, **cmd.env}
+        if self.hosts is not None:
+            # a home of its own, as a container has: nothing shared through ~ (Ray's token)
+            home = pod_dir(self.root, meta["namespace"], meta["name"]) / "home"
+            home.mkdir(parents=True, exist_ok=True)
+            env["HOME"] = str(home)
+            # and a /tmp of its own (Ray's sockets and session folders live there); short,
+            # since unix socket paths are limited to 108 characters
+            tmp = Path("/tmp") / self.hosts.tag / meta["name"]
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            env["TMPDIR"] = env["RAY_TMPDIR"] = str(tmp)
+            with log.open("ab") as out:
+                proc = self.hosts.popen(meta["name"], cmd.argv, env=env, cwd=cmd.cwd,
+                                        stdout=out, stderr=subprocess.STDOUT)
+            return PlayedPod(meta["namespace"], meta["name"], meta["uid"], role, cmd, log,
+                             proc, host=meta["name"],
+                             address=self.hosts.address(meta["name"]))
         with log.open("ab") as out:
             proc = subprocess.Popen(cmd.argv, cwd=cmd.cwd, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         return PlayedPod(meta["namespace"], meta["name"], meta["uid"], role, cmd, log, proc)
+
+    # -- played hosts ---------------------------------------------------------------------
+
+    def _host_for(self, pod: Obj) -> str:
+        """A host for ``pod`` named after it (a pod that comes back gets a fresh one)."""
+        assert self.hosts is not None
+        name = pod["metadata"]["name"]
+        if name in self.hosts.hosts:
+            self.hosts.remove(name)
+        self.hosts.add(name)
+        self._host_uid[name] = pod["metadata"]["uid"]
+        return self.hosts.address(name)
+
+    def _resolve_services(self, live: Mapping[str, Obj]) -> None:
+        """Each Service of the namespace resolves, in every host, to the played pods its
+        selector picks (a ClusterIP Service to one of them, a headless one per pod as
+        ``<pod>.<svc>.<ns>.svc``), and ``names`` to their addresses, as cluster DNS would."""
+        assert self.hosts is not None
+        status, body = self.cluster.request(
+            "GET", f"/api/v1/namespaces/{self.namespace}/services")
+        if status != 200:
+            raise HarnessError(f"GET services in {self.namespace}: HTTP {status}: {body}")
+        names = dict(self.names)
+        played = [(p, self.hosts.hosts[p.host].address) for p in self.pods.values()
+                  if p.host is not None and p.host in self.hosts.hosts and p.uid in live]
+        for svc in body.get("items", []):
+            sel = svc.get("spec", {}).get("selector") or {}
+            if not sel:
+                continue
+            base = f"{svc['metadata']['name']}.{self.namespace}.svc"
+            for p, address in played:
+                labels = live[p.uid]["metadata"].get("labels", {})
+                if any(labels.get(k) != v for k, v in sel.items()):
+                    continue
+                if svc["spec"].get("clusterIP") == "None":  # headless: the pods by name too
+                    for n in (f"{p.name}.{base}", f"{p.name}.{base}.cluster.local"):
+                        names[n] = address
+                # the Service's own name: one of its pods (a headless Service's name lists
+                # them all in cluster DNS; one is what a single-backend Service needs)
+                names.setdefault(base, address)
+                names.setdefault(f"{base}.cluster.local", address)
+        self.hosts.map_names(names)
 
     def _terminate(self, p: PlayedPod) -> None:
         if p.proc.poll() is not None:

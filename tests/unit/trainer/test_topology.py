@@ -88,8 +88,9 @@ def test_the_driver_pod_attaches_through_its_own_node(monkeypatch: pytest.Monkey
     monkeypatch.setattr(topology, "attached", Attached)
     monkeypatch.setattr(runtime, "init_ray", lambda *a, **k: calls.append("local"))
     monkeypatch.setattr(pod, "_run_loop", lambda *a: calls.append("loop") or 0)
+    monkeypatch.setattr(runtime, "wait_for_pods", lambda cfg: calls.append(f"wait {cfg}"))
     assert pod.run_driver(BASE) == 0
-    assert calls == ["attach j-head.ns.svc:6379 True", "enter", "loop", "exit"]
+    assert calls == ["attach j-head.ns.svc:6379 True", "enter", "wait cfg", "loop", "exit"]
     calls.clear()
     assert pod.run_driver({c.ENV_POD_IP: "10.0.0.7"}) == 0
     assert calls == ["local", "loop"]
