@@ -82,10 +82,11 @@ from rlpacer_trainer import contract as c
 PREFIX = "rlpacer.io"
 LABEL_ROLE = f"{PREFIX}/role"
 LABEL_RANK = f"{PREFIX}/rank"
-#: Ray's own env for the token mode / token / token file (read by every Ray process).
-RAY_AUTH_MODE = "RAY_AUTH_MODE"
+#: Ray's own env for the token mode / token / token file (read by every Ray process). The
+#: operator sets the mode and the file on every pod (names from :mod:`rlpacer.api.contract`).
+RAY_AUTH_MODE = c.ENV_RAY_AUTH_MODE
 RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
-RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+RAY_AUTH_TOKEN_PATH = c.ENV_RAY_AUTH_TOKEN_PATH
 _ORDINAL = re.compile(r"-(\d+)$")
 
 
@@ -139,7 +140,7 @@ def ray_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with ``RAY_AUTH_MODE=token`` when a token is given and the mode is not."""
     out = dict(env)
     if (out.get(RAY_AUTH_TOKEN) or out.get(RAY_AUTH_TOKEN_PATH)) and not out.get(RAY_AUTH_MODE):
-        out[RAY_AUTH_MODE] = "token"
+        out[RAY_AUTH_MODE] = c.RAY_AUTH_MODE_TOKEN
     return out
 
 
