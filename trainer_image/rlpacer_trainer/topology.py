@@ -52,7 +52,11 @@ explicit address never turns it on by itself, and is then refused ("InvalidAuthT
 So every pod of a job needs the same token and ``RAY_AUTH_MODE=token``: :func:`ray_env` sets
 the mode whenever a token is given, for the ``ray start`` of every role and (re-reading Ray's
 config, see :func:`attached`) for the driver process itself. A pod must never rely on
-``~/.ray/auth_token``: each pod's home is its own.
+``~/.ray/auth_token``: each pod's home is its own. On a cluster the operator mints one token
+per job, in the Secret ``<job>-ray-token`` that every pod mounts read-only
+(:data:`~rlpacer.api.contract.RAY_TOKEN_PATH`), and sets ``RAY_AUTH_MODE=token`` and
+``RAY_AUTH_TOKEN_PATH`` on every pod; Ray trims whitespace around the file's token, so a
+trailing newline is harmless.
 
 **Several nodes on one host** (tests, laptops): each node gets its own ``--temp-dir``
 (:data:`~rlpacer.api.contract.ENV_RAY_TEMP_DIR`; Ray's default ``/tmp/ray`` would be shared
