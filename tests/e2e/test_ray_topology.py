@@ -3,7 +3,10 @@
 A Ray head, a rollout node (index 1) and a learner node are started by the pod entrypoint
 (``rlpacer_trainer.pod``), each in a host of its own (:class:`rlpacer.testing.netns.TestHosts`:
 network, UTS and PID namespaces, so no process sees another host's addresses or processes),
-with the job's Ray token and no shared home (so no host can fall back on ``~/.ray/auth_token``).
+with the job's Ray token as the operator gives it to every pod (``RAY_AUTH_MODE=token`` and
+``RAY_AUTH_TOKEN_PATH``: each host its own copy of the file, as each pod mounts the job's
+Ray-token Secret; with and without a trailing newline) and no shared home (so no host can
+fall back on ``~/.ray/auth_token``).
 A driver on a fourth host attaches the way a driver pod does (``topology.attached``: its own
 ``--num-cpus=0`` node) and places an actor with the rollout-1 resource; the actor must run on
 the rollout host: its address and network namespace are the rollout host's, not the driver's.
@@ -129,10 +132,15 @@ def test_actor_lands_on_the_pod_it_asks_for(tmp_path: Path) -> None:
             def env(host: str, role: str, **extra: str) -> dict[str, str]:
                 home = tmp_path / "home" / host
                 home.mkdir(parents=True, exist_ok=True)
+                # the pod's mounted Ray-token Secret (a file of its own; some end in "\n")
+                token_file = tmp_path / "ray-token" / host / "token"
+                token_file.parent.mkdir(parents=True, exist_ok=True)
+                token_file.write_text(token + ("\n" if host in ("head", "learner") else ""))
                 out = {
                     "PATH": str(Path(python).parent) + ":/usr/sbin:/usr/bin:/sbin:/bin",
                     "HOME": str(home),
-                    "RAY_AUTH_TOKEN": token,
+                    contract.ENV_RAY_AUTH_MODE: contract.RAY_AUTH_MODE_TOKEN,
+                    contract.ENV_RAY_AUTH_TOKEN_PATH: str(token_file),
                     "RAY_USAGE_STATS_ENABLED": "0",
                     "OMP_NUM_THREADS": "1",
                     contract.ENV_JOB: JOB,

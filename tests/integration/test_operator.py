@@ -666,6 +666,108 @@ def test_deleted_children_and_token_secret_come_back_and_the_driver_keeps_report
     assert code == 200, plan
 
 
+def _ray_token(cluster: LocalCluster, ns: str, name: str) -> tuple[str, str]:
+    """(token, Secret uid) of the job's Ray-token Secret, once it exists."""
+    sec = wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{ns}/secrets/"
+                                             f"{names.ray_secret(name)}"), "Ray-token secret")
+    tok = base64.b64decode(sec["data"][contract.RAY_TOKEN_KEY]).decode()
+    return tok, sec["metadata"]["uid"]
+
+
+def _sha(tok: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(tok.encode()).hexdigest()
+
+
+def test_every_pod_runs_with_the_jobs_ray_token_kept_across_restarts_and_deletion(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    name = "ray"
+    apply(cluster, small_job(name, namespace))
+    tok, uid = _ray_token(cluster, namespace, name)
+    assert len(tok) == 64 and tok != token(cluster, namespace, name)
+    ns_api = f"/api/v1/namespaces/{namespace}"
+    apps = f"/apis/apps/v1/namespaces/{namespace}"
+    sec = get(cluster, f"{ns_api}/secrets/{names.ray_secret(name)}")
+    assert sec is not None and sec["immutable"] is True
+    assert sec["metadata"]["ownerReferences"][0]["uid"] == job(cluster, namespace, name)[
+        "metadata"]["uid"]
+
+    def pods_of_the_job() -> dict[str, dict[str, Any]]:
+        """name -> (metadata, spec) of every pod (template) of the job as stored."""
+        out: dict[str, dict[str, Any]] = {}
+        for role in (contract.Role.HEAD, contract.Role.LEARNER, contract.Role.ROLLOUT):
+            sts = get(cluster, f"{apps}/statefulsets/{names.statefulset(name, role)}")
+            if sts is not None:
+                out[role.value] = sts["spec"]["template"]
+        attempt = status(cluster, namespace, name).get("attempt", 0)
+        pod = get(cluster, f"{ns_api}/pods/{names.driver_pod(name, attempt)}")
+        if pod is not None:
+            out[f"driver-{attempt}"] = pod
+        # a pod the StatefulSet controller made from its template (what the kubelet mounts)
+        head0 = get(cluster, f"{ns_api}/pods/{names.statefulset(name, contract.Role.HEAD)}-0")
+        if head0 is not None:
+            out["head-0"] = head0
+        return out
+
+    pods = wait(cluster, lambda: len(p := pods_of_the_job()) == 5 and p, "the job's pods")
+    for what, pod in pods.items():
+        spec = pod["spec"]
+        (c,) = spec["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env[contract.ENV_RAY_AUTH_MODE] == "token", what
+        assert env[contract.ENV_RAY_AUTH_TOKEN_PATH] == contract.RAY_TOKEN_PATH, what
+        vols = {v["name"]: v for v in spec["volumes"]}
+        mount = next(m for m in c["volumeMounts"]
+                     if m["mountPath"] == contract.RAY_TOKEN_MOUNT_DIR)
+        assert mount["readOnly"] is True, what
+        assert vols[mount["name"]]["secret"]["secretName"] == names.ray_secret(name), what
+        assert vols[mount["name"]]["secret"]["defaultMode"] == 0o440, what
+        secrets_mounted = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        want = {names.ray_secret(name)}
+        if what.startswith("driver"):
+            want.add(names.secret(name))  # the report token: the driver's alone
+        assert secrets_mounted == want, what
+        assert pod["metadata"]["annotations"][contract.ANNOTATION_RAY_TOKEN_HASH] == _sha(tok)
+    wait(cluster, lambda: status(cluster, namespace, name).get("summary") == "Running",
+         "Running", timeout=90)
+
+    # Deleted while the operator runs: back with the same token, nothing restarts.
+    cluster.kubectl("delete", "-n", namespace, "secret", names.ray_secret(name))
+    wait(cluster, lambda: _ray_token(cluster, namespace, name)[1] != uid, "Secret re-created",
+         timeout=15)
+    assert _ray_token(cluster, namespace, name)[0] == tok
+    # An operator restart reads it back: the same token, nothing restarts.
+    operator.kill(signal.SIGKILL)
+    operator.start()
+    operator.wait_ready()
+    time.sleep(4)  # two resyncs
+    assert _ray_token(cluster, namespace, name)[0] == tok
+    st = status(cluster, namespace, name)
+    assert st.get("attempt", 0) == 0 and st.get("failures", 0) == 0, st
+
+    # Deleted while no operator runs: the token is lost. A new one; the StatefulSets roll to
+    # it and the running driver (another token) is replaced by attempt 1, not a failure.
+    operator.kill(signal.SIGKILL)
+    cluster.kubectl("delete", "-n", namespace, "secret", names.ray_secret(name))
+    operator.start()
+    operator.wait_ready()
+    tok2, _ = _ray_token(cluster, namespace, name)
+    assert tok2 != tok
+    st = wait(cluster, lambda: (s := status(cluster, namespace, name)).get("attempt") == 1
+              and s, "attempt 1")
+    assert st.get("failures", 0) == 0, st
+    pods = wait(cluster, lambda: "driver-1" in (p := pods_of_the_job()) and p, "driver 1")
+    for what in ("head", "learner", "rollout", "driver-1"):
+        meta = pods[what]["metadata"]
+        assert meta["annotations"][contract.ANNOTATION_RAY_TOKEN_HASH] == _sha(tok2), what
+    wait(cluster, lambda: get(cluster, f"{ns_api}/pods/{names.driver_pod(name, 0)}") is None,
+         "the old driver deleted")
+    reasons = [e for e in kube_events(cluster, namespace, name) if e["reason"] == "Restarting"]
+    assert len(reasons) == 1 and "Ray token" in reasons[0]["message"], reasons
+
+
 def test_reports_the_api_server_would_refuse_are_422_not_503(
     cluster: LocalCluster, operator: OperatorProc, namespace: str
 ) -> None:

@@ -52,7 +52,11 @@ explicit address never turns it on by itself, and is then refused ("InvalidAuthT
 So every pod of a job needs the same token and ``RAY_AUTH_MODE=token``: :func:`ray_env` sets
 the mode whenever a token is given, for the ``ray start`` of every role and (re-reading Ray's
 config, see :func:`attached`) for the driver process itself. A pod must never rely on
-``~/.ray/auth_token``: each pod's home is its own.
+``~/.ray/auth_token``: each pod's home is its own. On a cluster the operator mints one token
+per job, in the Secret ``<job>-ray-token`` that every pod mounts read-only
+(:data:`~rlpacer.api.contract.RAY_TOKEN_PATH`), and sets ``RAY_AUTH_MODE=token`` and
+``RAY_AUTH_TOKEN_PATH`` on every pod; Ray trims whitespace around the file's token, so a
+trailing newline is harmless.
 
 **Several nodes on one host** (tests, laptops): each node gets its own ``--temp-dir``
 (:data:`~rlpacer.api.contract.ENV_RAY_TEMP_DIR`; Ray's default ``/tmp/ray`` would be shared
@@ -82,10 +86,11 @@ from rlpacer_trainer import contract as c
 PREFIX = "rlpacer.io"
 LABEL_ROLE = f"{PREFIX}/role"
 LABEL_RANK = f"{PREFIX}/rank"
-#: Ray's own env for the token mode / token / token file (read by every Ray process).
-RAY_AUTH_MODE = "RAY_AUTH_MODE"
+#: Ray's own env for the token mode / token / token file (read by every Ray process). The
+#: operator sets the mode and the file on every pod (names from :mod:`rlpacer.api.contract`).
+RAY_AUTH_MODE = c.ENV_RAY_AUTH_MODE
 RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
-RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+RAY_AUTH_TOKEN_PATH = c.ENV_RAY_AUTH_TOKEN_PATH
 _ORDINAL = re.compile(r"-(\d+)$")
 
 
@@ -139,7 +144,7 @@ def ray_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with ``RAY_AUTH_MODE=token`` when a token is given and the mode is not."""
     out = dict(env)
     if (out.get(RAY_AUTH_TOKEN) or out.get(RAY_AUTH_TOKEN_PATH)) and not out.get(RAY_AUTH_MODE):
-        out[RAY_AUTH_MODE] = "token"
+        out[RAY_AUTH_MODE] = c.RAY_AUTH_MODE_TOKEN
     return out
 
 

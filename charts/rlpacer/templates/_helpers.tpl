@@ -89,7 +89,7 @@ apply, owner references) and reads, nothing cluster-scoped, no RBAC, no nodes.
   resources: ["rltrainingpolicies"]
   verbs: ["get", "list", "watch"]
 # Children of a job: trainer and rollout workloads, their Services, the run-config ConfigMap
-# and the per-job step-report token Secret.
+# and the per-job Secrets (step-report token, Ray auth token).
 - apiGroups: [""]
   resources: ["pods", "services", "configmaps", "secrets"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]

@@ -57,6 +57,12 @@ ENV_POD_IP = "RLPACER_POD_IP"
 #: Root temp folder of the pod's Ray node. Never set by the builders (a pod's ``/tmp/ray``
 #: is its own); set where several played pods share one filesystem (tests).
 ENV_RAY_TEMP_DIR = "RLPACER_RAY_TEMP_DIR"
+#: Ray's own: ``token`` (:data:`RAY_AUTH_MODE_TOKEN`) on every pod, so every Ray process of
+#: the job (head, worker nodes, the driver) requires and presents the job's Ray token.
+ENV_RAY_AUTH_MODE = "RAY_AUTH_MODE"
+#: Ray's own: the file holding the job's Ray token (:data:`RAY_TOKEN_PATH`, every pod).
+ENV_RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+RAY_AUTH_MODE_TOKEN = "token"
 
 #: Every env name above, for harnesses that copy a pod's env onto a local process.
 ALL_ENV = (
@@ -73,6 +79,8 @@ ALL_ENV = (
     ENV_CHECKPOINT_DIR,
     ENV_POD_IP,
     ENV_RAY_TEMP_DIR,
+    ENV_RAY_AUTH_MODE,
+    ENV_RAY_AUTH_TOKEN_PATH,
 )
 
 # --- files ----------------------------------------------------------------------------------
@@ -88,6 +96,13 @@ TOKEN_MOUNT_DIR = "/var/run/secrets/rlpacer"
 #: Key of the bearer token in the Secret (and file name under :data:`TOKEN_MOUNT_DIR`).
 TOKEN_KEY = "token"
 TOKEN_PATH = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
+
+#: Where the job's Ray-token Secret (``<job>-ray-token``) is mounted, on every pod of the job.
+#: A Secret of its own, apart from the step-report token: only the driver gets that one.
+RAY_TOKEN_MOUNT_DIR = "/var/run/secrets/rlpacer-ray"
+#: Key of the Ray token in its Secret (and file name under :data:`RAY_TOKEN_MOUNT_DIR`).
+RAY_TOKEN_KEY = "token"
+RAY_TOKEN_PATH = f"{RAY_TOKEN_MOUNT_DIR}/{RAY_TOKEN_KEY}"
 
 #: Where the checkpoint volume is mounted (an emptyDir when spec.checkpoint.volumeClaim is
 #: unset: checkpoints then survive a driver restart but not the loss of the pod).
@@ -106,6 +121,10 @@ LABEL_JOB = "rlpacer.io/job"
 LABEL_ROLE = "rlpacer.io/role"
 #: The attempt of a driver pod.
 LABEL_ATTEMPT = "rlpacer.io/attempt"
+#: Annotation on every pod (template) of a job: SHA-256 (hex) of the Ray token the pod was
+#: built with. A replaced token changes it, so the StatefulSets roll their pods and the
+#: operator sees a driver that still runs with the old token.
+ANNOTATION_RAY_TOKEN_HASH = "rlpacer.io/ray-token-sha256"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "rlpacer-operator"
 LABEL_NAME = "app.kubernetes.io/name"

@@ -1,8 +1,9 @@
 """Pure builders of a job's children: plain dicts, no I/O, no clocks, no randomness.
 
 ``build_children(inputs)`` returns every object the job should have *now*: the run-config
-ConfigMap, the token Secret, the Services and, while the job runs (not suspended, not
-finished), the workloads:
+ConfigMap, the Services and, while the job runs (not suspended, not finished), the workloads
+(the job's two Secrets are built apart, by :func:`token_secret` and :func:`ray_token_secret`:
+their content is random, minted once by the runtime):
 
 * Ray head    StatefulSet ``<job>-head`` (1 replica) + headless Service ``<job>-head``
 * learners    StatefulSet ``<job>-learner`` (spec.trainer.replicas, GPUs)
@@ -16,6 +17,15 @@ Everything carries an owner reference to the job (garbage collection on deletion
 labels of :mod:`rlpacer.operator.names`. The handlers apply these with server-side apply under
 one field manager, so applying the same inputs twice changes nothing (idempotent on replay).
 The pod contract (env names, paths, roles) is :mod:`rlpacer.api.contract`.
+
+Secrets and who mounts them:
+
+* ``<job>-token`` (step-report token): the driver only (``RLPACER_TOKEN_FILE``).
+* ``<job>-ray-token`` (the job's Ray auth token): every pod (head, learner, rollout, driver),
+  read-only, mode 0440, with ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH`` pointing at
+  it, so the job's Ray cluster runs with token auth (``rlpacer_trainer.topology``). Every pod
+  (template) is annotated with the token's SHA-256 (:data:`~rlpacer.api.contract.
+  ANNOTATION_RAY_TOKEN_HASH`): a replaced token rolls the StatefulSets' pods.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ Obj = dict[str, Any]
 POD_COMMAND = ["python", "-m", contract.POD_ENTRYPOINT_MODULE]
 GPU_TOLERATION = {"key": contract.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+#: File mode of the mounted Ray token: read-only, owner and group (0440; group for an fsGroup).
+RAY_TOKEN_MODE = 0o440
 
 #: Kinds of children the operator creates, for listing and cleanup: (apiVersion, kind, plural).
 WORKLOAD_KINDS = (("apps/v1", "StatefulSet", "statefulsets"), ("v1", "Pod", "pods"))
@@ -54,6 +66,8 @@ class BuildInputs:
     report_url: str
     #: False while suspended or finished: only ConfigMap, Secret and Services remain.
     workloads: bool = True
+    #: SHA-256 (hex) of the job's Ray token, annotated on every pod (None: not known).
+    ray_token_sha256: str | None = None
 
 
 def owner_reference(inputs: BuildInputs) -> Obj:
@@ -107,6 +121,19 @@ def token_secret(inputs: BuildInputs, token: str) -> Obj:
         "type": "Opaque",
         "immutable": True,
         "data": {contract.TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def ray_token_secret(inputs: BuildInputs, token: str) -> Obj:
+    """The per-job Secret with the Ray auth token every pod of the job mounts (immutable: a
+    token is never rotated under a running Ray cluster; see ``Jobs._ensure_ray_token``)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(inputs, names.ray_secret(inputs.name)),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {contract.RAY_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 
@@ -170,6 +197,9 @@ def _env(inputs: BuildInputs, role: contract.Role, world_size: int) -> list[Obj]
         {"name": contract.ENV_WORLD_SIZE, "value": str(world_size)},
         {"name": contract.ENV_CONFIG, "value": contract.CONFIG_PATH},
         {"name": contract.ENV_CHECKPOINT_DIR, "value": contract.CHECKPOINT_DIR},
+        # every Ray process of the job requires and presents the job's token
+        {"name": contract.ENV_RAY_AUTH_MODE, "value": contract.RAY_AUTH_MODE_TOKEN},
+        {"name": contract.ENV_RAY_AUTH_TOKEN_PATH, "value": contract.RAY_TOKEN_PATH},
     ]
     if role is not contract.Role.HEAD:
         env.append({"name": contract.ENV_RAY_ADDRESS, "value": ray_address(inputs)})
@@ -188,10 +218,13 @@ def _pod_spec(
     spec = inputs.spec
     sched = spec.scheduling
     mounts: list[Obj] = [
-        {"name": "config", "mountPath": contract.CONFIG_MOUNT_DIR, "readOnly": True}
+        {"name": "config", "mountPath": contract.CONFIG_MOUNT_DIR, "readOnly": True},
+        {"name": "ray-token", "mountPath": contract.RAY_TOKEN_MOUNT_DIR, "readOnly": True},
     ]
     volumes: list[Obj] = [
-        {"name": "config", "configMap": {"name": names.config_map(inputs.name)}}
+        {"name": "config", "configMap": {"name": names.config_map(inputs.name)}},
+        {"name": "ray-token", "secret": {"secretName": names.ray_secret(inputs.name),
+                                         "defaultMode": RAY_TOKEN_MODE}},
     ]
     if role is contract.Role.DRIVER:
         mounts.append(
@@ -246,6 +279,12 @@ def _pod_spec(
     return pod
 
 
+def _pod_annotations(inputs: BuildInputs) -> dict[str, str]:
+    if inputs.ray_token_sha256 is None:
+        return {}
+    return {contract.ANNOTATION_RAY_TOKEN_HASH: inputs.ray_token_sha256}
+
+
 def _pod_labels(inputs: BuildInputs, role: contract.Role) -> dict[str, str]:
     out = names.labels(inputs.name, role)
     if inputs.spec.scheduling.queue_name:
@@ -280,7 +319,8 @@ def statefulset(
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": names.selector(inputs.name, role)},
             "template": {
-                "metadata": {"labels": _pod_labels(inputs, role)},
+                "metadata": {"labels": _pod_labels(inputs, role),
+                             **_annotated(_pod_annotations(inputs))},
                 "spec": _pod_spec(inputs, role, image, gpus, world),
             },
         },
@@ -294,6 +334,7 @@ def driver_pod(inputs: BuildInputs) -> Obj:
         **_pod_labels(inputs, role),
         contract.LABEL_ATTEMPT: str(inputs.attempt),
     }
+    meta.update(_annotated(_pod_annotations(inputs)))
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -302,9 +343,14 @@ def driver_pod(inputs: BuildInputs) -> Obj:
     }
 
 
+def _annotated(annotations: dict[str, str]) -> Obj:
+    return {"annotations": annotations} if annotations else {}
+
+
 def build_children(inputs: BuildInputs) -> list[Obj]:
-    """Every object the job should have now, except the token Secret (created once, by
-    :func:`token_secret`, because its content is random and must never change)."""
+    """Every object the job should have now, except the two Secrets (created once, by
+    :func:`token_secret` and :func:`ray_token_secret`, because their content is random and
+    must never change)."""
     spec = inputs.spec
     out = [config_map(inputs), head_service(inputs), workers_service(inputs)]
     if inputs.workloads:

@@ -10,6 +10,8 @@ Lifecycle (conditions, see ``rlpacer.api.status``):
 * ``spec.suspend``: workloads deleted, Suspended=True; on resume a new attempt (the trainer
   restarts from its last checkpoint; a resume does not count against ``backoffLimit``) and the
   active-deadline clock restarts (as Kubernetes Jobs do).
+* The operator stops a running driver itself (:func:`restart_attempt`: it runs with a Ray
+  token the job's pods no longer share): a new attempt, not counted against ``backoffLimit``.
 * Driver pod of the current attempt Failed: ``failures`` += 1; within ``backoffLimit`` a new
   attempt (new driver pod, the controller state kept: it continues from what it learnt), else
   Failed/BackoffLimitExceeded. Driver Succeeded: Succeeded/Completed.
@@ -233,6 +235,31 @@ def decide(
     st.observed_generation = gen
     st.summary = summarize(st.conditions)
     return d
+
+
+def restart_attempt(
+    spec: RLTrainingJobSpec,
+    status: RLTrainingJobStatus,
+    why: str,
+    now: datetime,
+    generation: int | None,
+) -> tuple[RLTrainingJobStatus, Event]:
+    """A new attempt the operator starts itself (its driver was stopped for ``why``, e.g. it
+    runs with a Ray token the job's pods no longer share): like a resume, it restarts from the
+    last checkpoint and does not count against ``backoffLimit``."""
+    st = status.model_copy(deep=True)
+    t = fmt_time(now)
+    st.attempt += 1
+    msg = (f"attempt {st.attempt - 1} stopped ({why}); attempt {st.attempt} restarts from the"
+           " last checkpoint")
+    _cond(st, ConditionType.TRAINING, False, Reason.RESTARTING, msg, t, generation)
+    _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED, "restarting", t, generation)
+    st.rollout = st.rollout.model_copy(update={
+        "desired_replicas": scaler.short_replicas(spec), "state": "Ready",
+        "scale_up_started_at": None,
+    })
+    st.summary = summarize(st.conditions)
+    return st, Event("Warning", "Restarting", msg)
 
 
 def _record(st: RLTrainingJobStatus, actions: list[ScaleAction]) -> None:

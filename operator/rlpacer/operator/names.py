@@ -38,7 +38,13 @@ def child_name(job: str, suffix: str, limit: int = DNS_LABEL, *, dns1035: bool =
 
 
 def secret(job: str) -> str:
+    """The step-report token's Secret (mounted by the driver only)."""
     return child_name(job, "token")
+
+
+def ray_secret(job: str) -> str:
+    """The Ray token's Secret (mounted by every pod of the job)."""
+    return child_name(job, "ray-token")
 
 
 def config_map(job: str) -> str:

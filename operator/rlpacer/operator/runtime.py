@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -52,7 +53,7 @@ from rlpacer.api.status import (
 )
 from rlpacer.control.plan import JobController
 from rlpacer.operator import builders, names
-from rlpacer.operator.decide import Decision, Observed, decide
+from rlpacer.operator.decide import Decision, Observed, decide, restart_attempt
 from rlpacer.operator.kube import ApiError, KubeClient, object_path
 from rlpacer.operator.metrics import Metrics
 from rlpacer.operator.policies import PolicyCache
@@ -90,6 +91,8 @@ class JobRuntime:
     spec_error: str | None = None
     status: RLTrainingJobStatus = field(default_factory=RLTrainingJobStatus)
     token: str | None = None
+    #: The job's Ray token, as read from or written to its Secret by this process.
+    ray_token: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     #: name -> canonical JSON of the child last applied (skip unchanged applies; cleared on
@@ -120,7 +123,7 @@ class JobRuntime:
         meta = obj.get("metadata", {})
         uid = meta.get("uid", "")
         if self.uid and uid != self.uid:
-            self.token = None  # a new object with the same name
+            self.token = self.ray_token = None  # a new object with the same name
         self.uid = uid
         self.rv = meta.get("resourceVersion", "")
         self.generation = meta.get("generation")
@@ -325,6 +328,90 @@ class Jobs:
         # server prunes the field, and a write on every pass would follow.
         rt.hash_tried = h
 
+    # --- Ray token ----------------------------------------------------------------------
+    async def _ensure_ray_token(self, rt: JobRuntime, inputs: builders.BuildInputs) -> str | None:
+        """Make sure the job's Ray-token Secret exists; return its token (None: the Secret of
+        that name is not this job's, or has no token).
+
+        Every pod of the job mounts this Secret, so every Ray process of the job presents the
+        same token. The token is minted once per job and kept in the Secret (immutable); a
+        deleted Secret is re-created with the token this process knows (from the Secret, read
+        on its first pass), so the running Ray cluster and new pods agree. Only a token that is
+        lost (the Secret deleted while no operator held it in memory: there is no other copy,
+        on purpose; status is readable by anyone who can read the job) is replaced by a new
+        one: every pod then carries the new token's hash (builders), so the StatefulSets roll
+        their pods, and a driver still running with the old token is restarted as a new
+        attempt that does not count against backoffLimit (:meth:`reconcile`). A job made by
+        an older operator (no such Secret) gets one this way on its first pass.
+        """
+        key = f"Secret/{names.ray_secret(rt.name)}"
+        if key in rt.applied and rt.ray_token is not None:
+            return rt.ray_token
+        path = object_path("v1", "secrets", rt.namespace, names.ray_secret(rt.name))
+        sec = await self.kube.get(path)
+        if sec is None:
+            tok = rt.ray_token
+            if tok is None:
+                tok = secrets.token_hex(32)
+                log.info("%s/%s: minting the job's Ray token", rt.namespace, rt.name)
+            else:
+                log.info("%s/%s: re-creating the Ray-token Secret with the same token",
+                         rt.namespace, rt.name)
+            try:
+                await self.kube.create(builders.ray_token_secret(inputs, tok))
+            except ApiError as e:
+                if e.status != 409:
+                    raise
+                sec = await self.kube.get(path)  # created meanwhile: that one is the token
+                if sec is None:
+                    raise
+            else:
+                rt.ray_token = tok
+                rt.applied[key] = ""
+                return tok
+        if not _owned_by(sec, rt.uid):
+            log.warning("%s/%s: Secret %s is not this job's; not using it", rt.namespace,
+                        rt.name, names.ray_secret(rt.name))
+            return None
+        raw = (sec.get("data") or {}).get(contract.RAY_TOKEN_KEY)
+        if not raw:
+            log.warning("%s/%s: Secret %s has no %r", rt.namespace, rt.name,
+                        names.ray_secret(rt.name), contract.RAY_TOKEN_KEY)
+            return None
+        rt.ray_token = base64.b64decode(raw).decode()
+        rt.applied[key] = ""
+        return rt.ray_token
+
+    async def _restart_attempt(
+        self, rt: JobRuntime, inputs: builders.BuildInputs, why: str
+    ) -> builders.BuildInputs:
+        """Stop the current attempt's driver and start the next attempt (not counted against
+        backoffLimit); the inputs of the new attempt. The driver pod is deleted before the
+        status write: a crash in between leaves a driver that is gone or failed, which the
+        next pass handles as any other (re-created, or a counted failure)."""
+        old = inputs.attempt
+        log.warning("%s/%s: %s; restarting attempt %d as %d", rt.namespace, rt.name, why,
+                    old, old + 1)
+        await self.kube.delete(object_path("v1", "pods", rt.namespace,
+                                           names.driver_pod(rt.name, old)))
+        now = utcnow()
+
+        def mutate(
+            spec: RLTrainingJobSpec, st: RLTrainingJobStatus
+        ) -> tuple[RLTrainingJobStatus, Event | None]:
+            if st.attempt != old:
+                return st, None
+            return restart_attempt(spec, st, why, now, rt.generation)
+
+        async with rt.lock:
+            ev = await self.commit(rt, mutate)
+            inputs = dataclasses.replace(
+                inputs, attempt=rt.status.attempt,
+                rollout_replicas=rt.status.rollout.desired_replicas)
+        if ev is not None:
+            await self.post_events(rt, [ev])
+        return inputs
+
     # --- events -------------------------------------------------------------------------
     async def post_events(self, rt: JobRuntime, events: list[Event]) -> None:
         for ev in events:
@@ -356,13 +443,16 @@ class Jobs:
                 self.metrics.scale_actions.labels(rt.namespace, rt.name).inc()
 
     # --- reconcile ----------------------------------------------------------------------
-    async def observe(self, rt: JobRuntime) -> Observed:
+    async def observe(self, rt: JobRuntime) -> tuple[Observed, dict[str, Any] | None]:
+        """What decide() needs, and the current attempt's driver pod (None: absent)."""
         attempt = rt.status.attempt
         pod = await self.kube.get(
             object_path("v1", "pods", rt.namespace, names.driver_pod(rt.name, attempt))
         )
         phase, message = None, ""
-        if pod is not None and _owned_by(pod, rt.uid):
+        if pod is not None and not _owned_by(pod, rt.uid):
+            pod = None
+        if pod is not None:
             st = pod.get("status") or {}
             phase = st.get("phase")
             message = st.get("message") or st.get("reason") or ""
@@ -378,7 +468,7 @@ class Jobs:
         if sts is not None and _owned_by(sts, rt.uid):
             ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
         return Observed(attempt=attempt, driver_phase=phase, driver_message=message,
-                        rollout_ready=ready)
+                        rollout_ready=ready), pod
 
     async def reconcile(self, rt: JobRuntime) -> float | None:
         """One level-based pass; returns seconds until the next needed look (or None).
@@ -394,7 +484,7 @@ class Jobs:
             async with rt.lock:
                 await self._invalid(rt)
             return None
-        observed = await self.observe(rt)
+        observed, driver = await self.observe(rt)
         now = utcnow()
 
         def mutate(
@@ -426,6 +516,15 @@ class Jobs:
             rt.applied.clear()
             rt.applied_at = time.monotonic()
         await self._ensure_token(rt, inputs)
+        ray_token = await self._ensure_ray_token(rt, inputs)
+        if ray_token is not None:
+            want = token_hash(ray_token)
+            inputs = dataclasses.replace(inputs, ray_token_sha256=want)
+            if dec.workloads and _runs_other_ray_token(driver, inputs.attempt, want):
+                # Its Ray node cannot join the cluster the pods roll to (the Ray token was
+                # replaced, or the job predates Ray tokens): a new attempt, not a failure.
+                inputs = await self._restart_attempt(
+                    rt, inputs, "the driver runs with another Ray token than the job's")
         for obj in builders.build_children(inputs):
             key = f"{obj['kind']}/{obj['metadata']['name']}"
             text = json.dumps(obj, sort_keys=True)
@@ -476,6 +575,19 @@ def token_hash(token: str) -> str:
     """What ``status.tokenHashes`` keeps of a token: its SHA-256, hex. Safe to show to anyone
     who can read the job (the tokens are 256 random bits), unlike the token itself."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _runs_other_ray_token(pod: dict[str, Any] | None, attempt: int, want: str) -> bool:
+    """Whether ``pod`` is attempt ``attempt``'s driver, not finished, built with a Ray token
+    other than the one whose hash is ``want`` (or none: made by an older operator)."""
+    if pod is None:
+        return False
+    meta = pod.get("metadata") or {}
+    if (meta.get("labels") or {}).get(contract.LABEL_ATTEMPT) != str(attempt):
+        return False
+    if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return False
+    return (meta.get("annotations") or {}).get(contract.ANNOTATION_RAY_TOKEN_HASH) != want
 
 
 def _owned_by(obj: dict[str, Any], uid: str) -> bool:

@@ -46,7 +46,8 @@ def test_child_names_valid_for_any_job_name(job: str) -> None:
         assert len(sts) <= names.STATEFULSET_NAME and DNS1123.match(sts), sts
     for svc in (names.head_service(job), names.workers_service(job)):
         assert len(svc) <= 63 and DNS1035.match(svc), svc
-    for other in (names.secret(job), names.config_map(job), names.driver_pod(job, 1000)):
+    for other in (names.secret(job), names.ray_secret(job), names.config_map(job),
+                  names.driver_pod(job, 1000)):
         assert len(other) <= 63 and DNS1123.match(other), other
     for v in names.labels(job, contract.Role.DRIVER).values():
         assert len(v) <= 63 and LABEL_VALUE.match(v)
@@ -127,6 +128,64 @@ def test_every_pod_gets_its_own_ip_and_its_index(child: str) -> None:
     else:
         assert rank["value"] == "0"
     assert set(env) <= set(contract.ALL_ENV)
+
+
+def _pod_of(child: str, inputs: builders.BuildInputs) -> tuple[dict, dict]:  # type: ignore[type-arg]
+    """(pod metadata, pod spec) of a workload child: a StatefulSet's template or the driver."""
+    obj = next(c for c in builders.build_children(inputs)
+               if c["metadata"]["name"] == child and c["kind"] in ("StatefulSet", "Pod"))
+    if obj["kind"] == "StatefulSet":
+        return obj["spec"]["template"]["metadata"], obj["spec"]["template"]["spec"]
+    return obj["metadata"], obj["spec"]
+
+
+@pytest.mark.parametrize("child", ["demo-head", "demo-learner", "demo-rollout", "demo-driver-2"])
+def test_every_pod_mounts_the_ray_token_and_only_the_driver_the_report_token(
+    child: str,
+) -> None:
+    """Every Ray process of the job runs with token auth (the same token: one Secret for the
+    job, mounted read-only); the step-report token reaches the driver alone."""
+    meta, pod = _pod_of(child, _inputs(ray_token_sha256="ab" * 32))
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env[contract.ENV_RAY_AUTH_MODE] == "token" == contract.RAY_AUTH_MODE_TOKEN
+    assert env[contract.ENV_RAY_AUTH_TOKEN_PATH] == contract.RAY_TOKEN_PATH
+    assert contract.RAY_TOKEN_PATH.startswith(contract.RAY_TOKEN_MOUNT_DIR + "/")
+    # Ray's own names, as the trainer reads them
+    assert (contract.ENV_RAY_AUTH_MODE, contract.ENV_RAY_AUTH_TOKEN_PATH) == (
+        "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
+    vols = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    ray_mount = mounts[contract.RAY_TOKEN_MOUNT_DIR]
+    assert ray_mount["readOnly"] is True
+    assert vols[ray_mount["name"]]["secret"] == {
+        "secretName": names.ray_secret("demo"), "defaultMode": 0o440}
+    secrets_mounted = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    if child == "demo-driver-2":
+        assert secrets_mounted == {names.secret("demo"), names.ray_secret("demo")}
+        assert mounts[contract.TOKEN_MOUNT_DIR]["readOnly"] is True
+        assert env[contract.ENV_TOKEN_FILE] == contract.TOKEN_PATH
+    else:
+        assert secrets_mounted == {names.ray_secret("demo")}
+        assert contract.TOKEN_MOUNT_DIR not in mounts
+        assert contract.ENV_TOKEN_FILE not in env and contract.ENV_REPORT_URL not in env
+    assert set(env) <= set(contract.ALL_ENV)
+    # the token's hash on every pod: a replaced token rolls the StatefulSets' pods
+    assert meta["annotations"] == {contract.ANNOTATION_RAY_TOKEN_HASH: "ab" * 32}
+    meta, _ = _pod_of(child, _inputs())
+    assert "annotations" not in meta  # not known: nothing claimed
+
+
+def test_ray_token_secret_is_its_own_immutable_secret() -> None:
+    sec = builders.ray_token_secret(_inputs(), "tok")
+    assert sec["metadata"]["name"] == names.ray_secret("demo") == "demo-ray-token"
+    assert sec["metadata"]["name"] != names.secret("demo")
+    assert sec["immutable"] is True and sec["data"] == {contract.RAY_TOKEN_KEY: "dG9r"}
+    assert sec["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert sec["metadata"]["labels"][contract.LABEL_JOB] == "demo"
+    # neither Secret is among the applied children (their content is minted once)
+    kinds = {c["kind"] for c in builders.build_children(_inputs(ray_token_sha256="x"))}
+    assert "Secret" not in kinds
 
 
 def test_config_map_is_a_runnable_manifest() -> None:

@@ -10,7 +10,7 @@ from rlpacer.api.job import parse_spec
 from rlpacer.api.protocol import RoundKind
 from rlpacer.api.status import ConditionType, RLTrainingJobStatus, Summary, is_true
 from rlpacer.operator import scaler
-from rlpacer.operator.decide import Observed, decide
+from rlpacer.operator.decide import Observed, decide, restart_attempt
 
 pytestmark = pytest.mark.unit
 
@@ -62,6 +62,21 @@ def test_restart_within_backoff_then_fail() -> None:
     assert d.status.summary == Summary.FAILED and not d.workloads
     failed = next(c for c in d.status.conditions if c.type == ConditionType.FAILED)
     assert failed.reason == "BackoffLimitExceeded"
+
+
+def test_an_operator_restart_is_a_new_attempt_not_a_failure() -> None:
+    """restart_attempt (the driver runs with another Ray token than the job's): attempt + 1,
+    failures unchanged (backoffLimit 0 still survives it), back to short-round capacity."""
+    spec = _spec(backoffLimit=0)
+    st = _run(spec, RLTrainingJobStatus(), Observed(driver_phase="Running")).status
+    st.rollout = st.rollout.model_copy(update={"desired_replicas": 3, "state": "ScalingUp"})
+    new, ev = restart_attempt(spec, st, "another Ray token", T0, 1)
+    assert (new.attempt, new.failures) == (1, 0) and st.attempt == 0  # st untouched
+    assert new.summary == Summary.RESTARTING and ev.reason == "Restarting"
+    assert "another Ray token" in ev.message and "attempt 1" in ev.message
+    assert new.rollout.desired_replicas == 1 and new.rollout.state == "Ready"
+    d = _run(spec, new, Observed(attempt=1, driver_phase="Running"))
+    assert d.status.summary == Summary.RUNNING and d.workloads
 
 
 def test_suspend_resume_is_a_new_attempt_not_a_failure() -> None:

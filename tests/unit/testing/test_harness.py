@@ -58,7 +58,8 @@ def _pod(obj: dict) -> dict:  # type: ignore[type-arg]
 
 def _lookup(inputs: builders.BuildInputs) -> Lookup:
     return Lookup({names.config_map("tiny"): {contract.CONFIG_KEY: b"kind: RLTrainingJob\n"}},
-                  {names.secret("tiny"): {contract.TOKEN_KEY: b"tok"}})
+                  {names.secret("tiny"): {contract.TOKEN_KEY: b"tok"},
+                   names.ray_secret("tiny"): {contract.RAY_TOKEN_KEY: b"ray-tok"}})
 
 
 def test_driver_pod_maps_to_the_entrypoint_with_local_files_and_loopback(tmp_path: Path) -> None:
@@ -78,6 +79,10 @@ def test_driver_pod_maps_to_the_entrypoint_with_local_files_and_loopback(tmp_pat
     cfg, tok = Path(env[contract.ENV_CONFIG]), Path(env[contract.ENV_TOKEN_FILE])
     assert cmd.files[cfg] == b"kind: RLTrainingJob\n" and cmd.files[tok] == b"tok"
     assert cfg.is_relative_to(home) and tok.is_relative_to(home)
+    # the Ray token: its own mounted file, token mode
+    ray_tok = Path(env[contract.ENV_RAY_AUTH_TOKEN_PATH])
+    assert cmd.files[ray_tok] == b"ray-tok" and ray_tok.is_relative_to(home)
+    assert env[contract.ENV_RAY_AUTH_MODE] == contract.RAY_AUTH_MODE_TOKEN
     ckpt = Path(env[contract.ENV_CHECKPOINT_DIR])
     assert ckpt in cmd.dirs and ckpt.is_relative_to(home)
     assert cmd.mounts[contract.CHECKPOINT_DIR] == ckpt

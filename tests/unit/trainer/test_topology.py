@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +68,45 @@ def test_a_token_turns_token_auth_on() -> None:
     assert topology.ray_env({"RAY_AUTH_TOKEN": "t", "RAY_AUTH_MODE": "disabled"})[
         "RAY_AUTH_MODE"] == "disabled"
     assert "RAY_AUTH_MODE" not in topology.ray_env({})
+
+
+def test_the_operators_pod_env_reaches_every_ray_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the builders set on every pod (mode and token file, names from the contract) is
+    what ``ray start`` gets and what the driver process itself runs with."""
+    pod_env = {**BASE, c.ENV_RAY_AUTH_MODE: c.RAY_AUTH_MODE_TOKEN,
+               c.ENV_RAY_AUTH_TOKEN_PATH: c.RAY_TOKEN_PATH}
+    assert (topology.RAY_AUTH_MODE, topology.RAY_AUTH_TOKEN_PATH) == (
+        c.ENV_RAY_AUTH_MODE, c.ENV_RAY_AUTH_TOKEN_PATH)
+    out = topology.ray_env(pod_env)
+    assert out[c.ENV_RAY_AUTH_MODE] == "token" and out[c.ENV_RAY_AUTH_TOKEN_PATH] == (
+        c.RAY_TOKEN_PATH)
+    # the token file alone (no mode) turns the mode on too
+    only_path = {k: v for k, v in pod_env.items() if k != c.ENV_RAY_AUTH_MODE}
+    assert topology.ray_env(only_path)[c.ENV_RAY_AUTH_MODE] == "token"
+    monkeypatch.setenv(c.ENV_RAY_AUTH_MODE, "token")  # unchanged: no config re-read
+    monkeypatch.setenv(c.ENV_RAY_AUTH_TOKEN_PATH, "/elsewhere")  # restored after the test
+    topology._auth_in_this_process(pod_env)
+    assert os.environ[c.ENV_RAY_AUTH_TOKEN_PATH] == c.RAY_TOKEN_PATH
+
+
+@pytest.mark.parametrize("content", ["abc123", "abc123\n", "abc123\r\n\n"])
+def test_ray_reads_the_mounted_token_with_or_without_a_trailing_newline(
+    tmp_path: Path, content: str,
+) -> None:
+    """Ray's own token loader (C++, read once per process) trims whitespace: a Secret's value
+    written with ``echo`` (trailing newline) and one without are the same token."""
+    pytest.importorskip("ray")
+    tok = tmp_path / "token"
+    tok.write_text(content)
+    code = ("from ray._raylet import AuthenticationTokenLoader as L;"
+            "print(L.instance().get_raw_token())")
+    env = {**os.environ, c.ENV_RAY_AUTH_MODE: "token", c.ENV_RAY_AUTH_TOKEN_PATH: str(tok)}
+    env.pop("RAY_AUTH_TOKEN", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "abc123"
 
 
 def test_the_driver_pod_attaches_through_its_own_node(monkeypatch: pytest.MonkeyPatch) -> None:
