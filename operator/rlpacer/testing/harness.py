@@ -642,6 +642,9 @@ class PodHarness:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             env["TMPDIR"] = env["RAY_TMPDIR"] = str(tmp)
+            # Ray hands a joining node the head's temp dir unless it names its own: on one
+            # filesystem every played node must (a real pod's /tmp is its own anyway)
+            env.setdefault(contract.ENV_RAY_TEMP_DIR, str(tmp / "ray"))
             with log.open("ab") as out:
                 proc = self.hosts.popen(meta["name"], cmd.argv, env=env, cwd=cmd.cwd,
                                         stdout=out, stderr=subprocess.STDOUT)
