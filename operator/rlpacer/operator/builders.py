@@ -15,7 +15,8 @@ finished), the workloads:
 Everything carries an owner reference to the job (garbage collection on deletion) and the
 labels of :mod:`rlpacer.operator.names`. The handlers apply these with server-side apply under
 one field manager, so applying the same inputs twice changes nothing (idempotent on replay).
-The pod contract (env names, paths, roles) is :mod:`rlpacer.api.contract`.
+The pod contract (env names, paths, roles) is :mod:`rlpacer.api.contract`. Every pod passes the
+"restricted" Pod Security Standard (:func:`_restrict`; charts/rlpacer/README.md "Job pods").
 """
 
 from __future__ import annotations
