@@ -169,7 +169,11 @@ def release(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
     name, system, jobs = f"e2e-{suffix}", f"e2e-sys-{suffix}", f"e2e-jobs-{suffix}"
     tmp = tmp_path_factory.mktemp("cluster-job")
     cluster.create_namespace(system)
-    cluster.create_namespace(jobs)
+    # the jobs' namespace enforces the "restricted" Pod Security Standard: every pod the operator
+    # creates (driver, and the StatefulSets' head, learner and rollout pods) must pass it
+    cluster.create_namespace(jobs, labels={
+        "pod-security.kubernetes.io/enforce": "restricted",
+        "pod-security.kubernetes.io/enforce-version": "latest"})
     values = helm_values(jobs, free_ports(3))
     op = Operator(cluster, name, system, tmp)
     # every pod of the job played on a host of its own; the operator's Service resolves to

@@ -73,6 +73,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
                    "metrics.prometheusRule.enabled": True},
     "minimal": {"webhook.enabled": False, "leaderElection.enabled": False,
                 "rbac.aggregateToDefaultRoles": False, "metrics.dashboard.enabled": False},
+    "network-policy": {"networkPolicy.enabled": True},
+    "network-policy-namespaced": {
+        "networkPolicy.enabled": True, "rbac.scope": "Namespaced",
+        "rbac.watchNamespaces": ["team-a", "team-b"],
+        "networkPolicy.webhookFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
+        "networkPolicy.metricsFrom": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}},
+             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]},
 }
 
 
@@ -180,6 +188,119 @@ def test_template_monitoring_objects() -> None:
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
 
 
+def _job_pods(namespace: str) -> dict[str, dict[str, Any]]:
+    """role -> a Pod as the operator's builders make it (the driver, and one Pod from each
+    StatefulSet's template, as the StatefulSet controller would create it)."""
+    from rlpacer.api import contract
+    from rlpacer.api.job import load_manifest
+    from rlpacer.operator import builders
+
+    spec = load_manifest(repo_root() / "examples" / "rltrainingjob.yaml").spec
+    inputs = builders.BuildInputs(name="np", namespace=namespace, uid="u-1", spec=spec,
+                                  attempt=0, rollout_replicas=1, report_url="http://op:8080")
+    out = {}
+    for c in builders.build_children(inputs):
+        if c["kind"] == "Pod":
+            pod = c
+        elif c["kind"] == "StatefulSet":
+            tpl = c["spec"]["template"]
+            pod = {"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": c["metadata"]["name"] + "-0", "namespace": namespace,
+                                "labels": {**tpl["metadata"]["labels"],
+                                           builders.POD_INDEX_LABEL: "0"}},
+                   "spec": tpl["spec"]}
+        else:
+            continue
+        out[pod["metadata"]["labels"][contract.LABEL_ROLE]] = pod
+    return out
+
+
+def _container_ports(dep: dict[str, Any]) -> dict[str, int]:
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return {p["name"]: p["containerPort"] for p in c["ports"]}
+
+
+def _rules_by_port(policy: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    out = {}
+    for rule in policy["spec"]["ingress"]:
+        ((port,),) = [[p["port"] for p in rule["ports"]]]
+        assert all(p["protocol"] == "TCP" for p in rule["ports"])
+        out[port] = rule
+    return out
+
+
+def test_template_network_policy_matches_the_builders_labels_and_the_ports() -> None:
+    assert not find(render(), "NetworkPolicy")  # off by default
+    pods = _job_pods("team-a")
+    for variant in ("network-policy", "network-policy-namespaced"):
+        values = VARIANTS[variant]
+        docs = render(values, namespace="ops")
+        (pol,) = find(docs, "NetworkPolicy")
+        (dep,) = find(docs, "Deployment")
+        (svc,) = find(docs, "Service")
+        assert pol["metadata"]["namespace"] == "ops"
+        assert pol["spec"]["policyTypes"] == ["Ingress"]
+        # it selects the operator's pod
+        sel = pol["spec"]["podSelector"]["matchLabels"]
+        assert sel.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+        assert sel == svc["spec"]["selector"]
+        ports = _container_ports(dep)
+        # the Service's target ports are these container ports (what the policy must name)
+        assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {
+            n: n for n in ports}
+        rules = _rules_by_port(pol)
+        expect = {ports["reports"], ports["webhook"]}
+        if "networkPolicy.metricsFrom" in values:
+            expect.add(ports["metrics"])
+        assert set(rules) == expect
+        assert ports["webhook"] == 9443 and ports["reports"] == 8080
+        # step reports: from the builders' driver pods, and from no other role's pods
+        (peer,) = rules[ports["reports"]]["from"]
+        want = peer["podSelector"]["matchLabels"]
+        assert want.items() <= pods["driver"]["metadata"]["labels"].items()
+        for role in ("head", "learner", "rollout"):
+            assert not want.items() <= pods[role]["metadata"]["labels"].items(), role
+        if values.get("rbac.scope") == "Namespaced":
+            assert peer["namespaceSelector"] == {"matchExpressions": [{
+                "key": "kubernetes.io/metadata.name", "operator": "In",
+                "values": ["team-a", "team-b"]}]}
+            assert rules[ports["webhook"]]["from"] == values["networkPolicy.webhookFrom"]
+            assert rules[ports["metrics"]]["from"] == values["networkPolicy.metricsFrom"]
+        else:
+            assert peer["namespaceSelector"] == {}
+            assert "from" not in rules[ports["webhook"]]  # every source: see the README
+    # without webhooks there is no webhook rule
+    (pol,) = find(render({"networkPolicy.enabled": True, "webhook.enabled": False}),
+                  "NetworkPolicy")
+    assert set(_rules_by_port(pol)) == {8080}
+
+
+def test_network_policy_is_accepted_and_selects_only_driver_pods(
+    cluster: LocalCluster, namespace: str
+) -> None:
+    """The API server accepts the rendered NetworkPolicy (server-side dry run), and evaluates
+    its step-report peer selector to exactly the driver among pods the builders make."""
+    values = {"networkPolicy.enabled": True, "rbac.scope": "Namespaced",
+              "rbac.watchNamespaces": [namespace],
+              "networkPolicy.metricsFrom": [{"podSelector": {"matchLabels": {"app": "prom"}}}]}
+    (pol,) = find(render(values, namespace=namespace), "NetworkPolicy")
+    r = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-",
+                        input=json.dumps(pol))
+    assert json.loads(r.stdout)["spec"] == pol["spec"]
+    for pod in _job_pods(namespace).values():
+        pod["metadata"].pop("ownerReferences", None)
+        cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+    (peer,) = [rule["from"][0] for rule in pol["spec"]["ingress"]
+               if rule["ports"][0]["port"] == 8080]
+    selector = ",".join(f"{k}={v}" for k, v in peer["podSelector"]["matchLabels"].items())
+    got = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-l", selector,
+                                     "-o", "json").stdout)
+    assert [p["metadata"]["name"] for p in got["items"]] == ["np-driver-0"]
+    ns = json.loads(cluster.kubectl("get", "namespace", namespace, "-o", "json").stdout)
+    (expr,) = peer["namespaceSelector"]["matchExpressions"]
+    assert ns["metadata"]["labels"][expr["key"]] in expr["values"]
+
+
 @pytest.mark.parametrize(
     ("values", "needle"),
     [
@@ -191,6 +312,9 @@ def test_template_monitoring_objects() -> None:
         ({"webhook.url": "http://127.0.0.1:9443"}, "at '/webhook/url'"),
         ({"rbac.watchNamespaces": ["Team_A"]}, "at '/rbac/watchNamespaces/0'"),
         ({"typo": 1}, "additional properties 'typo' not allowed"),
+        ({"networkPolicy.metricsFrom": [{"podSelecter": {}}]},
+         "additional properties 'podSelecter' not allowed"),
+        ({"networkPolicy.webhookFrom": [{"ipBlock": {}}]}, "missing property 'cidr'"),
     ],
 )
 def test_wrong_values_fail_with_a_clear_message(values: dict[str, Any], needle: str) -> None:

@@ -63,6 +63,11 @@ ENV_RAY_AUTH_MODE = "RAY_AUTH_MODE"
 #: Ray's own: the file holding the job's Ray token (:data:`RAY_TOKEN_PATH`, every pod).
 ENV_RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 RAY_AUTH_MODE_TOKEN = "token"
+#: The pod user's home: a writable emptyDir (:data:`HOME_DIR`; the root filesystem is
+#: read-only). Ray (``~/.ray``), vLLM (``~/.config/vllm``) and Triton (``~/.triton``) write here.
+ENV_HOME = "HOME"
+#: Caches (Hugging Face, torch, vLLM) under the writable home: :data:`CACHE_DIR`.
+ENV_XDG_CACHE_HOME = "XDG_CACHE_HOME"
 
 #: Every env name above, for harnesses that copy a pod's env onto a local process.
 ALL_ENV = (
@@ -77,6 +82,8 @@ ALL_ENV = (
     ENV_CONFIG,
     ENV_RAY_ADDRESS,
     ENV_CHECKPOINT_DIR,
+    ENV_HOME,
+    ENV_XDG_CACHE_HOME,
     ENV_POD_IP,
     ENV_RAY_TEMP_DIR,
     ENV_RAY_AUTH_MODE,
@@ -107,6 +114,22 @@ RAY_TOKEN_PATH = f"{RAY_TOKEN_MOUNT_DIR}/{RAY_TOKEN_KEY}"
 #: Where the checkpoint volume is mounted (an emptyDir when spec.checkpoint.volumeClaim is
 #: unset: checkpoints then survive a driver restart but not the loss of the pod).
 CHECKPOINT_DIR = "/checkpoints"
+
+# --- the pod's user and its writable folders (the root filesystem is read-only) -------------
+
+#: Every container of a job runs as this non-root user and group (the trainer image creates
+#: them: trainer_image/Dockerfile); mounted volumes are group-owned by it (``fsGroup``).
+POD_UID = 1000
+POD_GID = 1000
+#: Mode of the files of every Secret mounted into a job's pods (owner and ``fsGroup`` read).
+SECRET_FILE_MODE = 0o440
+#: emptyDir mounts: temp files, Ray's temp dir and sockets (``/tmp/ray``), torch's caches.
+TMP_DIR = "/tmp"
+#: emptyDir mount: the user's home (:data:`ENV_HOME`), caches below it.
+HOME_DIR = "/home/rlpacer"
+CACHE_DIR = f"{HOME_DIR}/.cache"
+#: emptyDir (medium Memory) mount: shared memory for Ray's object store, NCCL, torch.
+SHM_DIR = "/dev/shm"
 
 # --- entrypoint ---------------------------------------------------------------------------
 

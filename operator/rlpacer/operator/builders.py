@@ -26,11 +26,14 @@ Secrets and who mounts them:
   it, so the job's Ray cluster runs with token auth (``rlpacer_trainer.topology``). Every pod
   (template) is annotated with the token's SHA-256 (:data:`~rlpacer.api.contract.
   ANNOTATION_RAY_TOKEN_HASH`): a replaced token rolls the StatefulSets' pods.
+Every pod passes the "restricted" Pod Security Standard (:func:`_restrict`;
+charts/rlpacer/README.md "Job pods").
 """
 
 from __future__ import annotations
 
 import base64
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,6 +279,7 @@ def _pod_spec(
         pod["nodeSelector"] = dict(sched.node_selector)
     if sched.priority_class_name:
         pod["priorityClassName"] = sched.priority_class_name
+    _restrict(pod)
     return pod
 
 
@@ -283,6 +287,57 @@ def _pod_annotations(inputs: BuildInputs) -> dict[str, str]:
     if inputs.ray_token_sha256 is None:
         return {}
     return {contract.ANNOTATION_RAY_TOKEN_HASH: inputs.ray_token_sha256}
+
+
+#: Pod-level securityContext of every job pod (Pod Security Standard "restricted"): the
+#: image's non-root user, volumes group-owned by it (chown only when the root's owner differs,
+#: so a large checkpoint claim is not walked on every start), the runtime's seccomp profile.
+POD_SECURITY_CONTEXT: Obj = {
+    "runAsNonRoot": True,
+    "runAsUser": contract.POD_UID,
+    "runAsGroup": contract.POD_GID,
+    "fsGroup": contract.POD_GID,
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+#: The container's: no privilege escalation, no capabilities, a read-only root filesystem
+#: (the writable folders are the emptyDirs of :data:`WRITABLE_VOLUMES` and the checkpoints).
+CONTAINER_SECURITY_CONTEXT: Obj = {
+    "allowPrivilegeEscalation": False,
+    "privileged": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+#: (volume name, mount path, emptyDir) added to every job pod. /dev/shm has no sizeLimit: a
+#: memory-backed emptyDir is bounded by the container's memory limit (it counts against it),
+#: and Ray sizes its object store to fit what /dev/shm offers.
+WRITABLE_VOLUMES: tuple[tuple[str, str, Obj], ...] = (
+    ("tmp", contract.TMP_DIR, {}),
+    ("home", contract.HOME_DIR, {}),
+    ("shm", contract.SHM_DIR, {"medium": "Memory"}),
+)
+
+
+def _restrict(pod: Obj) -> None:
+    """Least privilege for a job pod (no pod of a job talks to the Kubernetes API): no
+    ServiceAccount token, the security contexts above, writable emptyDirs for what the read-only
+    root filesystem would refuse, and every Secret's files readable by the pod's user alone."""
+    pod["automountServiceAccountToken"] = False
+    pod["securityContext"] = copy.deepcopy(POD_SECURITY_CONTEXT)
+    for vol in pod["volumes"]:
+        if "secret" in vol:
+            vol["secret"]["defaultMode"] = contract.SECRET_FILE_MODE
+    for name, _path, empty_dir in WRITABLE_VOLUMES:
+        pod["volumes"].append({"name": name, "emptyDir": dict(empty_dir)})
+    for c in pod["containers"]:
+        c["securityContext"] = copy.deepcopy(CONTAINER_SECURITY_CONTEXT)
+        c["volumeMounts"] += [{"name": n, "mountPath": path} for n, path, _ in WRITABLE_VOLUMES]
+        c["env"] += [
+            {"name": contract.ENV_HOME, "value": contract.HOME_DIR},
+            {"name": contract.ENV_XDG_CACHE_HOME, "value": contract.CACHE_DIR},
+        ]
 
 
 def _pod_labels(inputs: BuildInputs, role: contract.Role) -> dict[str, str]:

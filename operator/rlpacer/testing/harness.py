@@ -17,10 +17,15 @@ The translation from pod spec to process is one pure function, :func:`local_comm
 * **Volumes.** A ``configMap`` or ``secret`` volume becomes a folder holding its keys (or its
   ``items``); a ``projected`` one (the ServiceAccount's ``kube-api-access``) a folder with its
   ConfigMap/Secret keys, downward-API fields and a real ServiceAccount token; an
-  ``emptyDir`` a fresh folder of the pod; a ``persistentVolumeClaim`` a folder of the claim
-  shared by every pod that mounts it (it outlives pods, as a volume does). Every
+  ``emptyDir`` (``medium: Memory`` too: the builders' ``/dev/shm``) a fresh folder of the pod; a
+  ``persistentVolumeClaim`` a folder of the claim shared by every pod that mounts it (it
+  outlives pods, as a volume does). Every
   ``mountPath`` (with ``subPath``) maps to that folder; env values and args that name a path
   under a mount are rewritten to the local folder. Other volume kinds are errors.
+* **Security settings.** ``securityContext`` and ``automountServiceAccountToken`` are not
+  played: the process runs as the test's user, on the real root filesystem, and a Secret's
+  ``defaultMode`` is not applied. The builders' writable mounts (``/tmp``, ``HOME``, ``/dev/shm``)
+  are folders of the pod like any emptyDir, so ``HOME`` and ``XDG_CACHE_HOME`` point into it.
 * **Env.** ``value``, ``valueFrom`` (``fieldRef``: name, namespace, uid, labels, annotations,
   node and service-account names, pod/host IPs as ``127.0.0.1``; ``configMapKeyRef``;
   ``secretKeyRef``), ``envFrom``, and ``$(VAR)`` references, resolved as a kubelet does.

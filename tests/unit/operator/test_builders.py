@@ -206,3 +206,88 @@ def test_suspended_or_finished_has_no_workloads_and_secret_is_separate() -> None
 
 def test_pure_and_idempotent() -> None:
     assert builders.build_children(_inputs()) == builders.build_children(_inputs())
+
+
+def _pod_specs(inputs: builders.BuildInputs) -> dict[str, dict[str, object]]:
+    """role -> the pod spec the builders make for it (StatefulSet templates and the driver)."""
+    out = {}
+    for c in builders.build_children(inputs):
+        if c["kind"] == "StatefulSet":
+            out[c["spec"]["template"]["metadata"]["labels"][contract.LABEL_ROLE]] = (
+                c["spec"]["template"]["spec"])
+        elif c["kind"] == "Pod":
+            out[c["metadata"]["labels"][contract.LABEL_ROLE]] = c["spec"]
+    return out
+
+
+@pytest.mark.parametrize("role", [r.value for r in contract.Role])
+def test_every_pod_is_restricted(role: str) -> None:
+    """Least privilege: no API token, the image's non-root user, no capabilities, no
+    escalation, RuntimeDefault seccomp, a read-only root with writable emptyDirs where Ray,
+    vLLM and torch write, and HOME/caches pointing into them."""
+    pod = _pod_specs(_inputs())[role]
+    assert pod["automountServiceAccountToken"] is False
+    psc = pod["securityContext"]
+    assert psc == {
+        "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+        "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    (c,) = pod["containers"]  # type: ignore[misc]
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+    assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "runAsUser" not in sc or sc["runAsUser"] != 0
+    vols = {v["name"]: v for v in pod["volumes"]}  # type: ignore[attr-defined]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    for path in (contract.TMP_DIR, contract.HOME_DIR, contract.SHM_DIR):
+        assert "emptyDir" in vols[mounts[path]["name"]], path
+        assert not mounts[path].get("readOnly")
+    assert vols[mounts[contract.SHM_DIR]["name"]]["emptyDir"]["medium"] == "Memory"
+    # every writable place is a volume; every volume kind is one "restricted" allows
+    allowed = {"configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected",
+               "downwardAPI", "csi", "ephemeral"}
+    for v in vols.values():
+        assert set(v) - {"name"} <= allowed, v
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env[contract.ENV_HOME] == contract.HOME_DIR
+    assert env[contract.ENV_XDG_CACHE_HOME].startswith(contract.HOME_DIR + "/")
+    writable = {contract.TMP_DIR, contract.HOME_DIR, contract.SHM_DIR}
+    if role in ("driver", "learner"):
+        assert not mounts[contract.CHECKPOINT_DIR].get("readOnly")
+        writable.add(contract.CHECKPOINT_DIR)
+    assert {p for p, m in mounts.items() if not m.get("readOnly")} == writable
+    assert not any("hostPath" in v for v in vols.values())
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        assert key not in pod
+
+
+def test_secrets_are_mounted_read_only_for_the_pod_user_alone() -> None:
+    pods = _pod_specs(_inputs())
+    driver = pods["driver"]
+    (c,) = driver["containers"]  # type: ignore[misc]
+    token = next(m for m in c["volumeMounts"] if m["mountPath"] == contract.TOKEN_MOUNT_DIR)
+    assert token["readOnly"] is True
+    secrets = [v for v in driver["volumes"] if "secret" in v]  # type: ignore[attr-defined]
+    assert secrets and all(v["secret"]["defaultMode"] == 0o440 for v in secrets)
+    assert contract.SECRET_FILE_MODE == 0o440
+    # nobody else mounts the step-report token
+    for role in ("head", "learner", "rollout"):
+        assert not any(m["mountPath"] == contract.TOKEN_MOUNT_DIR
+                       for m in pods[role]["containers"][0]["volumeMounts"])  # type: ignore[index]
+
+
+def test_restriction_holds_with_a_claim_and_without_gpus() -> None:
+    spec = _inputs().spec
+    ckpt = spec.checkpoint.model_copy(update={"volume_claim": "ckpt"})
+    pods = _pod_specs(_inputs(spec=spec.model_copy(update={"checkpoint": ckpt})))
+    learner = pods["learner"]
+    claim = next(v for v in learner["volumes"] if v["name"] == "checkpoints")  # type: ignore[attr-defined]
+    assert claim["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    # fsGroup makes the claim group-writable for the pod's user
+    assert learner["securityContext"]["fsGroup"] == contract.POD_GID  # type: ignore[index]
+    built = builders.build_children(_inputs())
+    builders.build_children(_inputs())  # the shared constants are never mutated by a build
+    assert builders.POD_SECURITY_CONTEXT["runAsUser"] == 1000
+    assert built == builders.build_children(_inputs())

@@ -89,6 +89,12 @@ def test_driver_pod_maps_to_the_entrypoint_with_local_files_and_loopback(tmp_pat
     assert cmd.cwd.is_relative_to(home)
     assert not any(v.startswith(("/etc/rlpacer", "/var/run", "/checkpoints"))
                    for v in env.values())
+    # the writable emptyDirs of the read-only root (HOME, caches, /tmp, /dev/shm) are the
+    # pod's own folders; HOME and the caches follow them
+    for path in (contract.TMP_DIR, contract.HOME_DIR, contract.SHM_DIR):
+        assert cmd.mounts[path] in cmd.dirs and cmd.mounts[path].is_relative_to(home)
+    assert env[contract.ENV_HOME] == str(cmd.mounts[contract.HOME_DIR])
+    assert Path(env[contract.ENV_XDG_CACHE_HOME]).is_relative_to(cmd.mounts[contract.HOME_DIR])
 
 
 def test_claims_are_shared_folders_and_ray_address_is_kept_when_the_head_is_played(
