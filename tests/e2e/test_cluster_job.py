@@ -382,11 +382,13 @@ def test_every_pod_did_its_roles_work_on_its_own_host(release: Release, run: Run
             [(0, rollout0.address)], r["engines"]
         assert r["engines"][0]["responses"] > 0 and r["engines"][0]["policy_version"] == held
         held = r["policy_version"]
-    # the long round's extra rollout pod was played on a host of its own and joined Ray
-    # (it generates nothing yet: the driver's engines are fixed at the start)
-    (extra,) = h.played(names.statefulset(JOB, contract.Role.ROLLOUT) + "-1")
-    assert extra.address not in addresses
-    assert "Ray runtime started" in extra.log_tail(20000), extra.log_tail()
+    # each long round's extra rollout pod was played on a host of its own (a fresh one per
+    # scale-up: the pod is deleted at the scale-down) and joined Ray; it generates nothing
+    # yet: the driver's engines are fixed at the start
+    extras = h.played(names.statefulset(JOB, contract.Role.ROLLOUT) + "-1")
+    assert extras and all(x.address not in addresses for x in extras), extras
+    assert len({x.address for x in extras}) == len(extras)
+    assert all("Ray runtime started" in x.log_tail(20000) for x in extras), extras[0].log_tail()
 
 
 def test_sagc_and_tail_batching_drive_the_run(run: Run) -> None:

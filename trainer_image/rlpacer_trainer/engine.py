@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
+from rlpacer_trainer.nccl_weights import ReceiverExtension
+
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
 
@@ -149,8 +151,9 @@ class EngineConfig:
     single_process: bool = True
 
 
-class WorkerExtension:
-    """Mixed into vLLM's worker (``worker_extension_cls``); called via ``collective_rpc``."""
+class WorkerExtension(ReceiverExtension):
+    """Mixed into vLLM's worker (``worker_extension_cls``); called via ``collective_rpc``.
+    The NCCL receive path (GPU, unverified) comes from :mod:`rlpacer_trainer.nccl_weights`."""
 
     model_runner: Any
 
@@ -299,6 +302,15 @@ class VLLMEngine:
 
     def stats(self) -> EngineStats:
         return dataclasses.replace(self._stats)
+
+    def nccl_join(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join learner rank 0's weight broadcast group (GPU; see nccl_weights, unverified)."""
+        self.llm.collective_rpc("rlpacer_nccl_join", args=(host, port, rank_offset, world_size))
+
+    def nccl_receive(self, meta: Any) -> str | None:
+        """Receive one update over NCCL; its fingerprint becomes the policy version."""
+        self.llm.collective_rpc("rlpacer_nccl_receive", args=(meta,))
+        return self.policy_version()
 
     def generate(self, requests: Sequence[GenRequest]) -> dict[str, Finished]:
         """Runs ``requests`` to completion (evaluation); returns them by id."""

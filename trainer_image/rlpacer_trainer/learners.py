@@ -83,6 +83,30 @@ class LearnerWorker:
         """The weights as the engines load them, and their fingerprint (policy version)."""
         return self.learner.publish()
 
+    def nccl_open(self, world_size: int) -> tuple[str, int]:
+        """Rank 0: open the NCCL weight group with the engines' workers (GPU; unverified, see
+        :mod:`rlpacer_trainer.nccl_weights`); returns the address they join."""
+        from rlpacer_trainer import nccl_weights
+
+        host, port = self.rendezvous().removeprefix("tcp://").rsplit(":", 1)
+        self._sender = nccl_weights.Sender(host, int(port), world_size)
+        return host, int(port)
+
+    def nccl_meta(self) -> Any:
+        """What the engines allocate before each receive (fixed for a model): the driver sends
+        it with every receive call, started together with :meth:`nccl_send`."""
+        from rlpacer_trainer import nccl_weights
+
+        return nccl_weights.tensor_meta(self.learner.model.state_dict())
+
+    def nccl_send(self) -> tuple[Any, str]:
+        """Rank 0: broadcast this update; returns (the tensors' metadata, the version)."""
+        from rlpacer_trainer import nccl_weights
+
+        state = self.learner.model.state_dict()
+        self._sender.send(state)
+        return nccl_weights.tensor_meta(state), weights.fingerprint(state.items())
+
     def fingerprint(self) -> str:
         return weights.fingerprint(self.learner.model.state_dict().items())
 
