@@ -16,6 +16,7 @@ COMMANDS: tuple[str, ...] = (
     "rlpacer.sim.bench",  # rlpacer bench
     "rlpacer.operator.commands",  # rlpacer crds, operator, bench-operator
     "rlpacer_trainer.cli",  # rlpacer run, bench-train (the data plane, trainer_image/)
+    "rlpacer.testing.devcluster",  # rlpacer dev-cluster (a local cluster that runs jobs)
 )
 
 

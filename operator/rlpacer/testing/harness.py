@@ -545,7 +545,15 @@ class PodHarness:
         """Freeze a played process (SIGSTOP), e.g. to hold a trainer still while the operator
         restarts. :meth:`resume` continues it."""
         if pod.proc.poll() is None:
-            os.kill(_main_pid(pod), signal.SIGSTOP)
+            pid = _main_pid(pod)
+            os.kill(pid, signal.SIGSTOP)
+            for _ in range(50):  # stopped ("T") before this returns
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] \
+                            in ("T", "t"):
+                        return
+                time.sleep(0.02)
+            raise HarnessError(f"pod {pod.name}: process {pid} did not stop")
 
     def resume(self, pod: PlayedPod) -> None:
         if pod.proc.poll() is None:
