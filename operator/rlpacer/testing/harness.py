@@ -453,11 +453,13 @@ def _main_pid(pod: PlayedPod) -> int:
     of the pod's PID namespace), else the process itself."""
     if pod.host is None:
         return pod.proc.pid
-    with contextlib.suppress(OSError, ValueError):
-        children = Path(f"/proc/{pod.proc.pid}/task/{pod.proc.pid}/children").read_text()
-        if children.split():
-            return int(children.split()[0])
-    return pod.proc.pid
+    for _ in range(100):  # unshare forks it right after starting
+        with contextlib.suppress(OSError, ValueError):
+            children = Path(f"/proc/{pod.proc.pid}/task/{pod.proc.pid}/children").read_text()
+            if children.split():
+                return int(children.split()[0])
+        time.sleep(0.05)
+    raise HarnessError(f"pod {pod.name}: no main process under {pod.proc.pid}")
 
 
 def _exit_code(returncode: int) -> int:
