@@ -111,6 +111,9 @@ def test_template_renders_a_hardened_operator_wired_to_its_settings() -> None:
     assert ours <= fields, ours - fields
     assert env["RLPACER_OPERATOR_NAMESPACES"] == ""  # cluster scope: everything
     assert env["RLPACER_OPERATOR_WEBHOOK_ENABLED"] == "true"
+    # the per-job step-report rate (token bucket) and its burst
+    assert env["RLPACER_OPERATOR_REPORT_RATE_PER_SECOND"] == "20"
+    assert env["RLPACER_OPERATOR_REPORT_BURST"] == "50"
     # The mounted certificate directory holds what the operator's webhook server loads.
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["webhook-tls"] == env["RLPACER_OPERATOR_WEBHOOK_CERT_DIR"]
@@ -312,6 +315,8 @@ def test_network_policy_is_accepted_and_selects_only_driver_pods(
         ({"webhook.url": "http://127.0.0.1:9443"}, "at '/webhook/url'"),
         ({"rbac.watchNamespaces": ["Team_A"]}, "at '/rbac/watchNamespaces/0'"),
         ({"typo": 1}, "additional properties 'typo' not allowed"),
+        ({"operator.reportBurst": 0}, "at '/operator/reportBurst': minimum: got 0, want 1"),
+        ({"operator.reportRatePerSecond": -1}, "at '/operator/reportRatePerSecond'"),
         ({"networkPolicy.metricsFrom": [{"podSelecter": {}}]},
          "additional properties 'podSelecter' not allowed"),
         ({"networkPolicy.webhookFrom": [{"ipBlock": {}}]}, "missing property 'cidr'"),

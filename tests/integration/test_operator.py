@@ -48,7 +48,8 @@ class OperatorProc:
     """``rlpacer operator`` as a child process (KUBECONFIG = the cluster's admin)."""
 
     def __init__(self, cluster: LocalCluster, namespace: str, lease: str = "rlpacer-operator",
-                 identity: str = "op-a", report_url: str | None = None) -> None:
+                 identity: str = "op-a", report_url: str | None = None,
+                 report_rate: float = 0, report_burst: int = 50) -> None:
         self.cluster = cluster
         self.namespace = namespace
         self.lease = lease
@@ -58,6 +59,9 @@ class OperatorProc:
         self.proc: subprocess.Popen[bytes] | None = None
         # Replicas share one URL in a real deployment (the Service); pods keep it.
         self.report_url = report_url or self.base
+        # These tests play a driver hundreds of times faster than a real one (one report per
+        # step): unlimited unless a test sets the per-job rate.
+        self.report_rate, self.report_burst = report_rate, report_burst
         self.log = Path(tempfile.mkstemp(prefix=f"rlpacer-op-{identity}-", suffix=".log")[1])
 
     @property
@@ -75,6 +79,8 @@ class OperatorProc:
             "--lease-name", self.lease, "--identity", self.identity,
             "--lease-duration-seconds", "4", "--lease-renew-seconds", "1",
             "--lease-retry-seconds", "0.5", "--resync-seconds", "2", "--log-level", "INFO",
+            "--report-rate-per-second", str(self.report_rate),
+            "--report-burst", str(self.report_burst),
         ]
         self.proc = subprocess.Popen(args, env=env, stdout=self.log.open("ab"),
                                      stderr=subprocess.STDOUT)

@@ -6,13 +6,17 @@
 * :class:`HTTPController` (a pod): the operator's step-report protocol (DESIGN.md; models in
   :mod:`rlpacer.api.protocol`): ``GET .../plan``, ``POST .../steps`` with the job's bearer
   token. Network errors and 5xx are retried with the *same* (attempt, step) body (the
-  endpoint is idempotent); 4xx are raised with the operator's message. While a plan says
-  ``ScalingUp`` the driver polls ``GET plan`` until Ready or TimedOut.
+  endpoint is idempotent); so is a 429 (over the job's request rate), after its
+  ``Retry-After``; other 4xx are raised with the operator's message. While a plan says
+  ``ScalingUp`` the driver polls ``GET plan`` until Ready or TimedOut. A plan's fields this
+  version does not know (a newer operator's additions) are ignored, logged once and counted
+  (``unknown_plan_fields``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +29,7 @@ from rlpacer.api.protocol import (
     StepReport,
     plan_path,
     steps_path,
+    unknown_fields,
 )
 from rlpacer.control.plan import (
     ControlPlan,
@@ -34,6 +39,11 @@ from rlpacer.control.plan import (
     StepReportData,
     StepSecondsData,
 )
+
+log = logging.getLogger("rlpacer_trainer.controller")
+
+#: Longest wait a 429's Retry-After can impose on one retry, seconds.
+MAX_RETRY_AFTER_S = 60.0
 
 
 class ControllerClient(Protocol):
@@ -113,6 +123,20 @@ class HTTPController:
         self.retries, self.backoff_s, self.poll_s, self.timeout_s = (
             retries, backoff_s, poll_s, timeout_s)
         self.last_straggler: bool | None = None
+        #: Plans read with fields this version does not know (ignored).
+        self.unknown_plan_fields = 0
+        self._unknown_logged: tuple[str, ...] = ()
+
+    def _read_plan(self, raw: dict[str, Any]) -> Plan:
+        plan = Plan.model_validate(raw)
+        extra = tuple(unknown_fields(Plan, raw))
+        if extra:
+            self.unknown_plan_fields += 1
+            if extra != self._unknown_logged:
+                self._unknown_logged = extra
+                log.warning("the operator's plan has fields this trainer does not know,"
+                            " ignored (a newer operator?): %s", ", ".join(extra))
+        return plan
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
@@ -127,8 +151,15 @@ class HTTPController:
                     return json.loads(resp.read().decode() or "{}")  # type: ignore[no-any-return]
             except urllib.error.HTTPError as err:
                 text = err.read().decode(errors="replace")
-                if err.code < 500 or attempt == self.retries:
+                if (err.code < 500 and err.code != 429) or attempt == self.retries:
                     raise ControllerError(err.code, text) from None
+                if err.code == 429:  # over the job's request rate: wait as told
+                    try:
+                        wait = float(err.headers.get("Retry-After", "") or delay)
+                    except ValueError:
+                        wait = delay
+                    time.sleep(min(max(wait, 0.0), MAX_RETRY_AFTER_S))
+                    continue
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 if attempt == self.retries:
                     raise
@@ -137,10 +168,10 @@ class HTTPController:
         raise AssertionError("unreachable")
 
     def plan(self) -> Plan:
-        return Plan.model_validate(self._call("GET", plan_path(self.ns, self.name)))
+        return self._read_plan(self._call("GET", plan_path(self.ns, self.name)))
 
     def report(self, report: StepReport) -> Plan:
-        return Plan.model_validate(
+        return self._read_plan(
             self._call("POST", steps_path(self.ns, self.name), report.to_wire()))
 
     def wait_ready(self, plan: Plan) -> Plan:

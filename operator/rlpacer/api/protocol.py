@@ -12,14 +12,25 @@ trainer's client, and the in-process transport of ``rlpacer run``).
 Idempotency key: ``(attempt, step)``. Errors: 401 bad token, 404 unknown job, 413 body over
 64 KiB, 422 malformed or impossible report (including values the job's spec rules out and
 steps after the plan said done: charts/rlpacer/README.md "Step reports"); each answered
-with an :class:`ErrorBody` and no state change. 5xx only for what a retry can fix.
+with an :class:`ErrorBody` and no state change; 429 (``Retry-After``) over the job's request
+rate. 5xx only for what a retry can fix.
+
+Version tolerance (README "Step-report protocol: versions"): within ``/v1/`` a peer may add
+optional fields. Every model here ignores fields it does not know when reading (unlike the
+CRD's models, which reject them), so a newer trainer's report reaches an older operator and
+a newer operator's plan reaches an older trainer; :func:`unknown_fields` names what was
+ignored, for the reader to log and count. A change an older peer cannot ignore (a new
+required field, a changed meaning) takes a new path version.
 """
 
 from __future__ import annotations
 
 import enum
+import types
+import typing
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlpacer.api._base import APIModel
 
@@ -32,6 +43,52 @@ def plan_path(namespace: str, name: str) -> str:
 
 def steps_path(namespace: str, name: str) -> str:
     return f"/{PROTOCOL_VERSION}/namespaces/{namespace}/rltrainingjobs/{name}/steps"
+
+
+class WireModel(APIModel):
+    """A protocol message: like :class:`APIModel` (camelCase), but a field this version does
+    not know is ignored rather than refused (a newer peer's addition)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+#: At most this many unknown field names are reported per message (a hostile body may
+#: carry thousands).
+MAX_UNKNOWN_REPORTED = 16
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _model_of(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def unknown_fields(model: type[BaseModel], raw: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the fields of ``raw`` (the JSON read) that ``model`` ignores, nested
+    models included; at most :data:`MAX_UNKNOWN_REPORTED`, each cut to 64 characters."""
+    out: list[str] = []
+    if not isinstance(raw, dict):
+        return out
+    known: dict[str, Any] = {}
+    for name, f in model.model_fields.items():
+        known[name] = f.annotation
+        if f.alias:
+            known[f.alias] = f.annotation
+    for key, value in raw.items():
+        if len(out) >= MAX_UNKNOWN_REPORTED:
+            break
+        if key not in known:
+            out.append(f"{prefix}{str(key)[:64]}")
+            continue
+        sub = _model_of(known[key])
+        if sub is not None:
+            out.extend(unknown_fields(sub, value, f"{prefix}{key}."))
+    return out[:MAX_UNKNOWN_REPORTED]
 
 
 class RoundKind(enum.StrEnum):
@@ -49,7 +106,7 @@ class RolloutState(enum.StrEnum):
     TIMED_OUT = "TimedOut"  # run on what is ready (never a deadlock when GPUs are short)
 
 
-class LengthSummary(APIModel):
+class LengthSummary(WireModel):
     """Response-length statistics (tokens) of one step's kept responses."""
 
     max: int = Field(ge=0, description="Longest kept response, in tokens.")
@@ -74,7 +131,7 @@ class LengthSummary(APIModel):
 MAX_SECONDS = 1e9
 
 
-class StepSeconds(APIModel):
+class StepSeconds(WireModel):
     """Where the step's wall-clock time went."""
 
     rollout: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
@@ -91,7 +148,7 @@ class StepSeconds(APIModel):
         return self.rollout + self.reward + self.train + self.sync
 
 
-class StepReport(APIModel):
+class StepReport(WireModel):
     """What the driver reports after each step (short or long round)."""
 
     attempt: int = Field(ge=0, description="The trainer's restart count (RLPACER_ATTEMPT).")
@@ -107,13 +164,13 @@ class StepReport(APIModel):
     reward: float | None = Field(default=None, description="Mean reward of the step, if known.")
 
 
-class RolloutCapacity(APIModel):
+class RolloutCapacity(WireModel):
     desired_replicas: int = Field(ge=0, description="Rollout replicas the plan asks for.")
     ready_replicas: int = Field(ge=0, description="Rollout replicas ready now.")
     state: RolloutState = RolloutState.READY
 
 
-class Plan(APIModel):
+class Plan(WireModel):
     """The plan for the next step."""
 
     step: int = Field(ge=0, description="The step this plan is for.")
@@ -125,7 +182,7 @@ class Plan(APIModel):
     done: bool = Field(default=False, description="True once the job has run all its steps.")
 
 
-class ErrorBody(APIModel):
+class ErrorBody(WireModel):
     """Body of every error answer (401, 404, 422)."""
 
     code: int

@@ -68,6 +68,15 @@ class Metrics:
             "Step-report endpoint answers >= 400, by route, HTTP code and the ErrorBody's"
             " reason (e.g. InvalidReport, StepOutOfOrder, Unauthorized, Unavailable).",
             ("route", "code", "reason"), registry=r)
+        self.report_unknown_fields = Counter(
+            "rlpacer_step_report_unknown_fields_total",
+            "Step reports accepted with fields this operator does not know and ignored (a"
+            " newer trainer's additions; the names are logged), by route.", ("route",),
+            registry=r)
+        self.report_throttled = Counter(
+            "rlpacer_step_report_throttled_total",
+            "Step-report endpoint requests answered 429 (over the job's request rate).",
+            JOB_LABELS, registry=r)
         self.status_write = Histogram(
             "rlpacer_status_write_duration_seconds",
             "PUT of a job's status to the API server (each step report makes one), by result"
@@ -90,7 +99,7 @@ class Metrics:
             self.group_size, self.lambda_, self.straggler_rate, self.stragglers, self.steps,
             self.step_duration, self.long_rounds, self.long_queue, self.rollout_desired,
             self.rollout_ready, self.scale_actions, self.reconcile_errors, self.reconciles,
-            self.job_active,
+            self.job_active, self.report_throttled,
         ]
 
     def observe_status(self, namespace: str, job: str, st: RLTrainingJobStatus) -> None:

@@ -105,6 +105,10 @@ class JobRuntime:
     live: tuple[str, JobController] | None = None
     #: The token hash this process last tried to record in status (see _record_token_hash).
     hash_tried: str | None = None
+    #: The job's step-report request budget (``rlpacer.operator.server.TokenBucket``).
+    bucket: Any = None
+    #: The unknown report fields last logged for this job (logged again only when they change).
+    unknown_logged: tuple[str, ...] = ()
 
     def take_controller(self, state: str | None) -> JobController | None:
         live, self.live = self.live, None
@@ -168,6 +172,9 @@ class Jobs:
                 return rt
             obj = await self.kube.get(job_path(namespace, name))
             if obj is None:
+                # no lock kept for a name that is no job (else every unknown name a client
+                # tries would stay in memory)
+                self._loading.pop(key, None)
                 return None
             rt = JobRuntime(namespace, name)
             rt.absorb(obj)

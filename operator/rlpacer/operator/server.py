@@ -8,7 +8,12 @@
   valid for its own job only), 404 unknown job, 413 a body over :data:`MAX_REPORT_BYTES`,
   422 malformed or impossible report (reason from the control layer), 503 while this replica
   is not the leader or the API server is unavailable (the driver retries; reports are
-  idempotent). Every answer is counted by route and code, every error also by reason
+  idempotent), 429 ``TooManyRequests`` with ``Retry-After`` over the job's request rate
+  (:class:`TokenBucket`, ``report_rate_per_second``/``report_burst``). Every answer of this
+  app is JSON: a wrong method (405), an unknown path or a path whose namespace or name cannot
+  be a job's (404, without asking the API server) get an ErrorBody too. Fields of a report
+  this version does not know are ignored, logged and counted (protocol versions).
+  Every answer is counted by route and code, every error also by reason
   (``rlpacer_step_report_errors_total``); an unexpected exception is logged with its
   traceback and answered 500 with an ErrorBody, never with a traceback.
 * ``/metrics``, ``/healthz`` and ``/readyz`` on ``metrics_port``. ``/readyz`` is 200 only on
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,7 +37,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from rlpacer.api.job import ManifestError, format_validation_error
-from rlpacer.api.protocol import PROTOCOL_VERSION, ErrorBody, StepReport
+from rlpacer.api.protocol import PROTOCOL_VERSION, ErrorBody, StepReport, unknown_fields
 from rlpacer.operator import reports
 from rlpacer.operator.kube import ApiError
 from rlpacer.operator.metrics import CONTENT_TYPE, Metrics
@@ -46,6 +52,29 @@ BASE = f"/{PROTOCOL_VERSION}/namespaces/{{namespace}}/rltrainingjobs/{{name}}"
 MAX_REPORT_BYTES = 64 * 1024
 #: JSON integers must fit the API server's int64 (a report's counts end up in the status).
 INT64_MAX = 2**63 - 1
+
+
+#: A namespace or a job name: a DNS label (jobs: a CRD rule). Anything else is no job: 404
+#: without a request to the API server (a name like "job?x=1" or ".." would otherwise be
+#: spliced into the API server's URL).
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+class TokenBucket:
+    """``rate`` requests per second on average, ``burst`` at once."""
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate, self.burst = rate, float(burst)
+        self.tokens, self.at = float(burst), now
+
+    def take(self, now: float) -> float:
+        """0.0 when a request may go now (and counts it); else seconds until one may."""
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
 
 
 class BadBody(ValueError):
@@ -146,6 +175,9 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
         if not leader.leader:
             return _error(503, "NotLeader", "this operator replica is on standby; retry")
         ns, name = request.match_info["namespace"], request.match_info["name"]
+        if not (_DNS_LABEL.fullmatch(ns) and _DNS_LABEL.fullmatch(name)):
+            return _error(404, "NotFound", f"no rltrainingjob is named {ns[:80]!r}/{name[:80]!r}"
+                          " (namespace and name are DNS labels)")
         rt = await jobs.get(ns, name)
         if rt is None:
             return _error(404, "NotFound", f"rltrainingjob {ns}/{name} not found")
@@ -155,6 +187,20 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
                           " is URL-safe base64)")
         if presented is None or not await jobs.check_token(rt, presented):
             return _error(401, "Unauthorized", "missing or wrong bearer token for this job")
+        # Counted after the token check: a stranger cannot spend a job's budget.
+        rate = jobs.settings.report_rate_per_second
+        if rate > 0:
+            now = time.monotonic()
+            if rt.bucket is None:
+                rt.bucket = TokenBucket(rate, jobs.settings.report_burst, now)
+            wait = rt.bucket.take(now)
+            if wait > 0:
+                metrics.report_throttled.labels(rt.namespace, rt.name).inc()
+                resp = _error(429, "TooManyRequests",
+                              f"over {rate:g} requests/s (burst {jobs.settings.report_burst})"
+                              f" for rltrainingjob {ns}/{name}; retry after {wait:.2f}s")
+                resp.headers["Retry-After"] = str(max(1, math.ceil(wait)))
+                return resp
         return rt
 
     async def get_plan(request: web.Request) -> web.StreamResponse:
@@ -174,11 +220,18 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
         try:
             raw = parse_body(await request.read())
             report = StepReport.model_validate(raw)
+            extra = unknown_fields(StepReport, raw)
         except BadBody as e:
             return _error(422, "InvalidReport", str(e))
         except ValidationError as e:
             reason = "ImpossibleLengths" if "lengths" in str(e) else "InvalidReport"
             return _error(422, reason, format_validation_error(e))
+        if extra:
+            metrics.report_unknown_fields.labels("steps").inc()
+            if tuple(extra) != rt.unknown_logged:
+                rt.unknown_logged = tuple(extra)
+                log.info("report for %s/%s has fields this operator does not know, ignored"
+                         " (a newer trainer?): %s", rt.namespace, rt.name, ", ".join(extra))
         now = utcnow()
         try:
             policies = await jobs.policies_for(rt.namespace)  # cached (TTL), never per report
@@ -232,6 +285,17 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
     async def unavailable(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except web.HTTPException as e:
+            # the router's 404 (unknown path) and 405 (wrong method): JSON like every answer
+            if e.status < 400:
+                raise
+            reason = {404: "NotFound", 405: "MethodNotAllowed"}.get(e.status, "BadRequest")
+            resp = _error(e.status, reason, f"{request.method} {request.path[:200]}: {e.reason}"
+                          + (f" (allowed: {e.headers['Allow']})" if "Allow" in e.headers
+                             else ""))
+            if "Allow" in e.headers:
+                resp.headers["Allow"] = e.headers["Allow"]
+            return resp
         except (ApiError, aiohttp.ClientError, OSError) as e:
             # The API server is unreachable or failing: nothing was persisted, retry.
             log.warning("step-report endpoint: API server unavailable: %s", e)

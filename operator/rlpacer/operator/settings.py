@@ -41,6 +41,17 @@ class OperatorSettings(BaseModel):
             " default http://<service_name>.<operator_namespace>.svc:<report_port>."
         ),
     )
+    report_rate_per_second: float = Field(
+        default=20.0, ge=0,
+        description=(
+            "Step-report requests (reports and plan reads) each job may make per second on"
+            " average (a token bucket per job; a driver makes about one per step); over it:"
+            " 429 with Retry-After. 0: unlimited."
+        ),
+    )
+    report_burst: int = Field(
+        default=50, ge=1, description="Requests a job may make at once above the rate."
+    )
     metrics_host: str = Field(default="0.0.0.0", description="Listen address of /metrics.")
     metrics_port: int = Field(
         default=9090, ge=0, le=65535,

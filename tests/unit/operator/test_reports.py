@@ -85,9 +85,11 @@ class Env:
         return self.fk.objects[job_path(NS, name)].get("status", {})
 
 
-async def open_env(fk: FakeKube) -> tuple[Env, Callable[[], Awaitable[None]]]:
+async def open_env(
+    fk: FakeKube, cfg: OperatorSettings | None = None
+) -> tuple[Env, Callable[[], Awaitable[None]]]:
     metrics = Metrics()
-    jobs = Jobs(fk, settings(), metrics)  # type: ignore[arg-type]
+    jobs = Jobs(fk, cfg or settings(), metrics)  # type: ignore[arg-type]
     client = TestClient(TestServer(report_app(jobs, LeaderState(True), metrics)))
     await client.start_server()
     return Env(fk, client, jobs, metrics), client.close

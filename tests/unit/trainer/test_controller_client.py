@@ -87,3 +87,47 @@ def test_http_retries_same_body_and_polls_scaling(server: Any) -> None:
     assert ready.rollout.state is RolloutState.READY and server.gets == 3
     with pytest.raises(ControllerError, match="422"):
         ctl.report(_report(7, 8))
+
+
+class _Newer(JSONHandler):
+    """An operator of a newer protocol revision: extra plan fields, and a 429 first."""
+
+    server: Any
+
+    def do_POST(self) -> None:
+        s = self.server
+        s.posts.append(self.read_json())
+        if len(s.posts) == 1:
+            data = b'{"code": 429, "reason": "TooManyRequests", "message": "slow down"}'
+            self.send_response(429)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Retry-After", "0")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        self.send_json(200, {
+            "step": 1, "groupSize": 8, "lambda": 0.1, "futureKnob": {"a": 1},
+            "rollout": {"desiredReplicas": 2, "readyReplicas": 2, "state": "Ready",
+                        "zone": "b"}})
+
+
+def test_http_tolerates_a_newer_operators_plan_and_waits_out_429(
+        caplog: pytest.LogCaptureFixture) -> None:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Newer)
+    srv.posts = []  # type: ignore[attr-defined]
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        ctl = HTTPController(f"http://127.0.0.1:{srv.server_address[1]}", "ns", "job", "tok",
+                             retries=1, backoff_s=0.01)
+        with caplog.at_level("WARNING", logger="rlpacer_trainer.controller"):
+            plan = ctl.report(_report(0, 8))
+            again = ctl.report(_report(0, 8))
+        assert plan == again and plan.step == 1 and plan.rollout.ready_replicas == 2
+        assert len(srv.posts) == 3 and srv.posts[0] == srv.posts[1]  # the 429 retried as is
+        assert ctl.unknown_plan_fields == 2
+        logged = [r.getMessage() for r in caplog.records]
+        assert len(logged) == 1 and "futureKnob, rollout.zone" in logged[0]  # logged once
+    finally:
+        srv.shutdown()
