@@ -61,16 +61,22 @@ class OperatorProcess:
         self.starts = 0
         self.report_host = "127.0.0.1"  # where the played pods reach its report endpoint
 
+    @property
+    def fullname(self) -> str:
+        """The chart's name for the release's objects (Helm's fullname convention: the
+        release name alone when it already contains the chart's name)."""
+        return self.release if "rlpacer" in self.release else f"{self.release}-rlpacer"
+
     def start(self) -> None:
         self.starts += 1
         dep = json.loads(self.cluster.kubectl(
-            "get", "deploy", f"{self.release}-rlpacer", "-n", self.system, "-o", "json").stdout)
+            "get", "deploy", self.fullname, "-n", self.system, "-o", "json").stdout)
         # A new pod name per start, as a Deployment rollout creates a new pod.
-        env = deployment_env(dep, pod_name=f"{self.release}-rlpacer-local-{self.starts}")
+        env = deployment_env(dep, pod_name=f"{self.fullname}-local-{self.starts}")
         cert_dir = self.tmp / f"webhook-tls-{self.starts}"  # the kubelet mounts the Secret
         cert_dir.mkdir()
         secret = json.loads(self.cluster.kubectl(
-            "get", "secret", f"{self.release}-rlpacer-webhook-tls", "-n", self.system,
+            "get", "secret", f"{self.fullname}-webhook-tls", "-n", self.system,
             "-o", "json").stdout)
         for key in ("tls.crt", "tls.key"):
             (cert_dir / key).write_bytes(base64.b64decode(secret["data"][key]))
@@ -79,7 +85,7 @@ class OperatorProcess:
             env[f"RLPACER_OPERATOR_{what}_HOST"] = "127.0.0.1"
         env["RLPACER_OPERATOR_REPORT_HOST"] = self.report_host
         env["RLPACER_OPERATOR_KUBECONFIG"] = str(self.cluster.kubeconfig_for_service_account(
-            self.system, f"{self.release}-rlpacer"))
+            self.system, self.fullname))
         self.env = env
         full = {k: v for k, v in os.environ.items()
                 if not k.startswith(("RLPACER_OPERATOR_", "KUBECONFIG"))}
@@ -235,7 +241,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     hosts = TestHosts().start()
     op = OperatorProcess(cluster, RELEASE, SYSTEM, d)
     op.report_host = hosts.gateway
-    svc = f"{RELEASE}-rlpacer.{SYSTEM}.svc"
+    svc = f"{op.fullname}.{SYSTEM}.svc"
     harness = PodHarness(cluster, st["namespace"], d / "pods",
                          roles=[r.value for r in contract.Role], hosts=hosts,
                          names={svc: hosts.gateway, f"{svc}.cluster.local": hosts.gateway})
