@@ -47,8 +47,8 @@ def run(binary: str, *args: str, cwd: Path | None = None) -> subprocess.Complete
                           timeout=120, cwd=cwd)
 
 
-def rendered_rule() -> dict[str, Any]:
-    r = run("helm", "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+def rendered_rule(namespace: str = NAMESPACE) -> dict[str, Any]:
+    r = run("helm", "template", RELEASE, str(CHART), "--namespace", namespace,
             "--kube-version", KUBE_VERSION, "--set", "metrics.prometheusRule.enabled=true",
             "--show-only", "templates/prometheusrule.yaml")
     assert r.returncode == 0, r.stderr
@@ -97,9 +97,9 @@ def test_promtool_test_fails_on_a_wrong_expectation(tmp_path: Path) -> None:
 # --- the dashboard -----------------------------------------------------------------------------
 
 
-def dashboard_queries() -> dict[str, str]:
+def dashboard_queries(variables: dict[str, str] | None = None) -> dict[str, str]:
     """name -> PromQL of every panel target and query variable, Grafana's variables set to
-    "All" (a regex matching every value)."""
+    ``variables`` (name -> regex; by default "All": a regex matching every value)."""
     dash = json.loads((CHART / "dashboards" / "rlpacer.json").read_text())
 
     def panels(ps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -115,8 +115,12 @@ def dashboard_queries() -> dict[str, str]:
             m = re.fullmatch(r"label_values\((.+),\s*([A-Za-z_]\w*)\)", q.strip())
             assert m, f"variable {v['name']}: unexpected query {q!r}"
             out[f"variable {v['name']}"] = m.group(1)
+
+    def value(m: re.Match[str]) -> str:
+        return (variables or {}).get(m.group(1), ".*")
+
     for name, expr in out.items():
-        out[name] = re.sub(r"\$\{?[A-Za-z_]\w*(?::\w+)?\}?", ".*", expr)
+        out[name] = re.sub(r"\$\{?([A-Za-z_]\w*)(?::\w+)?\}?", value, expr)
         assert "$" not in out[name], f"{name}: an unhandled Grafana variable in {expr!r}"
     return out
 
