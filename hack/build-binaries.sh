@@ -3,7 +3,7 @@
 # from the Go module proxy, into a cache folder outside the repo:
 #
 #   ${RLPACER_CACHE:-~/.cache/rlpacer}/bin/{etcd,kube-apiserver,kube-controller-manager,
-#                                           kube-scheduler,kwok,helm}
+#                                           kube-scheduler,kwok,helm,promtool,prometheus}
 #
 # Each binary carries a stamp (bin/.<name>.stamp: version, toolchain, recipe); a binary whose stamp
 # matches is skipped, so a warm run costs seconds. Binaries are built one at a time (2-core
@@ -11,7 +11,8 @@
 # are built from small generated wrapper modules (in ${RLPACER_CACHE}/build).
 #
 # Usage: bash hack/build-binaries.sh [--check] [NAME...]
-#   NAME     build only these (etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm)
+#   NAME     build only these (etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm
+#            promtool prometheus)
 #   --check  build nothing; exit 1 and list what is missing or stale
 # Env: RLPACER_CACHE (cache root), GO (go binary), RLPACER_BUILD_FORCE=1 (ignore stamps).
 set -euo pipefail
@@ -24,6 +25,8 @@ BUILD="$CACHE/build"
 RECIPE_REV=2
 # Bumped alone when only helm's recipe changes (2: Kubernetes version ldflags).
 HELM_RECIPE_REV=2
+# Bumped alone when only promtool's/prometheus' recipe changes.
+PROMETHEUS_RECIPE_REV=1
 mkdir -p "$BIN" "$BUILD"
 
 GO="${GO:-$(command -v go || true)}"
@@ -37,13 +40,13 @@ export GOFLAGS=-mod=mod
 # Keep the Go build cache small-ish and memory-friendly on small machines.
 export GOMAXPROCS="${GOMAXPROCS:-$(nproc)}"
 
-ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm)
+ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm promtool prometheus)
 CHECK=0
 WANT=()
 for a in "$@"; do
   case "$a" in
     --check) CHECK=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) WANT+=("$a") ;;
   esac
 done
@@ -56,6 +59,8 @@ stamp_for() {
       echo "$1 $KUBERNETES_VERSION toolchain=$KUBERNETES_GOTOOLCHAIN rev=$RECIPE_REV" ;;
     kwok) echo "kwok $KWOK_VERSION toolchain=$KWOK_GOTOOLCHAIN rev=$RECIPE_REV" ;;
     helm) echo "helm $HELM_VERSION toolchain=$HELM_GOTOOLCHAIN rev=$RECIPE_REV.$HELM_RECIPE_REV" ;;
+    promtool|prometheus)
+      echo "$1 $PROMETHEUS_VERSION toolchain=$PROMETHEUS_GOTOOLCHAIN rev=$RECIPE_REV.$PROMETHEUS_RECIPE_REV" ;;
     *) echo "error: unknown binary '$1' (known: ${ALL[*]})" >&2; return 1 ;;
   esac
 }
@@ -142,6 +147,14 @@ helm_ldflags() {
        "-X $h/pkg/chartutil.k8sVersionMajor=$major -X $h/pkg/chartutil.k8sVersionMinor=$minor"
 }
 
+# Prometheus' release version (3.MM.P) from its module version (v0.3MM.P), stamped like promu does.
+prometheus_ldflags() {
+  local v=${PROMETHEUS_VERSION#v0.} c=github.com/prometheus/common/version
+  local minor=${v%%.*} patch=${v#*.}
+  echo "-s -w -X $c.Version=$((minor / 100)).$((minor % 100)).$patch -X $c.Branch=HEAD" \
+       "-X $c.BuildUser=rlpacer@build-binaries -X $c.Revision=$PROMETHEUS_VERSION"
+}
+
 k8s_ldflags() {
   local v=$KUBERNETES_VERSION major minor commit="" date="" info
   major=$(echo "${v#v}" | cut -d. -f1); minor=$(echo "${v#v}" | cut -d. -f2)
@@ -204,9 +217,10 @@ EOF
 
 # go install-able modules (no replace directives): build in a scratch GOBIN, then move.
 build_install() {
-  local name=$1 pkg=$2 v=$3 tc=$4 ldflags=$5 gobin="$BUILD/gobin-$1"
+  local name=$1 pkg=$2 v=$3 tc=$4 ldflags=$5 tags=${6:-} gobin="$BUILD/gobin-$1"
   rm -rf "$gobin"; mkdir -p "$gobin"
-  (cd "$BUILD" && GOFLAGS= GOBIN="$gobin" gotc "$tc" install -trimpath -ldflags "$ldflags" "$pkg@$v")
+  (cd "$BUILD" && GOFLAGS= GOBIN="$gobin" gotc "$tc" install -trimpath -tags "$tags" \
+      -ldflags "$ldflags" "$pkg@$v")
   mv "$gobin/$name" "$BIN/$name.tmp"
   rm -rf "$gobin"
 }
@@ -229,6 +243,9 @@ for name in "${WANT[@]}"; do
             "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$KUBERNETES_VERSION" ;;
     helm) build_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_GOTOOLCHAIN" \
             "$(helm_ldflags)" ;;
+    promtool|prometheus)
+      build_install "$name" "github.com/prometheus/prometheus/cmd/$name" "$PROMETHEUS_VERSION" \
+        "$PROMETHEUS_GOTOOLCHAIN" "$(prometheus_ldflags)" netgo,remove_all_sd ;;
   esac
   mv -f "$BIN/$name.tmp" "$BIN/$name"
   echo "$stamp" > "$BIN/.$name.stamp"

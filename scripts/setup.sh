@@ -163,7 +163,7 @@ if [[ $WHAT == all ]]; then
   if bash hack/build-binaries.sh --check >/dev/null 2>&1; then
     step "control-plane binaries: all built ($CACHE/bin)"
   else
-    step "control-plane binaries into $CACHE/bin (cold: 25-35 minutes on 2 cores; warm: skipped)"
+    step "control-plane binaries into $CACHE/bin (cold: 30-40 minutes on 2 cores; warm: skipped)"
     GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
     [[ -x "$GO" ]] \
       || die "Go is needed to build the control plane (hack/build-binaries.sh): install Go 1.26 or newer (apt-get install golang-go, or a release from the Go project), or set GO=/path/to/go; then re-run"

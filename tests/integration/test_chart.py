@@ -189,6 +189,8 @@ def test_template_monitoring_objects() -> None:
     assert "{{ $labels.job }}" in alerts["RLPacerJobStuck"]["annotations"]["summary"]
     (sm,) = find(docs, "ServiceMonitor")
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    # The per-job series keep the job's namespace/job (not exported_*): alerts and dashboard.
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
 
 
 def _job_pods(namespace: str) -> dict[str, dict[str, Any]]:

@@ -312,6 +312,7 @@ def test_versions_file_pins_every_binary() -> None:
         "ETCD_VERSION=v3.5.",
         "KWOK_VERSION=",
         "HELM_VERSION=v3.",
+        "PROMETHEUS_VERSION=v0.3",  # Prometheus 3.x's module versions
     ):
         assert key in text
 

@@ -117,6 +117,10 @@ class Metrics:
                   and not is_terminal(st.conditions)
                   and not is_true(st.conditions, ConditionType.SUSPENDED))
         self.job_active.labels(*lab).set(1 if active else 0)
+        # The step counter exists from the job's first observation at 0, so the first step after
+        # an operator (re)start is an increase Prometheus sees (a series first scraped at 1 is not):
+        # the RLPacerJobStuck alert relies on it across leader changes.
+        self.steps.labels(*lab)
         slo = find(st.conditions, ConditionType.SLO_VIOLATED)
         if slo is not None:
             for reason in SLO_BREACH_REASONS:

@@ -138,10 +138,10 @@ def find_binary(name: str, directory: Path | None = None) -> Path:
         return p
     raise MissingBinaryError(
         f"{name} not found at {p}. The local Kubernetes control plane's binaries (etcd, "
-        f"kube-apiserver, kube-controller-manager, kube-scheduler, kwok, helm) are built at the "
-        f"versions pinned in hack/versions.env by `{SETUP_COMMAND}` (or only them: "
-        f"`{BUILD_COMMAND}`; a cold build takes a while). Set RLPACER_BIN_DIR or RLPACER_CACHE "
-        f"if they live elsewhere."
+        f"kube-apiserver, kube-controller-manager, kube-scheduler, kwok, helm) and Prometheus' "
+        f"(promtool, prometheus) are built at the versions pinned in hack/versions.env by "
+        f"`{SETUP_COMMAND}` (or only this one: `{BUILD_COMMAND} {name}`; a cold build takes a "
+        f"while). Set RLPACER_BIN_DIR or RLPACER_CACHE if they live elsewhere."
     )
 
 
@@ -152,6 +152,8 @@ _VERSION_KEYS = {
     "kube-scheduler": "KUBERNETES_VERSION",
     "kwok": "KWOK_VERSION",
     "helm": "HELM_VERSION",
+    "promtool": "PROMETHEUS_VERSION",
+    "prometheus": "PROMETHEUS_VERSION",
 }
 
 

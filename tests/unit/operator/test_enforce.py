@@ -191,6 +191,9 @@ def test_metrics_follow_the_condition_and_are_removed_with_the_job() -> None:
     assert ('rlpacer_slo_violated{job="j",namespace="team",reason="StragglerRateAboveSLO"} 0.0'
             in text)
     assert 'rlpacer_job_active{job="j",namespace="team"} 0.0' in text  # not admitted yet
+    # The step counter is exported from 0 before the first step (an operator that took over
+    # makes the next step an increase Prometheus sees: RLPacerJobStuck relies on it).
+    assert 'rlpacer_steps_total{job="j",namespace="team"} 0.0' in text
     m.forget("team", "j")
     assert m.series_for("team", "j") == 0
 
