@@ -124,6 +124,9 @@ class Driver:
         self._pending: dict[str, tuple[int, int, int]] = {}  # request id -> engine, prompt, idx
         self._served = [0] * len(self.engines)  # responses each engine finished this step
         self.policy_version: str | None = None  # the learner's, as last pushed to the engines
+        # "store": Ray's object store (CPU, and GPU by default); "nccl": learner rank 0
+        # broadcasts to the engines' workers (RLPACER_WEIGHT_TRANSPORT=nccl; unverified)
+        self.weight_transport = "store"
 
     # --- rewards -----------------------------------------------------------------------------
     def _score(self, tokens: tuple[int, ...], finish_reason: str, pid: int) -> float:
@@ -329,6 +332,10 @@ class Driver:
         """Pushes the learner's weights to every engine: one serialized copy per update (on
         Ray one object in the object store, fetched once per node, loaded by every engine at
         once); then checks that every engine's worker reports the learner's fingerprint."""
+        if self.weight_transport == "nccl":  # GPU learners and engines (unverified)
+            t0 = time.perf_counter()
+            self.policy_version = self.learner.nccl_sync(self.engines)
+            return time.perf_counter() - t0
         blob, version = self.learner.publish()  # bytes, or a ref to rank 0's in the store
         t0 = time.perf_counter()
         if self._ray_engines():

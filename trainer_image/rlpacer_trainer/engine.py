@@ -338,6 +338,7 @@ class RayEngine:
         self._ray = ray
         # Any: Ray's stubs give an actor handle's undecorated methods no ``.remote``
         self.actor = cast(Any, actor_cls.remote(cfg))
+        self.tensor_parallel_size = cfg.tensor_parallel_size
         ray.get(self.actor.pending.remote())  # wait until the engine is up
 
     def submit(self, requests: Sequence[GenRequest]) -> None:

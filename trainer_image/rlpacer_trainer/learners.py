@@ -83,14 +83,13 @@ class LearnerWorker:
         """The weights as the engines load them, and their fingerprint (policy version)."""
         return self.learner.publish()
 
-    def nccl_open(self, world_size: int) -> tuple[str, int]:
-        """Rank 0: open the NCCL weight group with the engines' workers (GPU; unverified, see
-        :mod:`rlpacer_trainer.nccl_weights`); returns the address they join."""
+    def nccl_open(self, host: str, port: int, world_size: int) -> None:
+        """Rank 0: open the NCCL weight group at ``host:port`` (from :meth:`rendezvous`) with
+        the engines' workers, who join at the same time (GPU; unverified, see
+        :mod:`rlpacer_trainer.nccl_weights`)."""
         from rlpacer_trainer import nccl_weights
 
-        host, port = self.rendezvous().removeprefix("tcp://").rsplit(":", 1)
-        self._sender = nccl_weights.Sender(host, int(port), world_size)
-        return host, int(port)
+        self._sender = nccl_weights.Sender(host, port, world_size)
 
     def nccl_meta(self) -> Any:
         """What the engines allocate before each receive (fixed for a model): the driver sends
@@ -218,6 +217,32 @@ class RayLearners:
 
     def infos(self) -> list[dict[str, Any]]:
         return list(self._ray.get([a.info.remote() for a in self.actors]))
+
+    def nccl_sync(self, engines: Sequence[Any]) -> str:
+        """The GPU weight path (UNVERIFIED, :mod:`rlpacer_trainer.nccl_weights`): rank 0
+        broadcasts this update to every engine's workers over NCCL; the group is made on first
+        use and anew when the engines change. Returns the learner's version."""
+        ray = self._ray
+        rank0 = self.actors[0]
+        key = tuple(id(e) for e in engines)
+        if getattr(self, "_nccl_key", None) != key:
+            url = ray.get(rank0.rendezvous.remote())
+            host, port = url.removeprefix("tcp://").rsplit(":", 1)
+            tp = [int(e.tensor_parallel_size) for e in engines]
+            world = 1 + sum(tp)
+            offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
+            ray.get([rank0.nccl_open.remote(host, int(port), world)]
+                    + [e.actor.nccl_join.remote(host, int(port), off, world)
+                       for e, off in zip(engines, offsets, strict=True)])
+            self._nccl_meta = ray.get(rank0.nccl_meta.remote())
+            self._nccl_key = key
+        send = rank0.nccl_send.remote()
+        got = ray.get([e.actor.nccl_receive.remote(self._nccl_meta) for e in engines])
+        _, version = ray.get(send)
+        stale = [v for v in got if v != version]
+        if stale:
+            raise RuntimeError(f"NCCL weight sync: engines hold {stale}, learner {version}")
+        return str(version)
 
     def fingerprints(self) -> list[str]:
         return list(self._ray.get([a.fingerprint.remote() for a in self.actors]))

@@ -11,9 +11,12 @@ place (``model_runner.reload_weights``) and fingerprints them (:mod:`rlpacer_tra
 so the policy version check is the same as on the object-store path.
 
 UNVERIFIED: written against vLLM's documented API; no GPU with vLLM was available to run it.
-The object-store path (:meth:`rlpacer_trainer.driver.Driver.sync_weights`) is what runs today;
-``scripts/gpu_check.sh`` checks the learner side on a GPU. A group is fixed in size: when the
-set of engines changes (a long round's replicas join or leave) the group is made anew.
+It is opt-in, behind the driver's one weight-sync interface
+(:meth:`rlpacer_trainer.driver.Driver.sync_weights`): ``RLPACER_WEIGHT_TRANSPORT=nccl`` in the
+driver pod, for GPU engines and learner actors (:meth:`rlpacer_trainer.learners.RayLearners.
+nccl_sync` sets the group up and runs each update). The object-store path is the default and
+what the tests run. A group is fixed in size: when the set of engines changes (a long round's
+replicas join or leave) the group is made anew.
 """
 
 from __future__ import annotations

@@ -110,6 +110,10 @@ def build_driver(
     drv = Driver(cfg=cfg, controller=controller, engines=engines, learner=learner,
                  planner=planner, attempt=attempt, checkpoint_dir=checkpoint_dir,
                  on_step=on_step)
+    if os.environ.get("RLPACER_WEIGHT_TRANSPORT") == "nccl":
+        if not isinstance(learner, RayLearners) or int(cfg.spec.rollout.gpus_per_replica) < 1:
+            raise ValueError("RLPACER_WEIGHT_TRANSPORT=nccl needs GPU engines and learner actors")
+        drv.weight_transport = "nccl"
     drv.sync_weights()  # engines may hold another run's weights (bench-train reuses them)
     return drv
 
