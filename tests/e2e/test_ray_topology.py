@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -70,18 +69,6 @@ DRIVER = textwrap.dedent("""
                "nodes": nodes}
     print("RESULT " + json.dumps(out), flush=True)
 """)
-
-
-def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"head exited with {proc.returncode}"
-        try:
-            with socket.create_connection((host, port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise AssertionError(f"{host}:{port} not listening after {timeout}s")
 
 
 def _leftovers(tag: str) -> list[str]:
@@ -161,7 +148,7 @@ def test_actor_lands_on_the_pod_it_asks_for(tmp_path: Path) -> None:
                                    stderr=subprocess.STDOUT)
 
             head = start("head", contract.Role.HEAD)
-            _wait_port(hosts.address("head"), contract.RAY_GCS_PORT, head, 60)
+            netns.wait_port(hosts.address("head"), contract.RAY_GCS_PORT, head, 60)
             start("rollout", contract.Role.ROLLOUT, **{contract.ENV_RANK: "1"})
             start("learner", contract.Role.LEARNER, **{contract.ENV_RANK: "0"})
             script = tmp_path / "driver.py"

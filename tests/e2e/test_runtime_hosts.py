@@ -22,16 +22,15 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from rlpacer.api import contract
+from rlpacer.testing import netns
 from rlpacer.testing.netns import TestHosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -41,18 +40,6 @@ EXAMPLE = ROOT / "examples" / "tiny-local.yaml"
 JOB, NS = "hosts", "team-a"
 HEAD_SVC = f"{JOB}-head.{NS}.svc"
 STEPS = 3
-
-
-def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"head exited with {proc.returncode}"
-        try:
-            with socket.create_connection((host, port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise AssertionError(f"{host}:{port} not listening after {timeout}s")
 
 
 def _manifest(path: Path) -> None:
@@ -109,7 +96,7 @@ def test_every_pod_does_its_roles_work_on_its_own_host(tmp_path: Path) -> None:
                                    env=env, stdout=log, stderr=subprocess.STDOUT)
 
             head = start("head")
-            _wait_port(hosts.address("head"), contract.RAY_GCS_PORT, head, 90)
+            netns.wait_port(hosts.address("head"), contract.RAY_GCS_PORT, head, 90)
             for name in ("learner-0", "learner-1", "rollout-0", "rollout-1"):
                 start(name)
             driver = start("driver")

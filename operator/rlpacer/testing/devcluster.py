@@ -36,6 +36,7 @@ from rlpacer.testing.cluster import (
     free_ports,
     repo_root,
 )
+from rlpacer.testing.netns import pid_alive
 
 CHART = repo_root() / "charts" / "rlpacer"
 RELEASE = "rlpacer"
@@ -148,16 +149,6 @@ def _state(d: Path) -> dict[str, Any] | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _env_lines(kubeconfig: str, namespace: str) -> str:
     return (f"export KUBECONFIG={kubeconfig}\n"
             f"# jobs go into namespace {namespace}: kubectl apply -n {namespace} -f ...\n")
@@ -166,7 +157,7 @@ def _env_lines(kubeconfig: str, namespace: str) -> str:
 def cmd_up(a: argparse.Namespace) -> int:
     d = _dir(a)
     st = _state(d)
-    if st is not None and _alive(int(st["supervisor"])):
+    if st is not None and pid_alive(int(st["supervisor"])):
         print(f"a dev cluster is already up in {d}: `rlpacer dev-cluster down` first",
               file=sys.stderr)
         return 1
@@ -271,11 +262,11 @@ def cmd_down(a: argparse.Namespace, quiet: bool = False) -> int:
 
     d = _dir(a)
     st = _state(d)
-    if st is not None and int(st.get("supervisor") or 0) and _alive(int(st["supervisor"])):
+    if st is not None and int(st.get("supervisor") or 0) and pid_alive(int(st["supervisor"])):
         pid = int(st["supervisor"])
         os.kill(pid, signal.SIGTERM)
         for _ in range(120):
-            if not _alive(pid):
+            if not pid_alive(pid):
                 break
             time.sleep(0.5)
         else:
@@ -293,7 +284,7 @@ def cmd_down(a: argparse.Namespace, quiet: bool = False) -> int:
 
 def cmd_env(a: argparse.Namespace) -> int:
     st = _state(_dir(a))
-    if st is None or not _alive(int(st.get("supervisor") or 0)):
+    if st is None or not pid_alive(int(st.get("supervisor") or 0)):
         print("no dev cluster is up (start one: rlpacer dev-cluster up)", file=sys.stderr)
         return 1
     sys.stdout.write(_env_lines(st["kubeconfig"], st["namespace"]))

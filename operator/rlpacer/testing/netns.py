@@ -97,7 +97,8 @@ def parse_tag(name: str) -> int | None:
     return int(m.group(1), 36) if m else None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (also when it belongs to another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -107,7 +108,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def is_leftover(name: str, alive: object = _alive) -> bool:
+def wait_port(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait until ``host:port`` accepts connections (a server started in a host), failing
+    early when ``proc``, the server's process, exits."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{proc.args!r} exited with {proc.returncode}"
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"{host}:{port} not listening after {timeout}s")
+
+
+def is_leftover(name: str, alive: object = pid_alive) -> bool:
     """True for a name of ours whose creating process is gone."""
     pid = parse_tag(name)
     return pid is not None and not alive(pid)  # type: ignore[operator]
