@@ -44,8 +44,10 @@ def init_ray(address: str | None = None, num_cpus: int = 2, **ray_kwargs: Any) -
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, **ray_kwargs)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=False, **ray_kwargs)
+        # address="local": always a new in-process cluster, never one a `ray start` on this
+        # machine left behind (Ray would join whatever /tmp/ray/ray_current_cluster names)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 runtime_env=runtime_env, log_to_driver=False, **ray_kwargs)
 
 
 def engine_config(cfg: RunConfig, model_path: Path | None = None, *, replica: int = 0,
