@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
@@ -147,13 +149,18 @@ def test_pod_entrypoint_rejects_unknown_role() -> None:
     assert proc.returncode == 2 and "RLPACER_ROLE" in proc.stderr
 
 
-def test_a_local_run_never_joins_a_cluster_left_behind(tmp_path: Path) -> None:
+def test_a_local_run_never_joins_a_cluster_left_behind() -> None:
     """A `ray start` that died without cleaning up leaves ray_current_cluster in Ray's temp
     dir: a local run starts its own cluster instead of trying to join that address."""
-    (tmp_path / "ray").mkdir()
-    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")
-    code = ("import ray\nfrom rlpacer_trainer import runtime\nruntime.init_ray(num_cpus=1)\n"
-            "print('answer', ray.get(ray.remote(num_cpus=0.1)(lambda: 7).remote()))\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=_env() | {"RAY_TMPDIR": str(tmp_path)},
-                          capture_output=True, text=True, timeout=240)
+    tmp = Path(tempfile.mkdtemp(prefix="rlr", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        (tmp / "ray").mkdir()
+        (tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")
+        code = ("import ray\nfrom rlpacer_trainer import runtime\n"
+                "runtime.init_ray(num_cpus=1)\n"
+                "print('answer', ray.get(ray.remote(num_cpus=0.1)(lambda: 7).remote()))\n")
+        proc = subprocess.run([sys.executable, "-c", code], env=_env() | {"RAY_TMPDIR": str(tmp)},
+                              capture_output=True, text=True, timeout=240)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert proc.returncode == 0 and "answer 7" in proc.stdout, proc.stdout + proc.stderr[-3000:]
