@@ -52,7 +52,7 @@ from rlpacer.api.status import (
     summarize,
 )
 from rlpacer.control.plan import JobController
-from rlpacer.operator import builders, names
+from rlpacer.operator import builders, names, scaler
 from rlpacer.operator.decide import Decision, Observed, decide, restart_attempt
 from rlpacer.operator.kube import ApiError, KubeClient, object_path
 from rlpacer.operator.metrics import Metrics
@@ -467,8 +467,17 @@ class Jobs:
         ready = 0
         if sts is not None and _owned_by(sts, rt.uid):
             ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
+        # which rollout pods are Ready (the plan's usableReplicas): a timed-out scale-up may
+        # leave a higher ordinal ready while a lower one is pending
+        selector = ",".join(f"{k}={v}" for k, v in sorted(
+            names.selector(rt.name, contract.Role.ROLLOUT).items()))
+        listed = await self.kube.request(
+            "GET", object_path("v1", "pods", rt.namespace, None),
+            params={"labelSelector": selector})
+        ordinals = tuple(scaler.ready_ordinals(
+            listed.get("items") or [], names.statefulset(rt.name, contract.Role.ROLLOUT)))
         return Observed(attempt=attempt, driver_phase=phase, driver_message=message,
-                        rollout_ready=ready), pod
+                        rollout_ready=ready, rollout_ordinals=ordinals), pod
 
     async def reconcile(self, rt: JobRuntime) -> float | None:
         """One level-based pass; returns seconds until the next needed look (or None).
@@ -492,7 +501,8 @@ class Jobs:
         ) -> tuple[RLTrainingJobStatus, Decision]:
             obs = observed
             if st.attempt != observed.attempt:  # the driver seen belongs to another attempt
-                obs = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready)
+                obs = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready,
+                               rollout_ordinals=observed.rollout_ordinals)
             d = decide(spec, st, obs, now, rt.generation)
             return d.status, d
 
