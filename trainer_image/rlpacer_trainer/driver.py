@@ -3,7 +3,10 @@
 One step = one policy update. Per step:
 
 1. The plan (group size G, round kind) comes from the controller client (in-process or the
-   operator's step-report endpoint); while it says ScalingUp the driver polls.
+   operator's step-report endpoint); while it says ScalingUp the driver polls. The engines
+   are fitted to the plan's usable rollout replicas (:meth:`Driver.use_plan`): a long
+   round's added replicas get engines on their pods, each serving only once it holds the
+   learner's weights; requests are spread over the engines by load.
 2. The driver owns the tail-batching planner: ``start_round(G)`` picks the prompts; requests
    go to the engines; each finished response is fed to the planner *in finish order*, and
    whatever it says to abort is aborted on the engines at once. Kept responses are scored as
@@ -12,6 +15,7 @@ One step = one policy update. Per step:
    the batch is short of P0 groups, up to ``max_refill_rounds`` more short rounds refill it
    (never a long round: a long round is its own step). Their lengths count in the report.
 4. Group-relative advantages, one policy update, weights pushed to every engine in place.
+   After a long round (the next one short) the added engines are released first.
 5. The step report (lengths max/median/p90/count/aborted, seconds, long queue, the planner's
    next round kind, mean reward) goes to the controller; its answer is the next plan.
 
