@@ -464,17 +464,21 @@ class Driver:
     def _join(self, missing: Sequence[int]) -> None:
         assert self.engine_factory is not None
         offered = self._offered(missing)
+        started: dict[int, Any] = {}
         for r in missing:
             if r not in offered:
                 print(f"rollout replica {r} is usable but its pod has not joined Ray: the "
                       f"round runs without it", flush=True)
                 continue
-            eng = self.engine_factory(r)
-            blob, version = self.learner.publish()
-            if version != self.policy_version:
-                raise RuntimeError(f"the learner's weights {version} are not the ones the "
-                                   f"engines hold ({self.policy_version})")
-            self._push_weights([eng], blob)
+            started[r] = self.engine_factory(r)
+        if not started:
+            return
+        blob, version = self.learner.publish()  # one copy for every joining engine
+        if version != self.policy_version:
+            raise RuntimeError(f"the learner's weights {version} are not the ones the "
+                               f"engines hold ({self.policy_version})")
+        self._push_weights(list(started.values()), blob)
+        for r, eng in started.items():
             held = eng.info().policy_version
             if held != self.policy_version:
                 print(f"rollout replica {r}: its new engine holds {held}, not the learner's "
