@@ -447,6 +447,7 @@ class Driver:
         have joined Ray, each serving only after it holds the learner's weights; releases
         extra engines the plan no longer names; returns the replicas the round uses."""
         usable = self.usable_replicas(plan)
+        self._drop_dead()
         for r in sorted(self.pool):
             if r not in usable and r not in self.base_replicas:
                 self._forget(r, "released")
@@ -460,6 +461,26 @@ class Driver:
             raise RuntimeError("no rollout engine is live")
         self.active = active
         return list(active)
+
+    def _drop_dead(self) -> None:
+        """Forgets the engines that died between steps (e.g. with their pod), so that they
+        are started again rather than sent requests."""
+        replicas = sorted(self.pool)
+        if self._ray_engines():
+            import ray
+
+            refs = {r: self.pool[r].info_async() for r in replicas}
+            for r, ref in refs.items():
+                try:
+                    ray.get(ref)
+                except _died_errors():
+                    self._forget(r, "died")
+            return
+        for r in replicas:
+            try:
+                self.pool[r].info()
+            except _died_errors():
+                self._forget(r, "died")
 
     def _join(self, missing: Sequence[int]) -> None:
         assert self.engine_factory is not None

@@ -377,3 +377,30 @@ def test_an_engine_dying_mid_round_loses_nothing_and_restarts() -> None:
     assert [r.replica for r in made] == [1] and drv.pool[1] is made[0]
     assert all(r["replicas"] == [0, 1] for r in drv.records)
     assert drv.records[-1]["engines"][1]["responses"] > 0
+
+
+def test_an_engine_that_died_between_steps_is_started_again() -> None:
+    class Killable(LoggedEngine):
+        def info(self) -> EngineInfo:
+            if self.down:
+                raise EngineDied("actor died")
+            return super().info()
+
+    cfg = _cfg(steps=3, tail_batching=False, fixed_group_size=4)
+    log: list[tuple[object, ...]] = []
+    made: list[LoggedEngine] = []
+
+    def factory(r: int) -> LoggedEngine:
+        made.append(LoggedEngine(r, log))
+        return made[-1]
+
+    gone = Killable(1, log)
+    drv = runtime.build_driver(cfg, [LoggedEngine(0, log), gone], engine_factory=factory,
+                               offered_replicas=lambda: {0, 1})
+    drv.run_step(drv.controller.plan())
+    gone.down = True  # its pod went away after the step
+    drv.run()
+    assert [w for w, _ in drv.events] == ["died", "joined"] and made[0].replica == 1
+    assert not any(x[:2] == ("submit", 1) and x[2] is None for x in log)
+    for r in drv.records:
+        assert r["replicas"] == [0, 1] and [e["replica"] for e in r["engines"]] == [0, 1]
