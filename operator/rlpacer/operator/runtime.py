@@ -105,6 +105,9 @@ class JobRuntime:
     live: tuple[str, JobController] | None = None
     #: The token hash this process last tried to record in status (see _record_token_hash).
     hash_tried: str | None = None
+    #: the API server pruned status.rollout.readyOrdinals (a CRD older than the operator):
+    #: no longer observed, so the plans carry no usableReplicas and no pass writes for it
+    ordinals_pruned: bool = False
 
     def take_controller(self, state: str | None) -> JobController | None:
         live, self.live = self.live, None
@@ -496,6 +499,9 @@ class Jobs:
         observed, driver = await self.observe(rt)
         now = utcnow()
 
+        if rt.ordinals_pruned:
+            observed = dataclasses.replace(observed, rollout_ordinals=None)
+
         def mutate(
             spec: RLTrainingJobSpec, st: RLTrainingJobStatus
         ) -> tuple[RLTrainingJobStatus, Decision]:
@@ -508,6 +514,9 @@ class Jobs:
 
         async with rt.lock:
             dec = await self.commit(rt, mutate)
+            if (observed.rollout_ordinals is not None
+                    and rt.status.rollout.ready_ordinals is None):
+                rt.ordinals_pruned = True  # written once, dropped by the API server
             spec = rt.spec
             inputs = builders.BuildInputs(
                 name=rt.name, namespace=rt.namespace, uid=rt.uid, spec=spec,
