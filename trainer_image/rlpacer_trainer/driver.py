@@ -491,7 +491,16 @@ class Driver:
                 print(f"rollout replica {r} is usable but its pod has not joined Ray: the "
                       f"round runs without it", flush=True)
                 continue
-            started[r] = self.engine_factory(r)
+            for attempt in range(3):
+                try:
+                    started[r] = self.engine_factory(r)
+                    break
+                except _died_errors() as err:
+                    # e.g. placed on the pod's previous Ray node just before it was marked
+                    # dead (same pod name, same address): try again on the one now offered
+                    print(f"rollout replica {r}: its new engine died starting ({attempt + 1}"
+                          f"/3): {str(err).splitlines()[0]}", flush=True)
+                    time.sleep(2.0)
         if not started:
             return
         blob, version = self.learner.publish()  # one copy for every joining engine

@@ -390,7 +390,12 @@ def test_an_engine_that_died_between_steps_is_started_again() -> None:
     log: list[tuple[object, ...]] = []
     made: list[LoggedEngine] = []
 
+    tries: list[int] = []
+
     def factory(r: int) -> LoggedEngine:
+        tries.append(r)
+        if len(tries) == 1:  # placed on the pod's old node just before it was marked dead
+            raise EngineDied("the actor died because its node has died")
         made.append(LoggedEngine(r, log))
         return made[-1]
 
@@ -401,6 +406,7 @@ def test_an_engine_that_died_between_steps_is_started_again() -> None:
     gone.down = True  # its pod went away after the step
     drv.run()
     assert [w for w, _ in drv.events] == ["died", "joined"] and made[0].replica == 1
+    assert tries == [1, 1]  # a start that died is tried again
     assert not any(x[:2] == ("submit", 1) and x[2] is None for x in log)
     for r in drv.records:
         assert r["replicas"] == [0, 1] and [e["replica"] for e in r["engines"]] == [0, 1]
