@@ -420,12 +420,23 @@ class Driver:
         return bool(self.pool) and hasattr(next(iter(self.pool.values())), "info_async")
 
     def _infos(self, replicas: Sequence[int]) -> dict[int, EngineInfo]:
+        out: dict[int, EngineInfo] = {}
         if self._ray_engines():
             import ray
 
-            got = ray.get([self.pool[r].info_async() for r in replicas])
-            return dict(zip(replicas, got, strict=True))
-        return {r: self.pool[r].info() for r in replicas}
+            refs = {r: self.pool[r].info_async() for r in replicas}
+            for r, ref in refs.items():
+                try:
+                    out[r] = ray.get(ref)
+                except _died_errors():
+                    self._forget(r, "died")
+            return out
+        for r in replicas:
+            try:
+                out[r] = self.pool[r].info()
+            except _died_errors():
+                self._forget(r, "died")
+        return out
 
     def engine_infos(self) -> list[EngineInfo]:
         """What each engine reports about itself (read in its own process), in replica order."""
@@ -465,22 +476,7 @@ class Driver:
     def _drop_dead(self) -> None:
         """Forgets the engines that died between steps (e.g. with their pod), so that they
         are started again rather than sent requests."""
-        replicas = sorted(self.pool)
-        if self._ray_engines():
-            import ray
-
-            refs = {r: self.pool[r].info_async() for r in replicas}
-            for r, ref in refs.items():
-                try:
-                    ray.get(ref)
-                except _died_errors():
-                    self._forget(r, "died")
-            return
-        for r in replicas:
-            try:
-                self.pool[r].info()
-            except _died_errors():
-                self._forget(r, "died")
+        self._infos(sorted(self.pool))
 
     def _join(self, missing: Sequence[int]) -> None:
         assert self.engine_factory is not None
@@ -507,7 +503,10 @@ class Driver:
         if version != self.policy_version:
             raise RuntimeError(f"the learner's weights {version} are not the ones the "
                                f"engines hold ({self.policy_version})")
-        self._push_weights(list(started.values()), blob)
+        for k in self._push_weights(list(started.values()), blob):
+            r = list(started)[k]
+            print(f"rollout replica {r}: its new engine died loading the weights", flush=True)
+            del started[r]
         for r, eng in started.items():
             held = eng.info().policy_version
             if held != self.policy_version:
@@ -546,8 +545,13 @@ class Driver:
                 "driver": {"pid": os.getpid(), "hostname": socket.gethostname()}}
 
     def _engine_stats(self) -> dict[int, EngineStats]:
-        # a copy: deltas later
-        return {r: dataclasses.replace(self.pool[r].stats()) for r in sorted(self.pool)}
+        out: dict[int, EngineStats] = {}
+        for r in sorted(self.pool):
+            try:
+                out[r] = dataclasses.replace(self.pool[r].stats())  # a copy: deltas later
+            except _died_errors():
+                self._forget(r, "died")
+        return out
 
     def _served_by_engine(self, before: dict[int, EngineStats]) -> list[dict[str, Any]]:
         """The step's work per engine that served it (its own report of where it ran and
@@ -571,7 +575,9 @@ class Driver:
         once); then checks that every engine's worker reports the learner's fingerprint."""
         blob, version = self.learner.publish()  # bytes, or a ref to rank 0's in the store
         t0 = time.perf_counter()
-        self._push_weights(self.engines, blob)
+        replicas = sorted(self.pool)
+        for k in self._push_weights([self.pool[r] for r in replicas], blob):
+            self._forget(replicas[k], "died")  # started again once its pod is back
         seconds = time.perf_counter() - t0
         self.policy_version = version
         stale = [(i.replica, i.policy_version) for i in self.engine_infos()
@@ -581,19 +587,30 @@ class Driver:
                                f"the learner's weights {version}")
         return seconds
 
-    def _push_weights(self, engines: Sequence[Any], blob: Any) -> None:
+    def _push_weights(self, engines: Sequence[Any], blob: Any) -> list[int]:
+        """Loads ``blob`` into ``engines``; returns the positions of those that died."""
+        dead: list[int] = []
         if engines and hasattr(engines[0], "load_weights_async"):
             import ray
 
             ref = blob if isinstance(blob, ray.ObjectRef) else ray.put(blob)
-            ray.get([e.load_weights_async(ref) for e in engines])
-            return
+            refs = [e.load_weights_async(ref) for e in engines]
+            for k, one in enumerate(refs):
+                try:
+                    ray.get(one)
+                except _died_errors():
+                    dead.append(k)
+            return dead
         if not isinstance(blob, bytes):
             import ray
 
             blob = ray.get(blob)
-        for e in engines:
-            e.load_weights(blob)
+        for k, e in enumerate(engines):
+            try:
+                e.load_weights(blob)
+            except _died_errors():
+                dead.append(k)
+        return dead
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:

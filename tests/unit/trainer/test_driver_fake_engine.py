@@ -410,3 +410,26 @@ def test_an_engine_that_died_between_steps_is_started_again() -> None:
     assert not any(x[:2] == ("submit", 1) and x[2] is None for x in log)
     for r in drv.records:
         assert r["replicas"] == [0, 1] and [e["replica"] for e in r["engines"]] == [0, 1]
+
+
+def test_an_engine_dying_at_the_weight_sync_is_started_again() -> None:
+    class DiesAtSync(LoggedEngine):
+        def load_weights(self, blob: bytes) -> float:
+            if self.loads >= 1:  # after the start-up sync
+                raise EngineDied("actor died")
+            return super().load_weights(blob)
+
+    cfg = _cfg(steps=3, tail_batching=False, fixed_group_size=4)
+    log: list[tuple[object, ...]] = []
+    made: list[LoggedEngine] = []
+
+    def factory(r: int) -> LoggedEngine:
+        made.append(LoggedEngine(r, log))
+        return made[-1]
+
+    drv = runtime.build_driver(cfg, [LoggedEngine(0, log), DiesAtSync(1, log)],
+                               engine_factory=factory, offered_replicas=lambda: {0, 1})
+    drv.run()
+    assert [w for w, _ in drv.events] == ["died", "joined"] and len(made) == 1
+    assert [r["replicas"] for r in drv.records] == [[0, 1]] * 3
+    assert all(e.version == drv.policy_version for e in (drv.pool[0], drv.pool[1]))
