@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rlpacer.api import contract
 from rlpacer.api.job import parse_spec
-from rlpacer.api.protocol import StepReport, plan_path, steps_path
+from rlpacer.api.protocol import PLAN_FIELDS_HEADER, StepReport, plan_path, steps_path
 from rlpacer.control.plan import JobController
 from rlpacer.operator import hosting, names
 from rlpacer.testing.cluster import LocalCluster
@@ -186,10 +186,13 @@ def token(cluster: LocalCluster, ns: str, name: str) -> str:
     return base64.b64decode(sec["data"][contract.TOKEN_KEY]).decode()
 
 
-def http(method: str, url: str, tok: str | None, body: Any = None) -> tuple[int, Any]:
+def http(method: str, url: str, tok: str | None, body: Any = None,
+         headers: dict[str, str] | None = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
     if tok:
         req.add_header("Authorization", f"Bearer {tok}")
     try:
@@ -212,8 +215,9 @@ class Driver:
     def __init__(self, op: OperatorProc, ns: str, name: str, tok: str) -> None:
         self.op, self.ns, self.name, self.tok = op, ns, name, tok
 
-    def plan(self) -> dict[str, Any]:
-        code, body = http("GET", self.op.base + plan_path(self.ns, self.name), self.tok)
+    def plan(self, fields: str | None = None) -> dict[str, Any]:
+        code, body = http("GET", self.op.base + plan_path(self.ns, self.name), self.tok,
+                          headers={PLAN_FIELDS_HEADER: fields} if fields else None)
         assert code == 200, body
         return body
 
@@ -387,6 +391,12 @@ def test_long_round_scales_up_kwok_runs_then_scales_down(
     wait(cluster, lambda: drv.plan()["rollout"]["state"] == "Ready", "long-round capacity", 60)
     scale_up_s = time.monotonic() - t0
     assert (_sts(cluster, namespace, "lr")["status"]).get("readyReplicas") == 3
+    # the trainer's view: every ready rollout pod may serve the long round (older trainers,
+    # which send no X-RLPacer-Plan-Fields, get the plan without the field)
+    usable = wait(cluster, lambda: (u := drv.plan("usableReplicas")["rollout"]
+                                    .get("usableReplicas")) == [0, 1, 2] and u,
+                  "usable replicas [0, 1, 2]", 30)
+    assert usable == [0, 1, 2] and "usableReplicas" not in drv.plan()["rollout"]
     code, plan = drv.post(report(1, drv.plan()["groupSize"], 400.0, kind="Long"))
     assert plan["roundKind"] == "Short" and plan["rollout"]["desiredReplicas"] == 1
     wait(cluster, lambda: _sts(cluster, namespace, "lr")["spec"]["replicas"] == 1, "scaled down")
@@ -416,6 +426,9 @@ def test_gpus_short_scale_up_times_out_and_scales_back(
                 "scale-up timeout", 30)
     ready = plan["rollout"]["readyReplicas"]
     assert ready < 3 and plan["rollout"]["desiredReplicas"] == max(ready, 1)
+    # the trainer may use only ready replicas within the scaled-back count
+    usable = drv.plan("usableReplicas")["rollout"]["usableReplicas"]
+    assert 0 in usable and len(usable) <= ready and all(i < max(ready, 1) for i in usable)
     wait(cluster, lambda: _sts(cluster, namespace, "short")["spec"]["replicas"] == max(ready, 1),
          "pending replicas scaled back")
     ev = [e for e in kube_events(cluster, namespace, "short") if e["reason"] == "ScaleUpTimedOut"]

@@ -23,6 +23,8 @@ import urllib.request
 from typing import Any, Protocol
 
 from rlpacer.api.protocol import (
+    PLAN_FIELDS_HEADER,
+    USABLE_REPLICAS,
     Plan,
     RolloutCapacity,
     RolloutState,
@@ -144,6 +146,7 @@ class HTTPController:
         for attempt in range(self.retries + 1):
             req = urllib.request.Request(self.base + path, data=data, method=method)
             req.add_header("Authorization", f"Bearer {self.token}")
+            req.add_header(PLAN_FIELDS_HEADER, USABLE_REPLICAS)  # optional fields we read
             if data is not None:
                 req.add_header("Content-Type", "application/json")
             try:

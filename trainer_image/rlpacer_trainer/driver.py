@@ -3,7 +3,10 @@
 One step = one policy update. Per step:
 
 1. The plan (group size G, round kind) comes from the controller client (in-process or the
-   operator's step-report endpoint); while it says ScalingUp the driver polls.
+   operator's step-report endpoint); while it says ScalingUp the driver polls. The engines
+   are fitted to the plan's usable rollout replicas (:meth:`Driver.use_plan`): a long
+   round's added replicas get engines on their pods, each serving only once it holds the
+   learner's weights; requests are spread over the engines by load.
 2. The driver owns the tail-batching planner: ``start_round(G)`` picks the prompts; requests
    go to the engines; each finished response is fed to the planner *in finish order*, and
    whatever it says to abort is aborted on the engines at once. Kept responses are scored as
@@ -12,6 +15,7 @@ One step = one policy update. Per step:
    the batch is short of P0 groups, up to ``max_refill_rounds`` more short rounds refill it
    (never a long round: a long round is its own step). Their lengths count in the report.
 4. Group-relative advantages, one policy update, weights pushed to every engine in place.
+   After a long round (the next one short) the added engines are released first.
 5. The step report (lengths max/median/p90/count/aborted, seconds, long queue, the planner's
    next round kind, mean reward) goes to the controller; its answer is the next plan.
 
@@ -76,20 +80,17 @@ class RoundOutcome:
     rollout_s: float
 
 
-def _poll_all(engines: Sequence[Any], busy: Sequence[int]) -> list[Finished]:
-    """Polls the busy engines; Ray engines in parallel."""
-    if busy and hasattr(engines[busy[0]], "poll_async"):
-        import ray
+class EngineDied(RuntimeError):
+    """An engine's process is gone (on Ray: its actor died, e.g. with its pod)."""
 
-        refs = [engines[i].poll_async() for i in busy]
-        out: list[Finished] = []
-        for r in ray.get(refs):
-            out.extend(r)
-        return out
-    out = []
-    for i in busy:
-        out.extend(engines[i].poll())
-    return out
+
+def _died_errors() -> tuple[type[BaseException], ...]:
+    """The errors that mean "this engine is gone" (not a bug in the request)."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - ray is a dependency of the trainer image
+        return (EngineDied,)
+    return (EngineDied, RayActorError)
 
 
 class Driver:
@@ -106,10 +107,30 @@ class Driver:
         attempt: int = 0,
         checkpoint_dir: Path | None = None,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        engine_factory: Callable[[int], Any] | None = None,
+        offered_replicas: Callable[[], set[int]] | None = None,
+        join_wait_s: float = 60.0,
     ) -> None:
         self.cfg = cfg
         self.controller = controller
-        self.engines = list(engines)
+        #: live engines by rollout replica index (each as it reports itself)
+        self.pool: dict[int, Any] = {}
+        for e in engines:
+            self.pool[int(e.info().replica)] = e
+        #: the start-up replicas (``spec.rollout.replicas``): kept across rounds; the others
+        #: (a long round's) are released before the report that lets the operator scale down
+        self.base_replicas: frozenset[int] = frozenset(self.pool)
+        self.active: list[int] = sorted(self.pool)  # the replicas the current round uses
+        #: starts the engine of replica i (on its pod); None: the engine set never changes
+        self.engine_factory = engine_factory
+        #: the replicas whose pods have joined the Ray cluster (their resource is offered)
+        self.offered_replicas = offered_replicas
+        self.join_wait_s = join_wait_s
+        self._retired: list[EngineStats] = []  # last stats of released or dead engines
+        self._requests: dict[str, GenRequest] = {}  # this round's requests (re-dispatch)
+        self.events: list[tuple[str, int]] = []  # (joined|released|died, replica), in order
+        self._stats_before: dict[int, EngineStats] = {}  # each engine's at the step's start
+        self._died_served: list[dict[str, Any]] = []  # the step's engines that died in it
         self.learner = learner
         self.planner = planner
         self.attempt = attempt
@@ -121,8 +142,8 @@ class Driver:
         self._reward_fn = task.REWARDS[cfg.spec.reward.type]
         self.scorer = RewardScorer(self._score, timeout_s=float(cfg.spec.reward.timeout_seconds))
         self.rollout_wall = 0.0  # wall time inside rollouts (engine busy fraction's base)
-        self._pending: dict[str, tuple[int, int, int]] = {}  # request id -> engine, prompt, idx
-        self._served = [0] * len(self.engines)  # responses each engine finished this step
+        self._pending: dict[str, tuple[int, int, int]] = {}  # request id -> replica, prompt, idx
+        self._served: dict[int, int] = {}  # responses each replica's engine finished this step
         self.policy_version: str | None = None  # the learner's, as last pushed to the engines
         # "store": Ray's object store (CPU, and GPU by default); "nccl": learner rank 0
         # broadcasts to the engines' workers (RLPACER_WEIGHT_TRANSPORT=nccl; unverified)
@@ -145,20 +166,17 @@ class Driver:
         def rid(p: int, i: int) -> str:
             return f"r{plan.index}-p{p}-i{i}"
 
-        per_engine: list[list[GenRequest]] = [[] for _ in self.engines]
         self._pending.clear()
-        for j, p in enumerate(plan.prompts):
-            e = j % len(self.engines)
+        self._requests.clear()
+        reqs: list[tuple[GenRequest, int, int]] = []
+        for p in plan.prompts:
             ids = tuple(tiny.prompt_ids(self.problems[p].prompt))
             for i in range(plan.responses_per_prompt):
-                per_engine[e].append(GenRequest(
+                reqs.append((GenRequest(
                     rid(p, i), ids, self.cfg.max_tokens, self.cfg.temperature,
-                    sample_seed(self.cfg.data_seed, plan.index, p, i)))
-                self._pending[rid(p, i)] = (e, p, i)
+                    sample_seed(self.cfg.data_seed, plan.index, p, i)), p, i))
         t0 = time.perf_counter()
-        for e, reqs in enumerate(per_engine):
-            if reqs:
-                self.engines[e].submit(reqs)
+        self._dispatch(reqs)
         kept: dict[int, list[Kept]] = {}
         aborted = 0
         complete = False
@@ -166,11 +184,12 @@ class Driver:
             busy = sorted({e for e, _, _ in self._pending.values()})
             if not busy:
                 break
-            for f in _poll_all(self.engines, busy):
+            finished, dead = self._poll(busy)
+            for f in finished:
                 if f.request_id not in self._pending:
                     continue  # aborted while this batch was in flight
                 e, p, i = self._pending.pop(f.request_id)
-                self._served[e] += 1
+                self._served[e] = self._served.get(e, 0) + 1
                 d = self.planner.on_response_finished(p, i)
                 if d.keep:
                     k = Kept(p, i, f.token_ids, f.finish_reason)
@@ -183,11 +202,106 @@ class Driver:
                 aborted += self._abort(rid, to_abort)
                 if d.round_complete:
                     complete = True
+                    break
+            for r in dead:
+                self._engine_died(r)
         rollout_s = time.perf_counter() - t0
         self.rollout_wall += rollout_s
         res = self.planner.finish_round()
         out = {p: [k for k in kept[p] if k.idx in set(idxs)] for p, idxs in res.kept.items()}
         return RoundOutcome(res.kind, out, res.aborted_responses, rollout_s)
+
+    def _dispatch(self, reqs: Sequence[tuple[GenRequest, int, int]]) -> None:
+        """Spreads requests over the round's engines by load: each goes to the engine with
+        the fewest outstanding requests (then the fewest outstanding prompt tokens, then the
+        lowest replica), counting what it already has in flight."""
+        while True:
+            if not self.active:
+                raise RuntimeError("no rollout engine left to serve the round")
+            load = {r: [0, 0] for r in self.active}
+            for rid_, (e, _, _) in self._pending.items():
+                if e in load:
+                    load[e][0] += 1
+                    load[e][1] += len(self._requests[rid_].prompt_ids)
+            batches: dict[int, list[GenRequest]] = {}
+            for req, p, i in reqs:
+                e = min(self.active, key=lambda r: (load[r][0], load[r][1], r))
+                load[e][0] += 1
+                load[e][1] += len(req.prompt_ids)
+                batches.setdefault(e, []).append(req)
+                self._pending[req.request_id] = (e, p, i)
+                self._requests[req.request_id] = req
+            dead = []
+            for e, batch in batches.items():
+                try:
+                    self.pool[e].submit(batch)
+                except _died_errors():
+                    dead.append(e)
+            if not dead:
+                return
+            # their requests (this batch and any before) go to the engines still alive
+            reqs = [(self._requests[r], p, i) for r, (e, p, i) in self._pending.items()
+                    if e in dead]
+            for e in dead:
+                self._forget(e, "died")
+            for req, _, _ in reqs:
+                del self._pending[req.request_id]
+
+    def _poll(self, busy: Sequence[int]) -> tuple[list[Finished], list[int]]:
+        """Polls the busy engines (Ray engines in parallel); also names those that died."""
+        out: list[Finished] = []
+        dead: list[int] = []
+        if busy and hasattr(self.pool[busy[0]], "poll_async"):
+            import ray
+
+            refs = {r: self.pool[r].poll_async() for r in busy}
+            for r, ref in refs.items():
+                try:
+                    out.extend(ray.get(ref))
+                except _died_errors():
+                    dead.append(r)
+            return out, dead
+        for r in busy:
+            try:
+                out.extend(self.pool[r].poll())
+            except _died_errors():
+                dead.append(r)
+        return out, dead
+
+    def _forget(self, r: int, why: str) -> None:
+        """Drops replica r's engine (released or dead); its counters stay in the totals."""
+        eng = self.pool.pop(r, None)
+        if r in self.active:
+            self.active.remove(r)
+        self.events.append((why, r))
+        last = self._stats_before.get(r)
+        if eng is not None and why == "released":
+            try:
+                last = dataclasses.replace(eng.stats())
+            finally:
+                if hasattr(eng, "shutdown"):
+                    eng.shutdown()
+        if last is not None:
+            self._retired.append(last)
+        if why == "died":
+            # what it answered before it died was kept; its host is gone with it
+            self._died_served.append({"replica": r, "responses": self._served.get(r, 0),
+                                      "died": True})
+        print(f"rollout engine of replica {r} {why}", flush=True)
+
+    def _engine_died(self, r: int) -> None:
+        """Replica r's engine is gone mid-round: its unfinished requests go to the others
+        (same seeds, so the same responses); nothing it answered is counted twice. Its
+        engine is started again once its replica is usable and its pod offered again."""
+        if r not in self.pool:
+            return
+        lost = [(self._requests[rid_], p, i) for rid_, (e, p, i) in self._pending.items()
+                if e == r]
+        self._forget(r, "died")
+        for req, _, _ in lost:
+            del self._pending[req.request_id]
+        if lost:
+            self._dispatch(lost)
 
     def _abort(self, rid: Callable[[int, int], str], pairs: Sequence[tuple[int, int]]) -> int:
         by_engine: dict[int, list[str]] = {}
@@ -197,7 +311,11 @@ class Driver:
                 e, _, _ = self._pending.pop(r)
                 by_engine.setdefault(e, []).append(r)
         for e, ids in by_engine.items():
-            self.engines[e].abort(ids)
+            if e in self.pool:
+                try:
+                    self.pool[e].abort(ids)
+                except _died_errors():
+                    self._engine_died(e)
         return sum(len(v) for v in by_engine.values())
 
     # --- one step -----------------------------------------------------------------------------
@@ -211,8 +329,10 @@ class Driver:
         rollout_s = reward_s = 0.0
         dropped = refills = 0
         rewards_all: list[float] = []
-        self._served = [0] * len(self.engines)
-        stats_before = self._engine_stats()
+        used = self.use_plan(plan)
+        self._served = {}
+        self._died_served = []
+        self._stats_before = stats_before = self._engine_stats()
         while True:
             rnd = self.run_round(g)
             rollout_s += rnd.rollout_s
@@ -248,7 +368,9 @@ class Driver:
             prompt = tiny.prompt_ids(self.problems[pid].prompt)
             for k, a in zip(groups[key], adv, strict=True):
                 samples.append(Sample(prompt, list(k.tokens), float(a)))
-        served = self._served_by_engine(stats_before)
+        served = self._served_by_engine(stats_before) + self._died_served
+        if self.planner.next_round_kind is not RoundKind.LONG:
+            self.release_extras()  # before the report that lets the operator scale down
         t0 = time.perf_counter()
         stats = self.learner.train_step(samples)
         train_s = time.perf_counter() - t0
@@ -263,7 +385,7 @@ class Driver:
             next_round_kind=self.planner.next_round_kind, reward=mean_reward,
         )
         next_plan = self.controller.report(report)
-        est = total_stats(self._engine_stats())
+        est = total_stats([*self._engine_stats().values(), *self._retired])
         rec = {
             "step": self.step, "attempt": self.attempt, "group_size": g,
             "prompts": sorted(key[1] for key in groups),
@@ -281,7 +403,7 @@ class Driver:
             "engine_tokens": est.tokens, "engine_busy_s": est.busy_seconds,
             "rollout_wall_s": self.rollout_wall, "dropped_groups": dropped, "refills": refills,
             "reward_timeouts": self.scorer.timeouts,
-            "policy_version": self.policy_version, "engines": served,
+            "policy_version": self.policy_version, "engines": served, "replicas": used,
             **{f"learner_{k}": v for k, v in stats.items()},
         }
         if hasattr(self.controller, "posterior_means"):
@@ -292,16 +414,132 @@ class Driver:
         return rec
 
     # --- engines ------------------------------------------------------------------------------
-    def _ray_engines(self) -> bool:
-        return bool(self.engines) and hasattr(self.engines[0], "info_async")
+    @property
+    def engines(self) -> list[Any]:
+        """The live engines, in replica order."""
+        return [self.pool[r] for r in sorted(self.pool)]
 
-    def engine_infos(self) -> list[EngineInfo]:
-        """What each engine reports about itself (read in its own process), in engine order."""
+    def _ray_engines(self) -> bool:
+        return bool(self.pool) and hasattr(next(iter(self.pool.values())), "info_async")
+
+    def _infos(self, replicas: Sequence[int]) -> dict[int, EngineInfo]:
+        out: dict[int, EngineInfo] = {}
         if self._ray_engines():
             import ray
 
-            return list(ray.get([e.info_async() for e in self.engines]))
-        return [e.info() for e in self.engines]
+            refs = {r: self.pool[r].info_async() for r in replicas}
+            for r, ref in refs.items():
+                try:
+                    out[r] = ray.get(ref)
+                except _died_errors():
+                    self._forget(r, "died")
+            return out
+        for r in replicas:
+            try:
+                out[r] = self.pool[r].info()
+            except _died_errors():
+                self._forget(r, "died")
+        return out
+
+    def engine_infos(self) -> list[EngineInfo]:
+        """What each engine reports about itself (read in its own process), in replica order."""
+        return list(self._infos(sorted(self.pool)).values())
+
+    def usable_replicas(self, plan: Plan) -> list[int]:
+        """The rollout replicas the plan lets this round use: its ``rollout.usableReplicas``
+        (the ready ones within the desired count); from an operator that does not send it,
+        ``0..min(ready, desired)-1`` and the start-up replicas."""
+        cap = plan.rollout
+        if cap.usable_replicas is not None:
+            return sorted(set(cap.usable_replicas))
+        n = min(cap.ready_replicas, cap.desired_replicas)
+        return sorted(set(range(n)) | self.base_replicas)
+
+    def use_plan(self, plan: Plan) -> list[int]:
+        """Fits the engines to the plan before a round: starts the engines of usable
+        replicas that have none (a long round's, or one whose engine died) once their pods
+        have joined Ray, each serving only after it holds the learner's weights; releases
+        extra engines the plan no longer names; returns the replicas the round uses."""
+        usable = self.usable_replicas(plan)
+        self._drop_dead()
+        for r in sorted(self.pool):
+            if r not in usable and r not in self.base_replicas:
+                self._forget(r, "released")
+        missing = [r for r in usable if r not in self.pool]
+        if missing and self.engine_factory is not None:
+            self._join(missing)
+        active = [r for r in sorted(self.pool) if r in usable]
+        if not active:  # nothing the plan names is live: run on what is
+            active = sorted(self.pool)
+        if not active:
+            raise RuntimeError("no rollout engine is live")
+        self.active = active
+        return list(active)
+
+    def _drop_dead(self) -> None:
+        """Forgets the engines that died between steps (e.g. with their pod), so that they
+        are started again rather than sent requests."""
+        self._infos(sorted(self.pool))
+
+    def _join(self, missing: Sequence[int]) -> None:
+        assert self.engine_factory is not None
+        offered = self._offered(missing)
+        started: dict[int, Any] = {}
+        for r in missing:
+            if r not in offered:
+                print(f"rollout replica {r} is usable but its pod has not joined Ray: the "
+                      f"round runs without it", flush=True)
+                continue
+            for attempt in range(3):
+                try:
+                    started[r] = self.engine_factory(r)
+                    break
+                except _died_errors() as err:
+                    # e.g. placed on the pod's previous Ray node just before it was marked
+                    # dead (same pod name, same address): try again on the one now offered
+                    print(f"rollout replica {r}: its new engine died starting ({attempt + 1}"
+                          f"/3): {str(err).splitlines()[0]}", flush=True)
+                    time.sleep(2.0)
+        if not started:
+            return
+        blob, version = self.learner.publish()  # one copy for every joining engine
+        if version != self.policy_version:
+            raise RuntimeError(f"the learner's weights {version} are not the ones the "
+                               f"engines hold ({self.policy_version})")
+        for k in self._push_weights(list(started.values()), blob):
+            r = list(started)[k]
+            print(f"rollout replica {r}: its new engine died loading the weights", flush=True)
+            del started[r]
+        for r, eng in started.items():
+            held = eng.info().policy_version
+            if held != self.policy_version:
+                print(f"rollout replica {r}: its new engine holds {held}, not the learner's "
+                      f"{self.policy_version}: not used", flush=True)
+                if hasattr(eng, "shutdown"):
+                    eng.shutdown()
+                continue
+            self.pool[r] = eng
+            self.events.append(("joined", r))
+            print(f"rollout engine of replica {r} joined at {held}", flush=True)
+
+    def _offered(self, want: Sequence[int]) -> set[int]:
+        if self.offered_replicas is None:
+            return set(want)
+        deadline = time.monotonic() + self.join_wait_s
+        while True:
+            offered = self.offered_replicas()
+            if set(want) <= offered or time.monotonic() >= deadline:
+                return offered
+            time.sleep(0.5)
+
+    def release_extras(self) -> list[int]:
+        """Kills the engines beyond the start-up replicas (a long round's): called when the
+        long round is over, before the report that lets the operator scale the rollout
+        StatefulSet back down, so no pod is deleted under a live engine."""
+        extra = [r for r in sorted(self.pool) if r not in self.base_replicas]
+        for r in extra:
+            self._forget(r, "released")
+        return extra
 
     def topology(self) -> dict[str, Any]:
         """Where every engine and learner replica runs, each as it reports itself."""
@@ -309,22 +547,28 @@ class Driver:
                 "learners": self.learner.infos(), "policy_version": self.policy_version,
                 "driver": {"pid": os.getpid(), "hostname": socket.gethostname()}}
 
-    def _engine_stats(self) -> list[EngineStats]:
-        return [dataclasses.replace(e.stats()) for e in self.engines]  # a copy: deltas later
+    def _engine_stats(self) -> dict[int, EngineStats]:
+        out: dict[int, EngineStats] = {}
+        for r in sorted(self.pool):
+            try:
+                out[r] = dataclasses.replace(self.pool[r].stats())  # a copy: deltas later
+            except _died_errors():
+                self._forget(r, "died")
+        return out
 
-    def _served_by_engine(self, before: Sequence[EngineStats]) -> list[dict[str, Any]]:
+    def _served_by_engine(self, before: dict[int, EngineStats]) -> list[dict[str, Any]]:
         """The step's work per engine that served it (its own report of where it ran and
         which weights it held while generating, before this step's sync)."""
         out = []
         after = self._engine_stats()
-        for e, info in enumerate(self.engine_infos()):
-            tokens = after[e].tokens - before[e].tokens
-            if self._served[e] == 0 and tokens == 0:
+        for e, info in self._infos(sorted(self.pool)).items():
+            tokens = after[e].tokens - (before[e].tokens if e in before else 0)
+            if self._served.get(e, 0) == 0 and tokens == 0:
                 continue
             out.append({"replica": info.replica, "address": info.address,
                         "hostname": info.hostname, "netns": info.netns,
                         "cores": info.threads_bind,
-                        "responses": self._served[e], "tokens": tokens,
+                        "responses": self._served.get(e, 0), "tokens": tokens,
                         "policy_version": info.policy_version})
         return out
 
@@ -338,18 +582,9 @@ class Driver:
             return time.perf_counter() - t0
         blob, version = self.learner.publish()  # bytes, or a ref to rank 0's in the store
         t0 = time.perf_counter()
-        if self._ray_engines():
-            import ray
-
-            ref = blob if isinstance(blob, ray.ObjectRef) else ray.put(blob)
-            ray.get([e.load_weights_async(ref) for e in self.engines])
-        else:
-            if not isinstance(blob, bytes):
-                import ray
-
-                blob = ray.get(blob)
-            for e in self.engines:
-                e.load_weights(blob)
+        replicas = sorted(self.pool)
+        for k in self._push_weights([self.pool[r] for r in replicas], blob):
+            self._forget(replicas[k], "died")  # started again once its pod is back
         seconds = time.perf_counter() - t0
         self.policy_version = version
         stale = [(i.replica, i.policy_version) for i in self.engine_infos()
@@ -358,6 +593,31 @@ class Driver:
             raise RuntimeError(f"weight sync: engines (replica, version) {stale} do not hold "
                                f"the learner's weights {version}")
         return seconds
+
+    def _push_weights(self, engines: Sequence[Any], blob: Any) -> list[int]:
+        """Loads ``blob`` into ``engines``; returns the positions of those that died."""
+        dead: list[int] = []
+        if engines and hasattr(engines[0], "load_weights_async"):
+            import ray
+
+            ref = blob if isinstance(blob, ray.ObjectRef) else ray.put(blob)
+            refs = [e.load_weights_async(ref) for e in engines]
+            for k, one in enumerate(refs):
+                try:
+                    ray.get(one)
+                except _died_errors():
+                    dead.append(k)
+            return dead
+        if not isinstance(blob, bytes):
+            import ray
+
+            blob = ray.get(blob)
+        for k, e in enumerate(engines):
+            try:
+                e.load_weights(blob)
+            except _died_errors():
+                dead.append(k)
+        return dead
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
@@ -380,10 +640,11 @@ class Driver:
                  seed: int = 0) -> float:
         """Accuracy on ``problems`` (the held-out set): greedy by default, else one seeded
         sample per prompt at ``temperature``; split over the engines."""
-        per_engine: list[list[GenRequest]] = [[] for _ in self.engines]
+        engines = self.engines
+        per_engine: list[list[GenRequest]] = [[] for _ in engines]
         self._evals = getattr(self, "_evals", 0) + 1
         for j, p in enumerate(problems):
-            per_engine[j % len(self.engines)].append(GenRequest(
+            per_engine[j % len(engines)].append(GenRequest(
                 f"eval{self.step}.{self._evals}-{j}", tuple(tiny.prompt_ids(p.prompt)),
                 self.cfg.max_tokens, temperature,
                 None if temperature == 0 else sample_seed(seed, -1, j, 0)))
@@ -391,7 +652,7 @@ class Driver:
         for e, reqs in enumerate(per_engine):
             if not reqs:
                 continue
-            done = self.engines[e].generate(reqs)
+            done = engines[e].generate(reqs)
             for r in reqs:
                 j = int(r.request_id.rsplit("-", 1)[1])
                 f = done[r.request_id]

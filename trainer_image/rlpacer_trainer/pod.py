@@ -94,6 +94,8 @@ def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
     learners = runtime.start_learners(cfg)
     drv = runtime.build_driver(cfg, engines, controller=controller, attempt=attempt,
                                learners=learners,
+                               engine_factory=lambda r: runtime.start_engine(cfg, r),
+                               offered_replicas=runtime.offered_rollout_replicas,
                                checkpoint_dir=ckpt, on_step=on_step)
     if drv.load_checkpoint():
         print(f"resumed from checkpoint at step {drv.step} (attempt {attempt})", flush=True)

@@ -77,17 +77,33 @@ def start_engines(cfg: RunConfig, count: int, use_ray: bool = True) -> list[Any]
 
     have = ray.cluster_resources()  # type: ignore[no-untyped-call]
     pinned = all(topology.pod_resource("rollout", i) in have for i in range(count))
+    return [start_engine(cfg, i, pinned=pinned) for i in range(count)]
+
+
+def start_engine(cfg: RunConfig, replica: int, *, pinned: bool = True) -> Any:
+    """The Ray engine of rollout replica ``replica``; ``pinned``: on that replica's pod (its
+    ``rlpacer.io/rollout-<i>`` resource), the way a long round's added replica joins."""
     rollout = cfg.spec.rollout
-    engines = []
-    for i in range(count):
-        ecfg = engine_config(cfg, replica=i, slot=i)
-        if int(rollout.gpus_per_replica) > 0:
-            ecfg = dataclasses.replace(ecfg, tensor_parallel_size=int(rollout.tensor_parallel_size),
-                                       dtype="bfloat16", single_process=False)
-        engines.append(RayEngine(
-            ecfg, num_cpus=cfg.engine_cpus, num_gpus=int(rollout.gpus_per_replica),
-            resources={topology.pod_resource("rollout", i): 0.01} if pinned else None))
-    return engines
+    ecfg = engine_config(cfg, replica=replica, slot=replica)
+    if int(rollout.gpus_per_replica) > 0:
+        ecfg = dataclasses.replace(ecfg, tensor_parallel_size=int(rollout.tensor_parallel_size),
+                                   dtype="bfloat16", single_process=False)
+    return RayEngine(
+        ecfg, num_cpus=cfg.engine_cpus, num_gpus=int(rollout.gpus_per_replica),
+        resources={topology.pod_resource("rollout", replica): 0.01} if pinned else None)
+
+
+def offered_rollout_replicas() -> set[int]:
+    """The rollout replicas whose pods have joined the job's Ray cluster (each offers its
+    ``rlpacer.io/rollout-<i>`` resource)."""
+    import ray
+
+    prefix = topology.pod_resource("rollout", 0)[:-1]
+    out = set()
+    for name in ray.cluster_resources():  # type: ignore[no-untyped-call]
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            out.add(int(name[len(prefix):]))
+    return out
 
 
 def build_driver(
@@ -99,9 +115,14 @@ def build_driver(
     checkpoint_dir: Path | None = None,
     on_step: Any = None,
     learners: Any | None = None,
+    engine_factory: Any = None,
+    offered_replicas: Any = None,
 ) -> Driver:
     """A fresh driver at the model source's weights (engines are reset to them too).
-    ``learners``: from :func:`start_learners`; None: one learner in this process."""
+    ``learners``: from :func:`start_learners`; None: one learner in this process.
+    ``engine_factory`` (replica -> engine) and ``offered_replicas`` (() -> the replicas whose
+    pods have joined Ray): how the driver starts the engines of replicas that join later (a
+    long round's, or one restarted after its engine died); None: the engine set is fixed."""
     learner = learners or InProcessLearners(LearnerWorker(
         str(cfg.model_path), cfg.learner_config(), threads=cfg.learner_threads))
     planner = TailBatchingPlanner(cfg.planner_config(), cfg.num_prompts, seed=cfg.data_seed,
@@ -111,7 +132,8 @@ def build_driver(
                                          replicas=len(engines))
     drv = Driver(cfg=cfg, controller=controller, engines=engines, learner=learner,
                  planner=planner, attempt=attempt, checkpoint_dir=checkpoint_dir,
-                 on_step=on_step)
+                 on_step=on_step, engine_factory=engine_factory,
+                 offered_replicas=offered_replicas)
     if os.environ.get("RLPACER_WEIGHT_TRANSPORT") == "nccl":
         if not isinstance(learner, RayLearners) or int(cfg.spec.rollout.gpus_per_replica) < 1:
             raise ValueError("RLPACER_WEIGHT_TRANSPORT=nccl needs GPU engines and learner actors")

@@ -168,6 +168,40 @@ class RolloutCapacity(WireModel):
     desired_replicas: int = Field(ge=0, description="Rollout replicas the plan asks for.")
     ready_replicas: int = Field(ge=0, description="Rollout replicas ready now.")
     state: RolloutState = RolloutState.READY
+    usable_replicas: list[int] | None = Field(
+        default=None,
+        description=(
+            "The rollout replica indexes (StatefulSet ordinals) the next round may use: the"
+            " ready ones within the desired count, in order (a gap is possible: [0, 2])."
+            " Sent only to trainers that ask for it (header X-RLPacer-Plan-Fields:"
+            " usableReplicas); absent, a trainer uses 0..min(ready, desired)-1."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _usable(self) -> RolloutCapacity:
+        u = self.usable_replicas
+        if u is not None and (any(i < 0 for i in u) or len(set(u)) != len(u)):
+            raise ValueError(f"rollout.usableReplicas must be distinct ordinals >= 0: {u}")
+        return self
+
+
+#: The request header by which a trainer says which optional plan fields it understands
+#: (comma-separated). Plans are validated strictly (unknown fields are errors), so the
+#: operator sends an optional field only to a trainer that names it here.
+PLAN_FIELDS_HEADER = "X-RLPacer-Plan-Fields"
+USABLE_REPLICAS = "usableReplicas"
+
+
+def plan_for_client(plan: Plan, accepted: str | None) -> dict[str, object]:
+    """The plan's wire form for a client whose ``X-RLPacer-Plan-Fields`` header is
+    ``accepted``: optional fields it does not name are left out (older trainers)."""
+    wire = plan.to_wire()
+    names = {f.strip() for f in (accepted or "").split(",")}
+    rollout = wire.get("rollout")
+    if USABLE_REPLICAS not in names and isinstance(rollout, dict):
+        rollout.pop(USABLE_REPLICAS, None)
+    return wire
 
 
 class Plan(WireModel):

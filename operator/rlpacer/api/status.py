@@ -154,6 +154,14 @@ class RolloutStatus(APIModel):
         default=None, description="When the pending scale-up began (RFC 3339).",
         json_schema_extra={"format": "date-time"},
     )
+    ready_ordinals: list[int] | None = Field(
+        default=None,
+        description=(
+            "Ordinals of the rollout StatefulSet's pods that are Ready (observed), in order;"
+            " the plan's usableReplicas are those below desiredReplicas."
+        ),
+        json_schema_extra={"maxItems": 4096},
+    )
 
 
 class ScaleAction(APIModel):

@@ -52,6 +52,8 @@ class Observed:
     driver_phase: str | None = None  # phase of <job>-driver-<attempt>; None: absent
     driver_message: str = ""
     rollout_ready: int = 0
+    #: ordinals of the rollout StatefulSet's Ready pods (None: not looked at)
+    rollout_ordinals: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -140,7 +142,8 @@ def decide(
         _cond(st, ConditionType.TRAINING, False, Reason.STARTING, "waiting for the driver",
               t, gen)
         ev.append(Event("Normal", "Resumed", f"attempt {st.attempt} from the last checkpoint"))
-        observed = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready)
+        observed = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready,
+                            rollout_ordinals=observed.rollout_ordinals)
     if st.start_time is None:
         st.start_time = t
 
@@ -208,7 +211,7 @@ def decide(
     # --- rollout capacity ----------------------------------------------------------------
     if not is_terminal(st.conditions):
         rollout, actions, events = scaler.observe(
-            st.rollout, spec, observed.rollout_ready, st.step, now
+            st.rollout, spec, observed.rollout_ready, st.step, now, observed.rollout_ordinals
         )
         st.rollout = rollout
         _record(st, actions)

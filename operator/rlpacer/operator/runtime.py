@@ -52,7 +52,7 @@ from rlpacer.api.status import (
     summarize,
 )
 from rlpacer.control.plan import JobController
-from rlpacer.operator import builders, names
+from rlpacer.operator import builders, names, scaler
 from rlpacer.operator.decide import Decision, Observed, decide, restart_attempt
 from rlpacer.operator.kube import ApiError, KubeClient, object_path
 from rlpacer.operator.metrics import Metrics
@@ -109,6 +109,9 @@ class JobRuntime:
     bucket: Any = None
     #: The unknown report fields last logged for this job (logged again only when they change).
     unknown_logged: tuple[str, ...] = ()
+    #: the API server pruned status.rollout.readyOrdinals (a CRD older than the operator):
+    #: no longer observed, so the plans carry no usableReplicas and no pass writes for it
+    ordinals_pruned: bool = False
 
     def take_controller(self, state: str | None) -> JobController | None:
         live, self.live = self.live, None
@@ -474,8 +477,17 @@ class Jobs:
         ready = 0
         if sts is not None and _owned_by(sts, rt.uid):
             ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
+        # which rollout pods are Ready (the plan's usableReplicas): a timed-out scale-up may
+        # leave a higher ordinal ready while a lower one is pending
+        selector = ",".join(f"{k}={v}" for k, v in sorted(
+            names.selector(rt.name, contract.Role.ROLLOUT).items()))
+        listed = await self.kube.request(
+            "GET", object_path("v1", "pods", rt.namespace, None),
+            params={"labelSelector": selector})
+        ordinals = tuple(scaler.ready_ordinals(
+            listed.get("items") or [], names.statefulset(rt.name, contract.Role.ROLLOUT)))
         return Observed(attempt=attempt, driver_phase=phase, driver_message=message,
-                        rollout_ready=ready), pod
+                        rollout_ready=ready, rollout_ordinals=ordinals), pod
 
     async def reconcile(self, rt: JobRuntime) -> float | None:
         """One level-based pass; returns seconds until the next needed look (or None).
@@ -494,17 +506,24 @@ class Jobs:
         observed, driver = await self.observe(rt)
         now = utcnow()
 
+        if rt.ordinals_pruned:
+            observed = dataclasses.replace(observed, rollout_ordinals=None)
+
         def mutate(
             spec: RLTrainingJobSpec, st: RLTrainingJobStatus
         ) -> tuple[RLTrainingJobStatus, Decision]:
             obs = observed
             if st.attempt != observed.attempt:  # the driver seen belongs to another attempt
-                obs = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready)
+                obs = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready,
+                               rollout_ordinals=observed.rollout_ordinals)
             d = decide(spec, st, obs, now, rt.generation)
             return d.status, d
 
         async with rt.lock:
             dec = await self.commit(rt, mutate)
+            if (observed.rollout_ordinals is not None
+                    and rt.status.rollout.ready_ordinals is None):
+                rt.ordinals_pruned = True  # written once, dropped by the API server
             spec = rt.spec
             inputs = builders.BuildInputs(
                 name=rt.name, namespace=rt.namespace, uid=rt.uid, spec=spec,

@@ -18,8 +18,10 @@ waits or does I/O, so the step-report endpoint never blocks on scaling.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from rlpacer.api.job import RLTrainingJobSpec
 from rlpacer.api.protocol import RolloutCapacity, RolloutState, RoundKind
@@ -88,10 +90,15 @@ def plan_round(
 
 
 def observe(
-    rollout: RolloutStatus, spec: RLTrainingJobSpec, ready: int, step: int, now: datetime
+    rollout: RolloutStatus, spec: RLTrainingJobSpec, ready: int, step: int, now: datetime,
+    ordinals: Sequence[int] | None = None,
 ) -> tuple[RolloutStatus, list[ScaleAction], list[Event]]:
-    """Fold in the observed ready replicas; resolve a pending scale-up (ready or timed out)."""
-    new = rollout.model_copy(update={"ready_replicas": ready})
+    """Fold in the observed ready replicas (and, when known, which ordinals are ready);
+    resolve a pending scale-up (ready or timed out)."""
+    update: dict[str, Any] = {"ready_replicas": ready}
+    if ordinals is not None:
+        update["ready_ordinals"] = sorted(set(ordinals))
+    new = rollout.model_copy(update=update)
     if new.state != RolloutState.SCALING_UP.value:
         return new, [], []
     if ready >= new.desired_replicas:
@@ -133,9 +140,37 @@ def seconds_to_deadline(rollout: RolloutStatus, spec: RLTrainingJobSpec, now: da
     return max(0.0, (_deadline(rollout, spec, now) - now).total_seconds())
 
 
+def ready_ordinals(pods: Sequence[Mapping[str, Any]], statefulset: str) -> list[int]:
+    """Ordinals of the StatefulSet's pods (``<statefulset>-<i>``) that are Ready and not
+    being deleted. A scale-up that timed out is scaled back from the highest ordinal down,
+    so a higher replica may be ready while a lower one is still pending: [0, 2]."""
+    out = set()
+    prefix = statefulset + "-"
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        name = str(meta.get("name") or "")
+        if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+            continue
+        if meta.get("deletionTimestamp"):
+            continue
+        conds = (pod.get("status") or {}).get("conditions") or []
+        if any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds):
+            out.add(int(name[len(prefix):]))
+    return sorted(out)
+
+
+def usable_replicas(rollout: RolloutStatus) -> list[int] | None:
+    """The replicas the next round may use: the ready ordinals within the desired count
+    (None when the ordinals were never observed)."""
+    if rollout.ready_ordinals is None:
+        return None
+    return [i for i in sorted(set(rollout.ready_ordinals)) if i < rollout.desired_replicas]
+
+
 def capacity(rollout: RolloutStatus) -> RolloutCapacity:
     return RolloutCapacity(
         desired_replicas=rollout.desired_replicas,
         ready_replicas=rollout.ready_replicas,
         state=RolloutState(rollout.state),
+        usable_replicas=usable_replicas(rollout),
     )

@@ -37,7 +37,14 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from rlpacer.api.job import ManifestError, format_validation_error
-from rlpacer.api.protocol import PROTOCOL_VERSION, ErrorBody, StepReport, unknown_fields
+from rlpacer.api.protocol import (
+    PLAN_FIELDS_HEADER,
+    PROTOCOL_VERSION,
+    ErrorBody,
+    StepReport,
+    plan_for_client,
+    unknown_fields,
+)
 from rlpacer.operator import reports
 from rlpacer.operator.kube import ApiError
 from rlpacer.operator.metrics import CONTENT_TYPE, Metrics
@@ -211,7 +218,8 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
             return _error(422, "InvalidSpec", rt.spec_error or "invalid spec")
         plan = reports.current_plan(rt.spec, rt.status,
                                     rt.peek_controller(rt.status.controller_state))
-        return web.json_response(plan.to_wire())
+        return web.json_response(
+            plan_for_client(plan, request.headers.get(PLAN_FIELDS_HEADER)))
 
     async def post_steps(request: web.Request) -> web.StreamResponse:
         rt = await authorize(request)
@@ -273,7 +281,8 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
             if acc.events:
                 rt.wake.set()  # a scale action: the reconciler applies the new replicas now
                 _spawn(jobs.post_events(rt, acc.events))
-        return web.json_response(acc.plan.to_wire())
+        return web.json_response(
+            plan_for_client(acc.plan, request.headers.get(PLAN_FIELDS_HEADER)))
 
     async def plan_route(request: web.Request) -> web.StreamResponse:
         return await timed(request, get_plan, "plan")

@@ -42,6 +42,12 @@ class FakeKube:
         content_type: str = "application/json",
     ) -> Obj:
         self.calls.append((method, path))
+        if method == "GET" and path not in self.objects and (params or {}).get("labelSelector"):
+            want = dict(kv.split("=", 1) for kv in params["labelSelector"].split(","))  # type: ignore[index]
+            items = [copy.deepcopy(o) for p, o in sorted(self.objects.items())
+                     if p.rsplit("/", 1)[0] == path
+                     and want.items() <= ((o.get("metadata") or {}).get("labels") or {}).items()]
+            return {"kind": "List", "items": items}
         if method == "GET":
             if path not in self.objects:
                 raise ApiError(404, "NotFound", path)

@@ -290,3 +290,38 @@ def test_a_finished_driver_is_not_restarted_for_a_new_ray_token() -> None:
             await close()
 
     run(body)
+
+
+def test_an_older_crd_that_prunes_ready_ordinals_costs_no_write_per_pass() -> None:
+    async def body() -> None:
+        fk = FakeKube()
+        real = fk.request
+
+        async def pruning(method: str, path: str, body: Any = None, **kw: Any) -> Any:
+            if method == "PUT" and path.endswith("/status"):
+                ro = {k: v for k, v in (body["status"].get("rollout") or {}).items()
+                      if k != "readyOrdinals"}
+                body = {**body, "status": {**body["status"], "rollout": ro}}
+            return await real(method, path, body, **kw)
+
+        fk.request = pruning  # type: ignore[method-assign]
+        add_job(fk, "job")
+        env, close = await open_env(fk)
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            await env.jobs.reconcile(rt)
+            await env.jobs.reconcile(rt)
+            assert rt.ordinals_pruned
+            assert "readyOrdinals" not in env.status("job")["rollout"]
+            puts = sum(1 for m, _ in fk.calls if m == "PUT")
+            for _ in range(3):
+                rt.applied.clear()
+                await env.jobs.reconcile(rt)
+            assert sum(1 for m, _ in fk.calls if m == "PUT") == puts
+            plan = await env.plan("job", fields="usableReplicas")
+            assert "usableReplicas" not in plan["rollout"]  # the trainer's fallback applies
+        finally:
+            await close()
+
+    run(body)

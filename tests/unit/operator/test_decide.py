@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -146,3 +147,36 @@ def test_decide_times_out_a_pending_scale_up() -> None:
     assert d.status.scale_actions[-1].reason == "ScaleUpTimedOut"
     lr = next(c for c in d.status.conditions if c.type == ConditionType.LONG_ROUND)
     assert lr.reason == "ScaleUpTimedOut"
+
+
+def _pod(i: int, ready: bool, deleting: bool = False, sts: str = "job-rollout") -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": f"{sts}-{i}"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta,
+            "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+
+def test_ready_ordinals_and_usable_replicas_with_a_gap() -> None:
+    pods = [_pod(2, True), _pod(0, True), _pod(1, False), _pod(3, True, deleting=True),
+            _pod(4, True, sts="other-rollout")]
+    assert scaler.ready_ordinals(pods, "job-rollout") == [0, 2]
+    spec = _spec()
+    ro = RLTrainingJobStatus().rollout.model_copy(
+        update={"desired_replicas": 1, "ready_replicas": 1})
+    assert scaler.capacity(ro).usable_replicas is None  # never observed: field left out
+    ro, _, _ = scaler.observe(ro, spec, 1, 5, T0, ordinals=[0])
+    ro, _, _ = scaler.plan_round(ro, spec, RoundKind.LONG, 5, T0)
+    assert scaler.capacity(ro).usable_replicas == [0]  # scaling up: only 0 so far
+    # 2 came up before 1: both 0 and 2 may serve while the scale-up waits for 1
+    ro, _, _ = scaler.observe(ro, spec, 2, 5, T0 + timedelta(seconds=10), ordinals=[2, 0])
+    assert ro.state == "ScalingUp" and scaler.capacity(ro).usable_replicas == [0, 2]
+    # timed out: scaled back to 2 replicas, so ordinal 2 (ready) goes and 1 (pending) stays:
+    # only what is ready within the desired count is usable
+    ro, _, _ = scaler.observe(ro, spec, 2, 5, T0 + timedelta(seconds=61), ordinals=[0, 2])
+    cap = scaler.capacity(ro)
+    assert ro.state == "TimedOut" and cap.desired_replicas == 2 and cap.usable_replicas == [0]
+    # the long round done: back to short capacity, the extra replicas are not usable
+    ro, _, _ = scaler.observe(ro, spec, 3, 6, T0 + timedelta(seconds=70), ordinals=[0, 1, 2])
+    ro, _, _ = scaler.plan_round(ro, spec, RoundKind.SHORT, 6, T0 + timedelta(seconds=90))
+    assert scaler.capacity(ro).usable_replicas == [0]

@@ -15,7 +15,7 @@ from operator_fakekube import FakeKube
 
 from rlpacer.api import contract
 from rlpacer.api.job import parse_spec
-from rlpacer.api.protocol import plan_path, steps_path
+from rlpacer.api.protocol import PLAN_FIELDS_HEADER, plan_path, steps_path
 from rlpacer.control.plan import JobController
 from rlpacer.operator import hosting, names
 from rlpacer.operator.kube import object_path
@@ -74,10 +74,11 @@ class Env:
         )
         return r.status, await r.json()
 
-    async def plan(self, name: str) -> dict[str, Any]:
-        r = await self.client.get(
-            plan_path(NS, name), headers={"Authorization": f"Bearer {await self.token(name)}"}
-        )
+    async def plan(self, name: str, fields: str | None = None) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {await self.token(name)}"}
+        if fields is not None:
+            headers[PLAN_FIELDS_HEADER] = fields
+        r = await self.client.get(plan_path(NS, name), headers=headers)
         assert r.status == 200, await r.text()
         return await r.json()
 
@@ -296,6 +297,43 @@ def test_restart_continues_exactly() -> None:
         finally:
             await close_b()
             await close_r()
+
+    run(body)
+
+
+def _rollout_pod(fk: FakeKube, i: int, ready: bool) -> None:
+    name = f"{names.statefulset('job', contract.Role.ROLLOUT)}-{i}"
+    fk.put_object(object_path("v1", "pods", NS, name), {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS,
+                     "labels": names.selector("job", contract.Role.ROLLOUT)},
+        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    })
+
+
+def test_plan_names_the_ready_rollout_ordinals_to_trainers_that_ask() -> None:
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            g = (await env.plan("job"))["groupSize"]
+            _, p = await env.post("job", report(0, g, 20, nxt="Long"))
+            assert "usableReplicas" not in p["rollout"]  # an older trainer's request
+            _rollout_pod(env.fk, 0, True)
+            _rollout_pod(env.fk, 1, False)  # still pending
+            _rollout_pod(env.fk, 2, True)  # came up first
+            await env.jobs.reconcile(rt)
+            plan = await env.plan("job", fields="usableReplicas")
+            assert plan["rollout"]["usableReplicas"] == [0, 2]
+            assert plan["rollout"]["state"] == "ScalingUp"
+            assert env.status("job")["rollout"]["readyOrdinals"] == [0, 2]
+            old = await env.plan("job")  # no header: the plan an older trainer validates
+            assert "usableReplicas" not in old["rollout"]
+            assert old == {**plan, "rollout": {k: v for k, v in plan["rollout"].items()
+                                               if k != "usableReplicas"}}
+        finally:
+            await close()
 
     run(body)
 

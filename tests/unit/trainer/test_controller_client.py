@@ -47,7 +47,10 @@ class _Fake(JSONHandler):
     def do_GET(self) -> None:
         s = self.server
         s.gets += 1
-        self.send_json(200, self._plan(1, "ScalingUp" if s.gets < 3 else "Ready"))
+        plan = self._plan(1, "ScalingUp" if s.gets < 3 else "Ready")
+        if self.headers["X-RLPacer-Plan-Fields"] == "usableReplicas":  # the trainer asks
+            plan["rollout"]["usableReplicas"] = [0, 2]
+        self.send_json(200, plan)
 
     def do_POST(self) -> None:
         s = self.server
@@ -85,6 +88,7 @@ def test_http_retries_same_body_and_polls_scaling(server: Any) -> None:
     assert first.rollout.state is RolloutState.SCALING_UP
     ready = ctl.wait_ready(first)
     assert ready.rollout.state is RolloutState.READY and server.gets == 3
+    assert ready.rollout.usable_replicas == [0, 2] and plan.rollout.usable_replicas is None
     with pytest.raises(ControllerError, match="422"):
         ctl.report(_report(7, 8))
 

@@ -6,12 +6,16 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from rlpacer.api.protocol import Plan, RolloutCapacity, RolloutState, RoundKind, StepReport
+from rlpacer.control.plan import ControlPlan
 from rlpacer_trainer import runtime, task, tiny, weights
 from rlpacer_trainer.config import RunConfig
-from rlpacer_trainer.driver import length_summary
+from rlpacer_trainer.controller_client import InProcessController
+from rlpacer_trainer.driver import EngineDied, length_summary
 from rlpacer_trainer.engine import EngineInfo, EngineStats, Finished, GenRequest
 
 pytestmark = pytest.mark.unit
@@ -166,3 +170,266 @@ def test_sync_fails_when_an_engine_does_not_hold_the_learners_weights() -> None:
 
     with pytest.raises(RuntimeError, match=r"engines \(replica, version\) \[\(1, None\)\]"):
         runtime.build_driver(_cfg(steps=1), [ScriptedEngine(0), Stale(1)])
+
+
+# --- elastic long rounds: join, dispatch by load, release, faults ------------------------------
+
+class LoggedEngine(ScriptedEngine):
+    """A scripted engine that logs what the driver asks of it, in order, into ``log``."""
+
+    def __init__(self, replica: int, log: list[tuple[object, ...]]) -> None:
+        super().__init__(replica)
+        self.log = log
+        self.down = False
+
+    def submit(self, requests: Sequence[GenRequest]) -> None:
+        self.log.append(("submit", self.replica, self.version, len(requests)))
+        super().submit(requests)
+
+    def load_weights(self, blob: bytes) -> float:
+        out = super().load_weights(blob)
+        self.log.append(("load", self.replica, self.version))
+        return out
+
+    def shutdown(self) -> None:
+        self.log.append(("shutdown", self.replica, self.pending()))
+        self.down = True
+
+
+class ElasticController(InProcessController):
+    """The in-process plan logic with an operator's capacity: a long round's plan names
+    ``long_usable`` (``None``: no usableReplicas field, as from an older operator), a short
+    round's ``short``; every report is logged (its place among the engines' calls)."""
+
+    def __init__(self, cfg: RunConfig, log: list[tuple[object, ...]], *, short: list[int],
+                 long_usable: list[int] | None, long_ready: int = 2) -> None:
+        super().__init__(cfg.controller_config(), cfg.total_steps, replicas=len(short))
+        self.log, self.short, self.long_usable, self.long_ready = (
+            log, short, long_usable, long_ready)
+
+    def _to_plan(self, cp: ControlPlan) -> Plan:
+        plan = super()._to_plan(cp)
+        if cp.round_kind is RoundKind.LONG:
+            cap = RolloutCapacity(desired_replicas=self.long_ready, ready_replicas=self.long_ready,
+                                  state=RolloutState.READY, usable_replicas=self.long_usable)
+        else:
+            cap = RolloutCapacity(desired_replicas=len(self.short),
+                                  ready_replicas=len(self.short), state=RolloutState.READY,
+                                  usable_replicas=self.short)
+        return plan.model_copy(update={"rollout": cap})
+
+    def report(self, report: StepReport) -> Plan:
+        self.log.append(("report", report.step, report.round_kind.value))
+        return super().report(report)
+
+
+def _elastic(steps: int, *, base: int = 1, long_usable: list[int] | None = None,
+             offered: set[int] | None = None, engine_cls: type[LoggedEngine] = LoggedEngine,
+             long_ready: int = 2) -> tuple[Any, list[tuple[object, ...]], list[LoggedEngine]]:
+    cfg = _cfg(steps=steps)
+    log: list[tuple[object, ...]] = []
+    made: list[LoggedEngine] = []
+
+    def factory(r: int) -> LoggedEngine:
+        e = engine_cls(r, log)
+        log.append(("start", r))
+        made.append(e)
+        return e
+
+    ctl = ElasticController(cfg, log, short=list(range(base)), long_usable=long_usable,
+                            long_ready=long_ready)
+    drv = runtime.build_driver(cfg, [LoggedEngine(i, log) for i in range(base)], controller=ctl,
+                               engine_factory=factory,
+                               offered_replicas=(lambda: set(range(8))) if offered is None
+                               else (lambda: offered))
+    drv.join_wait_s = 0.0
+    return drv, log, made
+
+
+def test_long_round_joins_an_engine_that_serves_only_at_the_learners_version() -> None:
+    drv, log, made = _elastic(6, long_usable=[0, 1])
+    drv.run()
+    longs = [r for r in drv.records if r["round_kind"] == "Long"]
+    assert longs, "the scripted run has a long round"
+    held = {r["step"]: prev["policy_version"] for prev, r in zip(drv.records, drv.records[1:],
+                                                                 strict=False)}
+    for r in drv.records:
+        if r["round_kind"] == "Long":
+            assert r["replicas"] == [0, 1]
+            added = [e for e in r["engines"] if e["replica"] == 1]
+            # the added replica generated part of the long round, at the weights all held
+            assert added and added[0]["responses"] > 0
+            assert {e["policy_version"] for e in r["engines"]} == {held[r["step"]]}
+        else:
+            assert r["replicas"] == [0] and [e["replica"] for e in r["engines"]] == [0]
+    # every engine of replica 1 loaded the learner's weights before its first request, and
+    # every request it got came at the version the driver held
+    assert made and all(e.replica == 1 for e in made)
+    first_load = log.index(next(x for x in log if x[:2] == ("load", 1)))
+    first_submit = log.index(next(x for x in log if x[:2] == ("submit", 1)))
+    assert log.index(("start", 1)) < first_load < first_submit
+    assert all(x[2] is not None for x in log if x[:2] == ("submit", 1))
+    # released (idle) before the report that lets the operator scale down
+    for r in longs:
+        if r["next_round_kind"] == "Short":
+            i_report = log.index(("report", r["step"], "Long"))
+            shut = [i for i, x in enumerate(log) if x[:2] == ("shutdown", 1)]
+            assert any(i < i_report for i in shut)
+            assert all(log[i][2] == 0 for i in shut)  # nothing in flight on it
+    assert all(e.down for e in made) and 1 not in drv.pool
+    assert [w for w, _ in drv.events] == ["joined", "released"] * len(made)
+
+
+def test_usable_replicas_with_a_gap_and_an_unjoined_pod() -> None:
+    # the plan names 0 and 2 (1 is pending): only 2 joins; 2 also fails to join if its pod
+    # is not in Ray, and the long round runs on what is there
+    drv, log, made = _elastic(6, long_usable=[0, 2], long_ready=3)
+    drv.run()
+    longs = [r for r in drv.records if r["round_kind"] == "Long"]
+    assert longs and all(r["replicas"] == [0, 2] for r in longs)
+    assert all(x[1] != 1 for x in log if x[0] in ("start", "submit"))
+    assert {e.replica for e in made} == {2}
+
+    drv, log, made = _elastic(6, long_usable=[0, 2], long_ready=3, offered={0})
+    drv.run()
+    assert not made and all(r["replicas"] == [0] for r in drv.records)
+
+
+def test_a_joining_engine_without_the_learners_weights_is_never_used() -> None:
+    class Stale(LoggedEngine):
+        def load_weights(self, blob: bytes) -> float:
+            self.log.append(("load", self.replica, None))
+            return 0.0
+
+    drv, log, made = _elastic(6, long_usable=[0, 1], engine_cls=Stale)
+    drv.run()
+    assert made and all(e.down for e in made)
+    assert not any(x[:2] == ("submit", 1) for x in log)
+    assert all(r["replicas"] == [0] for r in drv.records)
+
+
+def test_plan_without_usable_replicas_uses_ready_within_desired() -> None:
+    drv, _, _ = _elastic(1)
+    cap = RolloutCapacity(desired_replicas=1, ready_replicas=2)  # scaled down, pod not gone
+    plan = Plan(step=0, group_size=4, rollout=cap)
+    assert drv.usable_replicas(plan) == [0]
+    cap = RolloutCapacity(desired_replicas=3, ready_replicas=2, state=RolloutState.TIMED_OUT)
+    assert drv.usable_replicas(plan.model_copy(update={"rollout": cap})) == [0, 1]
+    cap = RolloutCapacity(desired_replicas=3, ready_replicas=2, usable_replicas=[2, 0])
+    assert drv.usable_replicas(plan.model_copy(update={"rollout": cap})) == [0, 2]
+    # an older operator's long round: 0..ready-1 join
+    drv, _, made = _elastic(6, long_usable=None)
+    drv.run()
+    assert made and any(r["replicas"] == [0, 1] for r in drv.records)
+
+
+def test_dispatch_goes_to_the_least_loaded_engine() -> None:
+    log: list[tuple[object, ...]] = []
+    engines = [LoggedEngine(i, log) for i in range(3)]
+    drv = runtime.build_driver(_cfg(steps=1), engines)
+    ids = tuple(tiny.prompt_ids(drv.problems[0].prompt))
+
+    def req(n: int) -> tuple[GenRequest, int, int]:
+        return GenRequest(f"x{n}", ids, 8, 1.0, n), 0, n
+
+    drv._dispatch([req(n) for n in range(4)])  # idle: spread, lowest replica first
+    assert [len(e.live) for e in engines] == [2, 1, 1]
+    engines[0].live.clear()  # replica 0 finished its two
+    for r in ("x0", "x3"):
+        del drv._pending[r]
+    drv._dispatch([req(n) for n in range(4, 9)])
+    # 0 had none outstanding, 1 and 2 one each: 0 catches up first, then they take turns
+    assert [len(e.live) for e in engines] == [3, 2, 2]
+    assert sum(1 for e, _, _ in drv._pending.values() if e == 0) == 3
+
+
+def test_an_engine_dying_mid_round_loses_nothing_and_restarts() -> None:
+    class Dies(LoggedEngine):
+        polls = 0
+        lost = 0
+
+        def poll(self, max_steps: int = 16) -> list[Finished]:
+            Dies.polls += 1
+            if Dies.polls == 3 and self.replica == 1:
+                Dies.lost = len(self.live)
+                self.live.clear()
+                raise EngineDied("actor died")
+            return super().poll(max_steps)
+
+    cfg = _cfg(steps=4, tail_batching=False, fixed_group_size=4)
+    log: list[tuple[object, ...]] = []
+    made: list[LoggedEngine] = []
+
+    def factory(r: int) -> LoggedEngine:
+        made.append(LoggedEngine(r, log))
+        return made[-1]
+
+    drv = runtime.build_driver(cfg, [LoggedEngine(0, log), Dies(1, log)], engine_factory=factory,
+                               offered_replicas=lambda: {0, 1})
+    rec = drv.run_step(drv.controller.plan())
+    # nothing lost: every response of every prompt was kept (no tail batching) exactly once
+    assert rec["kept"] == len(rec["prompts"]) * 4 and rec["aborted"] == 0
+    assert ("died", 1) in drv.events and rec["replicas"] == [0, 1] and Dies.lost > 0
+    died = [e for e in rec["engines"] if e.get("died")]
+    assert [e["replica"] for e in died] == [1] and died[0]["responses"] > 0
+    assert sum(e["responses"] for e in rec["engines"]) == rec["kept"]
+    drv.run()  # the next step starts replica 1's engine again (its pod is still offered)
+    assert [r.replica for r in made] == [1] and drv.pool[1] is made[0]
+    assert all(r["replicas"] == [0, 1] for r in drv.records)
+    assert drv.records[-1]["engines"][1]["responses"] > 0
+
+
+def test_an_engine_that_died_between_steps_is_started_again() -> None:
+    class Killable(LoggedEngine):
+        def info(self) -> EngineInfo:
+            if self.down:
+                raise EngineDied("actor died")
+            return super().info()
+
+    cfg = _cfg(steps=3, tail_batching=False, fixed_group_size=4)
+    log: list[tuple[object, ...]] = []
+    made: list[LoggedEngine] = []
+
+    tries: list[int] = []
+
+    def factory(r: int) -> LoggedEngine:
+        tries.append(r)
+        if len(tries) == 1:  # placed on the pod's old node just before it was marked dead
+            raise EngineDied("the actor died because its node has died")
+        made.append(LoggedEngine(r, log))
+        return made[-1]
+
+    gone = Killable(1, log)
+    drv = runtime.build_driver(cfg, [LoggedEngine(0, log), gone], engine_factory=factory,
+                               offered_replicas=lambda: {0, 1})
+    drv.run_step(drv.controller.plan())
+    gone.down = True  # its pod went away after the step
+    drv.run()
+    assert [w for w, _ in drv.events] == ["died", "joined"] and made[0].replica == 1
+    assert tries == [1, 1]  # a start that died is tried again
+    assert not any(x[:2] == ("submit", 1) and x[2] is None for x in log)
+    for r in drv.records:
+        assert r["replicas"] == [0, 1] and [e["replica"] for e in r["engines"]] == [0, 1]
+
+
+def test_an_engine_dying_at_the_weight_sync_is_started_again() -> None:
+    class DiesAtSync(LoggedEngine):
+        def load_weights(self, blob: bytes) -> float:
+            if self.loads >= 1:  # after the start-up sync
+                raise EngineDied("actor died")
+            return super().load_weights(blob)
+
+    cfg = _cfg(steps=3, tail_batching=False, fixed_group_size=4)
+    log: list[tuple[object, ...]] = []
+    made: list[LoggedEngine] = []
+
+    def factory(r: int) -> LoggedEngine:
+        made.append(LoggedEngine(r, log))
+        return made[-1]
+
+    drv = runtime.build_driver(cfg, [LoggedEngine(0, log), DiesAtSync(1, log)],
+                               engine_factory=factory, offered_replicas=lambda: {0, 1})
+    drv.run()
+    assert [w for w, _ in drv.events] == ["died", "joined"] and len(made) == 1
+    assert [r["replicas"] for r in drv.records] == [[0, 1]] * 3
+    assert all(e.version == drv.policy_version for e in (drv.pool[0], drv.pool[1]))

@@ -1,0 +1,113 @@
+"""A played operator for the elastic long-round e2e: the step-report protocol's two routes
+over the real plan logic (the in-process controller), with the rollout capacity of an
+operator that scales a StatefulSet from 1 to 2 replicas for each long round.
+
+``python elastic_plan_server.py JOB_YAML ADDRESS PORT STATE_DIR [MODE]``. It talks to the
+test through files in STATE_DIR. MODE ``elastic`` (default): it writes ``scale-up`` when a
+report asks for a long round (the test then starts the rollout-1 pod) and waits for
+``rollout-1-ready`` (the test writes it) before the plan says Ready with ``usableReplicas``
+[0, 1]; after the long round it writes ``scale-down`` (the test then deletes the pod). MODE
+``restart``: two replicas throughout; after step 0's report it writes ``paused`` and says
+ScalingUp (the driver waits) until ``go`` exists (the test meanwhile replaces rollout-1's pod).
+``requests.log`` lists what it answered.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from rlpacer.api.protocol import (
+    PLAN_FIELDS_HEADER,
+    Plan,
+    RolloutCapacity,
+    RolloutState,
+    RoundKind,
+    StepReport,
+    plan_for_client,
+)
+from rlpacer_trainer.config import RunConfig
+from rlpacer_trainer.controller_client import InProcessController
+
+
+class Elastic:
+    def __init__(self, cfg: RunConfig, state: Path, mode: str = "elastic") -> None:
+        self.ctl = InProcessController(cfg.controller_config(), cfg.total_steps, replicas=1)
+        self.state = state
+        self.mode = mode
+        self.plan = self.ctl.plan()
+        self.long = False
+        self.paused = False
+
+    def capacity(self) -> RolloutCapacity:
+        if self.mode == "restart":
+            if self.paused and not (self.state / "go").exists():
+                return RolloutCapacity(desired_replicas=2, ready_replicas=1,
+                                       state=RolloutState.SCALING_UP, usable_replicas=[0])
+            return RolloutCapacity(desired_replicas=2, ready_replicas=2,
+                                   state=RolloutState.READY, usable_replicas=[0, 1])
+        if not self.long:
+            return RolloutCapacity(desired_replicas=1, ready_replicas=1,
+                                   state=RolloutState.READY, usable_replicas=[0])
+        ready = (self.state / "rollout-1-ready").exists()
+        return RolloutCapacity(
+            desired_replicas=2, ready_replicas=2 if ready else 1,
+            state=RolloutState.READY if ready else RolloutState.SCALING_UP,
+            usable_replicas=[0, 1] if ready else [0])
+
+    def current(self) -> Plan:
+        return self.plan.model_copy(update={"rollout": self.capacity()})
+
+    def report(self, r: StepReport) -> Plan:
+        self.plan = self.ctl.report(r)
+        if self.mode == "restart" and r.step == 0:
+            self.paused = True
+            (self.state / "paused").write_text("0")
+        was = self.long
+        self.long = r.next_round_kind is RoundKind.LONG
+        if self.long and not was:
+            (self.state / "scale-up").write_text(str(r.step))
+        if was and not self.long:
+            (self.state / "scale-down").write_text(str(r.step))
+        return self.current()
+
+
+def main() -> None:
+    job, address, port, state = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+    mode = sys.argv[5] if len(sys.argv) > 5 else "elastic"
+    elastic = Elastic(RunConfig.load(Path(job)), state, mode)
+    log = open(state / "requests.log", "a", buffering=1)  # noqa: SIM115
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, plan: Plan) -> None:
+            body = plan_for_client(plan, self.headers.get(PLAN_FIELDS_HEADER))
+            log.write(json.dumps({"t": time.time(), "method": self.command,
+                                  "rollout": body["rollout"]}) + "\n")
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._answer(elastic.current())
+
+        def do_POST(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            report = StepReport.model_validate(json.loads(self.rfile.read(n)))
+            log.write(json.dumps({"t": time.time(), "report": report.step,
+                                  "kind": report.round_kind.value}) + "\n")
+            self._answer(elastic.report(report))
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    ThreadingHTTPServer((address, port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()
