@@ -47,10 +47,13 @@ def run(binary: str, *args: str, cwd: Path | None = None) -> subprocess.Complete
                           timeout=120, cwd=cwd)
 
 
-def rendered_rule(namespace: str = NAMESPACE) -> dict[str, Any]:
+def rendered_rule(namespace: str = NAMESPACE, **values: Any) -> dict[str, Any]:
+    """The chart's PrometheusRule; ``values``: more metrics.prometheusRule values (set as JSON,
+    so a float stays a number)."""
+    sets = [f"--set-json=metrics.prometheusRule.{k}={json.dumps(v)}" for k, v in values.items()]
     r = run("helm", "template", RELEASE, str(CHART), "--namespace", namespace,
             "--kube-version", KUBE_VERSION, "--set", "metrics.prometheusRule.enabled=true",
-            "--show-only", "templates/prometheusrule.yaml")
+            *sets, "--show-only", "templates/prometheusrule.yaml")
     assert r.returncode == 0, r.stderr
     (rule,) = [d for d in yaml.safe_load_all(r.stdout) if d]
     assert rule["kind"] == "PrometheusRule"
