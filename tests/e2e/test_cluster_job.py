@@ -294,21 +294,30 @@ def test_every_pod_did_its_roles_work_on_its_own_host(release: Release, run: Run
     assert (lrn["rank"], lrn["address"], lrn["hostname"]) == \
         (0, learner.address, learner.name), lrn
     assert topo["driver"]["hostname"] == driver.name
-    # every step the engine on rollout-0 generated, at the learner's previous weights
-    held = topo["policy_version"]
-    for r in _metrics(driver):
-        assert [(e["replica"], e["address"]) for e in r["engines"]] == \
-            [(0, rollout0.address)], r["engines"]
-        assert r["engines"][0]["responses"] > 0 and r["engines"][0]["policy_version"] == held
-        held = r["policy_version"]
-    # each long round's extra rollout pod was played on a host of its own (a fresh one per
-    # scale-up: the pod is deleted at the scale-down) and joined Ray; it generates nothing
-    # yet: the driver's engines are fixed at the start
+    # every step the engine on rollout-0 generated, at the learner's previous weights; each
+    # long round's extra rollout pod was played on a host of its own (a fresh one per
+    # scale-up: the pod is deleted at the scale-down), joined Ray, and its engine generated
+    # part of the long round there, at the same weights (elastic long rounds)
     extras = h.played(names.statefulset(JOB, contract.Role.ROLLOUT) + "-1")
     assert extras and all(x.address not in addresses for x in extras), extras
     assert len({x.address for x in extras}) == len(extras)
     for x in extras:  # its Ray node came up on its own address
         assert f"Local node IP: {x.address}" in x.log_tail(50000), x.log_tail()
+    extra_addresses = {x.address for x in extras}
+    held = topo["policy_version"]
+    served_by_extra = 0
+    for r in _metrics(driver):
+        by_replica = {e["replica"]: e for e in r["engines"]}
+        assert by_replica[0]["address"] == rollout0.address, r["engines"]
+        assert by_replica[0]["responses"] > 0
+        assert all(e["policy_version"] == held for e in r["engines"]), (held, r["engines"])
+        if r["round_kind"] == "Short":
+            assert set(by_replica) == {0}, r["engines"]  # released before the scale-down
+        elif 1 in by_replica:
+            assert by_replica[1]["address"] in extra_addresses, by_replica[1]
+            served_by_extra += by_replica[1]["responses"]
+        held = r["policy_version"]
+    assert served_by_extra > 0, "no long round was served by the added replica"
 
 
 def test_sagc_and_tail_batching_drive_the_run(run: Run) -> None:

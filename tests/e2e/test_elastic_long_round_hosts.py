@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_runtime_hosts import _wait_port
 
 from rlpacer.api import contract
+from rlpacer.testing import netns
 from rlpacer.testing.netns import TestHosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -131,7 +131,7 @@ def test_long_round_is_served_by_the_replica_that_joined(tmp_path: Path) -> None
                 return _start(hosts, pods, name, tmp_path, base_env, temp_root / (temp or name))
 
             procs = {"head": start("head")}
-            _wait_port(hosts.address("head"), contract.RAY_GCS_PORT, procs["head"], 90)
+            netns.wait_port(hosts.address("head"), contract.RAY_GCS_PORT, procs["head"], 90)
             for name in ("learner-0", "rollout-0", "driver"):
                 procs[name] = start(name)
 
@@ -229,7 +229,7 @@ def test_an_engine_whose_pod_died_is_started_again_when_the_pod_is_back(
                 return _start(hosts, pods, name, tmp_path, base_env, temp_root / (temp or name))
 
             procs = {"head": start("head")}
-            _wait_port(hosts.address("head"), contract.RAY_GCS_PORT, procs["head"], 90)
+            netns.wait_port(hosts.address("head"), contract.RAY_GCS_PORT, procs["head"], 90)
             for name in ("learner-0", "rollout-0", "rollout-1", "driver"):
                 procs[name] = start(name)
 
