@@ -403,6 +403,9 @@ def test_a_job_beyond_its_step_time_slo_gets_slo_violated(run: Run) -> None:
     assert seen, f"no SLOViolated=True; window means {sorted({m for m, _ in judged})}"
     assert any(c["reason"] == "StepTimeAboveSLO" or "mean step time" in c["message"]
                for c in seen), seen
+    # every breach is in status.sloBreaches (what the per-reason metric and alerts read)
+    assert any("StepTimeAboveSLO" in (s.get("sloBreaches") or []) for s in run.statuses), [
+        s.get("sloBreaches") for s in run.statuses]
     assert "SLOViolated" in events, events
 
 

@@ -228,6 +228,13 @@ class RLTrainingJobStatus(APIModel):
         default=None,
         description="Mean step time (seconds) over the last groupControl.windowSteps steps.",
     )
+    slo_breaches: list[str] | None = Field(
+        default=None, max_length=2,
+        description="Every SLO the job breaks now (StragglerRateAboveSLO, StepTimeAboveSLO);"
+        " the SLOViolated condition's reason names the first.",
+        json_schema_extra={"items": {"type": "string",
+                                     "enum": ["StragglerRateAboveSLO", "StepTimeAboveSLO"]}},
+    )
     posteriors: list[Posterior] = Field(
         default_factory=list, max_length=16, description="SAGC's belief per candidate G."
     )

@@ -351,8 +351,11 @@ class SLOReason(enum.StrEnum):
 @dataclass(frozen=True)
 class SLOStatus:
     violated: bool
-    reason: SLOReason
-    message: str
+    reason: SLOReason  # the first breach (a condition has one reason)
+    message: str  # every breach
+    #: every SLO broken now, in judging order (straggler rate first): a job breaking both
+    #: is reported for both, not only for the first
+    breaches: tuple[SLOReason, ...] = ()
 
 
 def slo_status(
@@ -399,7 +402,8 @@ def slo_status(
         elif st is not None:
             waiting = True
     if breaches:
-        return SLOStatus(True, breaches[0][0], "; ".join(m for _, m in breaches))
+        kinds = tuple(dict.fromkeys(r for r, _ in breaches))
+        return SLOStatus(True, breaches[0][0], "; ".join(m for _, m in breaches), kinds)
     if judged:
         return SLOStatus(False, SLOReason.WITHIN, "within the SLO")
     if waiting:

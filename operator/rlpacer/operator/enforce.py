@@ -116,6 +116,8 @@ def judge_slo(
     policy sets an SLO.
     """
     slo = slo_status(straggler_rate, step_seconds, policies, steps=steps)
+    st.slo_breaches = [b.value for b in slo.breaches] if slo.reason is not SLOReason.NO_SLO \
+        else None
     cur = find(st.conditions, ConditionType.SLO_VIOLATED)
     if cur is None and slo.reason is SLOReason.NO_SLO:
         return slo, []

@@ -88,8 +88,9 @@ class Metrics:
         self.reconciles = Counter("rlpacer_reconciles_total", "Reconciles run.", JOB_LABELS,
                                   registry=r)
         self.slo_violated = Gauge(
-            "rlpacer_slo_violated", "1 while the job's SLOViolated condition is True with this"
-            " reason (StragglerRateAboveSLO, StepTimeAboveSLO), else 0.",
+            "rlpacer_slo_violated", "1 while the job's SLOViolated condition is True and it"
+            " breaks the SLO of this reason (StragglerRateAboveSLO, StepTimeAboveSLO: both"
+            " when it breaks both), else 0.",
             (*JOB_LABELS, "reason"), registry=r)
         self.job_active = Gauge("rlpacer_job_active", "1 while the job is admitted and not"
                                 " finished (nor suspended).", JOB_LABELS, registry=r)
@@ -123,8 +124,10 @@ class Metrics:
         self.steps.labels(*lab)
         slo = find(st.conditions, ConditionType.SLO_VIOLATED)
         if slo is not None:
+            breaches = (set(st.slo_breaches) if st.slo_breaches is not None
+                        else {slo.reason})  # a status written before sloBreaches existed
             for reason in SLO_BREACH_REASONS:
-                on = slo.status == ConditionStatus.TRUE and slo.reason == reason.value
+                on = slo.status == ConditionStatus.TRUE and reason.value in breaches
                 self.slo_violated.labels(namespace, job, reason.value).set(1 if on else 0)
 
     def forget(self, namespace: str, job: str) -> None:

@@ -15,6 +15,7 @@ from rlpacer.api.policy import RLTrainingPolicy, parse_policy
 from rlpacer.api.protocol import StepReport
 from rlpacer.api.status import ConditionType, RLTrainingJobStatus, find
 from rlpacer.control.plan import JobController, LengthStats, StepReportData, StepSecondsData
+from rlpacer.control.policy import SLOReason
 from rlpacer.control.sagc import SAGCConfig, SAGCController
 from rlpacer.operator import enforce, hosting
 from rlpacer.operator.metrics import Metrics
@@ -325,3 +326,40 @@ def test_the_lookup_adds_cluster_policies_only_in_cluster_scope() -> None:
         assert [p.metadata.name for p in got] == ["own"]
 
     asyncio.run(body())
+
+
+def test_a_job_breaking_both_slos_is_reported_for_both() -> None:
+    """The condition has one reason (the first breach), but status.sloBreaches and the
+    per-reason metric name both, so the step-time alert is not hidden by stragglers."""
+    m = Metrics()
+    st = RLTrainingJobStatus()
+    pols = [policy(stragglerSLO={"maxTargetStragglerRate": "0.3", "windowSteps": 2},
+                   stepTimeSLO={"maxSeconds": 1})]
+    slo, _ = enforce.judge_slo(st, pols, straggler_rate=0.9, step_seconds=2.0, steps=5,
+                               now="t", generation=1)
+    assert slo.violated and slo.breaches == (SLOReason.STRAGGLER_RATE, SLOReason.STEP_TIME)
+    c = find(st.conditions, ConditionType.SLO_VIOLATED)
+    assert c is not None and c.reason == "StragglerRateAboveSLO"
+    assert "mean step time" in c.message and "straggler rate" in c.message
+    assert st.slo_breaches == ["StragglerRateAboveSLO", "StepTimeAboveSLO"]
+    m.observe_status("team", "j", st)
+    text = m.exposition().decode()
+    for reason in ("StragglerRateAboveSLO", "StepTimeAboveSLO"):
+        assert f'rlpacer_slo_violated{{job="j",namespace="team",reason="{reason}"}} 1.0' in text
+    # within both: every series back at 0
+    enforce.judge_slo(st, pols, straggler_rate=0.0, step_seconds=0.5, steps=6, now="t2",
+                      generation=1)
+    assert st.slo_breaches == []
+    m.observe_status("team", "j", st)
+    assert ' 1.0' not in "\n".join(ln for ln in m.exposition().decode().splitlines()
+                                   if ln.startswith("rlpacer_slo_violated"))
+    # a status an older operator wrote (no sloBreaches): the condition's reason alone
+    old = RLTrainingJobStatus.model_validate(
+        {"conditions": [c.model_dump(by_alias=True, exclude_none=True)]})
+    assert old.slo_breaches is None
+    m.observe_status("team", "old", old)
+    text = m.exposition().decode()
+    assert ('rlpacer_slo_violated{job="old",namespace="team",reason="StragglerRateAboveSLO"} 1.0'
+            in text)
+    assert ('rlpacer_slo_violated{job="old",namespace="team",reason="StepTimeAboveSLO"} 0.0'
+            in text)
