@@ -526,8 +526,7 @@ class PodHarness:
         if self._thread is not None:
             self._thread.join(timeout=30)
         with self._lock:
-            for p in self.pods.values():
-                self._terminate(p)
+            self._terminate_all(list(self.pods.values()))
         if self.hosts is not None:
             shutil.rmtree(Path("/tmp") / self.hosts.tag, ignore_errors=True)
 
@@ -607,11 +606,16 @@ class PodHarness:
                 launched = True
             if launched and self.hosts is not None:
                 self._resolve_services(live)  # the new pods' names, before they look them up
+            # every deleted pod's process at once (each may take its grace period), as a
+            # kubelet stops the pods it is told to
+            doomed = [p for uid, p in self.pods.items()
+                      if (uid not in live or live[uid]["metadata"].get("deletionTimestamp"))
+                      and p.exit_code is None and p.proc.poll() is None]
+            for p in doomed:
+                p.killed = True
+            self._terminate_all(doomed)
             for uid, p in self.pods.items():
                 gone = uid not in live or bool(live[uid]["metadata"].get("deletionTimestamp"))
-                if gone and p.exit_code is None:
-                    p.killed = True
-                    self._terminate(p)
                 if gone and self.hosts is not None and p.host is not None:
                     if self.hosts.hosts.get(p.host) is not None and p.uid == self._host_uid.get(
                             p.host):
@@ -713,17 +717,19 @@ class PodHarness:
                 names.setdefault(f"{base}.cluster.local", address)
         self.hosts.map_names(names)
 
-    def _terminate(self, p: PlayedPod) -> None:
-        if p.proc.poll() is not None:
-            return
-        try:
-            os.killpg(p.proc.pid, signal.SIGCONT)  # a paused process must see its SIGTERM
-            os.killpg(p.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            p.proc.wait(self.grace_seconds)
-        except subprocess.TimeoutExpired:
+    def _terminate_all(self, pods: list[PlayedPod]) -> None:
+        """SIGTERM to every pod's processes, then SIGKILL to those still running after the
+        grace period (one grace period for all of them, not one each)."""
+        running = [p for p in pods if p.proc.poll() is None]
+        for p in running:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.proc.pid, signal.SIGKILL)
-            p.proc.wait(10)
+                os.killpg(p.proc.pid, signal.SIGCONT)  # a paused process must see its SIGTERM
+                os.killpg(p.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_seconds
+        for p in running:
+            try:
+                p.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.proc.pid, signal.SIGKILL)
+                p.proc.wait(10)
