@@ -393,19 +393,19 @@ def test_a_job_beyond_its_step_time_slo_gets_slo_violated(run: Run) -> None:
             continue
         assert (c["status"] == "True") == (mean > limit), (mean, c)
         assert c["reason"] == ("StepTimeAboveSLO" if mean > limit else "WithinSLO"), (mean, c)
-    # (a snapshot breaking both SLOs carries the straggler reason first; its message names
-    # every breach, the step time's included)
     # The example job's steps (8 prompts per step; its long rounds run every response to
     # completion) take longer than the example policy's 1 s step-time SLO on a CPU, so the
     # job must be reported as violating it: condition, reason and Event.
     seen = [c for _, c in judged if c["status"] == "True"]
     events = {e["reason"] for e in run.events}
     assert seen, f"no SLOViolated=True; window means {sorted({m for m, _ in judged})}"
-    assert any(c["reason"] == "StepTimeAboveSLO" or "mean step time" in c["message"]
-               for c in seen), seen
-    # every breach is in status.sloBreaches (what the per-reason metric and alerts read)
+    # The condition names one reason (the first breach, kept while it lasts); every breach is
+    # in status.sloBreaches, judged on each report (what the per-reason metric and alerts read)
     assert any("StepTimeAboveSLO" in (s.get("sloBreaches") or []) for s in run.statuses), [
-        s.get("sloBreaches") for s in run.statuses]
+        (s.get("stepSeconds"), s.get("sloBreaches")) for s in run.statuses]
+    for s in run.statuses:
+        if s.get("stepSeconds") and s.get("sloBreaches") is not None:
+            assert ("StepTimeAboveSLO" in s["sloBreaches"]) == (float(s["stepSeconds"]) > limit), s
     assert "SLOViolated" in events, events
 
 
