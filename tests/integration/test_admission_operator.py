@@ -11,9 +11,11 @@ import base64
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -22,6 +24,9 @@ from typing import Any
 
 import pytest
 
+from rlpacer.api import contract
+from rlpacer.api.protocol import plan_path
+from rlpacer.operator import names
 from rlpacer.testing import LocalCluster
 from rlpacer.testing.cluster import free_ports, repo_root
 
@@ -63,14 +68,19 @@ def operator_process(cluster: LocalCluster, tmp_path: Path) -> Iterator[dict[str
         dep = json.loads(cluster.kubectl("get", "deploy", f"{rel}-rlpacer", "-n", system,
                                          "-o", "json").stdout)
         env = deployment_env(dep, pod_name=f"{rel}-local")
-        # The kubelet's part: mount the Secret at the path the Deployment names.
-        cert_dir = tmp_path / "webhook-tls"
+        # The kubelet's part: mount the Secret at the path the Deployment names (the one
+        # serving certificate of the webhooks and of step reports).
+        assert (env["RLPACER_OPERATOR_WEBHOOK_CERT_DIR"] == env["RLPACER_OPERATOR_REPORT_CERT_DIR"]
+                == "/etc/rlpacer/tls")
+        assert "RLPACER_OPERATOR_REPORT_INSECURE_HTTP" not in env
+        cert_dir = tmp_path / "tls"
         cert_dir.mkdir()
         secret = json.loads(cluster.kubectl("get", "secret", f"{rel}-rlpacer-webhook-tls", "-n",
                                             system, "-o", "json").stdout)
-        for key in ("tls.crt", "tls.key"):
-            (cert_dir / key).write_bytes(base64.b64decode(secret["data"][key]))
+        for key, value in secret["data"].items():
+            (cert_dir / key).write_bytes(base64.b64decode(value))
         env["RLPACER_OPERATOR_WEBHOOK_CERT_DIR"] = str(cert_dir)
+        env["RLPACER_OPERATOR_REPORT_CERT_DIR"] = str(cert_dir)
         env["RLPACER_OPERATOR_WEBHOOK_HOST"] = "127.0.0.1"
         env["RLPACER_OPERATOR_REPORT_HOST"] = "127.0.0.1"
         env["RLPACER_OPERATOR_METRICS_HOST"] = "127.0.0.1"
@@ -94,7 +104,7 @@ def operator_process(cluster: LocalCluster, tmp_path: Path) -> Iterator[dict[str
             assert time.monotonic() < deadline, f"not ready:\n{log.read_text()[-4000:]}"
             time.sleep(0.5)
         yield {"release": rel, "system": system, "jobs": jobs, "log": log, "env": env,
-               "metrics": metrics}
+               "metrics": metrics, "reports": reports, "ca": cert_dir / "ca.crt"}
     finally:
         if proc is not None:
             proc.terminate()
@@ -146,3 +156,31 @@ def test_operator_from_chart_values_serves_the_policy_webhook(
                 and ("/api/v1/namespaces ->" in line or "/customresourcedefinitions ->" in line))
     ]
     assert unexpected == [], "\n".join(unexpected)[-4000:]
+
+
+def test_step_reports_are_served_over_tls_with_the_charts_certificate(
+    cluster: LocalCluster, operator_process: dict[str, Any]
+) -> None:
+    """The Helm-generated certificate serves the report port too, and its CA (the Secret's
+    ca.crt) is what the operator hands each job in its ConfigMap."""
+    jobs = operator_process["jobs"]
+    ca = operator_process["ca"].read_text()
+    job = {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingJob",
+           "metadata": {"name": "tls", "namespace": jobs},
+           "spec": {"model": {"source": "builtin://tiny-adder"},
+                    "data": {"source": "builtin://adder"}, "steps": 3, "promptsPerStep": 2}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
+    path = f"/api/v1/namespaces/{jobs}/configmaps/{names.config_map('tls')}"
+
+    def config_map() -> dict[str, Any] | None:
+        code, body = cluster.request("GET", path)
+        return body if code == 200 else None
+
+    cm = cluster.wait_for(config_map, timeout=60, what="the job's ConfigMap")
+    assert cm["data"][contract.REPORT_CA_KEY] == ca
+    url = (f"https://127.0.0.1:{operator_process['reports']}"
+           f"{plan_path(jobs, 'tls')}")
+    ctx = ssl.create_default_context(cafile=str(operator_process["ca"]))
+    with pytest.raises(urllib.error.HTTPError) as e:  # TLS verified; no token: 401
+        urllib.request.urlopen(url, timeout=10, context=ctx)
+    assert e.value.code == 401

@@ -1,16 +1,19 @@
 """The operator against the real local control plane (etcd, apiserver, controllers, KWOK).
 
 Each test runs its own operator process (``rlpacer operator``) watching only the test's
-namespace, with its Lease there; a test driver plays the trainer over HTTP.
+namespace, with its Lease there; a test driver plays the trainer over HTTPS, verifying the
+operator's certificate (made for these tests: :func:`report_certs`) with its CA.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -29,7 +32,8 @@ from rlpacer.api import contract
 from rlpacer.api.job import parse_spec
 from rlpacer.api.protocol import PLAN_FIELDS_HEADER, StepReport, plan_path, steps_path
 from rlpacer.control.plan import JobController
-from rlpacer.operator import hosting, names
+from rlpacer.operator import hosting, names, tls
+from rlpacer.testing import harness
 from rlpacer.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
@@ -42,6 +46,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@functools.cache
+def report_certs() -> Path:
+    """The report endpoint's certificate of every operator these tests start (and its CA)."""
+    return tls.generate(Path(tempfile.mkdtemp(prefix="rlpacer-test-report-tls-")),
+                        ["127.0.0.1", "localhost"], days=2)
+
+
+@functools.cache
+def client_context() -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(report_certs() / "ca.crt"))
 
 
 class OperatorProc:
@@ -66,7 +82,7 @@ class OperatorProc:
 
     @property
     def base(self) -> str:
-        return f"http://127.0.0.1:{self.report_port}"
+        return f"https://127.0.0.1:{self.report_port}"
 
     def start(self) -> OperatorProc:
         env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
@@ -74,7 +90,7 @@ class OperatorProc:
             sys.executable, "-m", "rlpacer.cli", "operator",
             "--namespaces", self.namespace, "--operator-namespace", self.namespace,
             "--report-host", "127.0.0.1", "--report-port", str(self.report_port),
-            "--report-url", self.report_url,
+            "--report-url", self.report_url, "--report-cert-dir", str(report_certs()),
             "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
             "--lease-name", self.lease, "--identity", self.identity,
             "--lease-duration-seconds", "4", "--lease-renew-seconds", "1",
@@ -196,7 +212,7 @@ def http(method: str, url: str, tok: str | None, body: Any = None,
     if tok:
         req.add_header("Authorization", f"Bearer {tok}")
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=client_context()) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
@@ -301,6 +317,11 @@ def test_example_job_children_owners_and_status(
     assert c["resources"]["limits"][contract.GPU_RESOURCE] == "2"
     env = {e["name"]: e.get("value") for e in objs["driver"]["spec"]["containers"][0]["env"]}
     assert env[contract.ENV_REPORT_URL] == operator.report_url
+    # the driver verifies the operator with the CA the ConfigMap carries
+    assert operator.report_url.startswith("https://")
+    assert env[contract.ENV_REPORT_CA_FILE] == contract.REPORT_CA_PATH
+    assert (objs["config"]["data"][contract.REPORT_CA_KEY]
+            == (report_certs() / "ca.crt").read_text())
     assert env[contract.ENV_ATTEMPT] == "0"
     # one field manager for every applied child
     managers = {m["manager"] for m in objs["rollout"]["metadata"]["managedFields"]
@@ -801,3 +822,57 @@ def test_reports_the_api_server_would_refuse_are_422_not_503(
     assert status(cluster, namespace, "big").get("step", 0) == 0
     code, plan = drv.post(report(0, g, 150.0))
     assert code == 200, plan
+
+
+def test_step_reports_are_tls_only_and_a_played_driver_verifies_the_operator(
+        cluster: LocalCluster, operator: OperatorProc, namespace: str, tmp_path: Path) -> None:
+    """The endpoint answers no plain HTTP (a token sent that way reaches nothing), and the
+    driver pod the operator builds, played from its spec (env, ConfigMap and Secret files as a
+    kubelet mounts them), reaches the operator over TLS with the ConfigMap's CA; given another
+    CA it fails at once, exit 3, with a message naming the CA file."""
+    apply(cluster, small_job("tls", namespace))
+    tok = token(cluster, namespace, "tls")
+    plain = f"http://127.0.0.1:{operator.report_port}" + plan_path(namespace, "tls")
+    req = urllib.request.Request(plain, headers={"Authorization": f"Bearer {tok}"})
+    with pytest.raises(OSError):  # the TLS server drops it: no HTTP answer at all
+        urllib.request.urlopen(req, timeout=10)
+    assert Driver(operator, namespace, "tls", tok).plan()["step"] == 0  # HTTPS answers
+
+    pod = wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{namespace}/pods/"
+                                             f"{names.driver_pod('tls', 0)}"), "driver pod")
+    cmd = harness.local_command(pod, harness.ApiLookup(cluster), root=tmp_path,
+                                drop_env=[contract.ENV_RAY_ADDRESS])
+    for d in cmd.dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    for f, data in cmd.files.items():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(data)
+    ca_file = Path(cmd.env[contract.ENV_REPORT_CA_FILE])
+    assert ca_file.read_text() == (report_certs() / "ca.crt").read_text()
+    token_file = Path(cmd.env[contract.ENV_TOKEN_FILE])
+    assert token_file.read_text() == tok
+
+    def play() -> subprocess.CompletedProcess[str]:
+        env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path),
+               contract.ENV_REPORT_RETRIES: "1", **cmd.env}
+        return subprocess.run(cmd.argv, env=env, cwd=cmd.cwd, capture_output=True, text=True,
+                              timeout=120)
+
+    # The right CA, a token of no job: TLS verified, the operator answered (401), exit 3
+    # before any engine started. (With the real token the played driver runs the whole
+    # job: tests/e2e/test_cluster_job.py.)
+    token_file.write_text("not-the-token")
+    r = play()
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "controller answered 401" in r.stderr and "verify" not in r.stderr
+    # Another CA: the handshake fails, the token is never sent, and the message says why.
+    token_file.write_text(tok)
+    other = tls.generate(tmp_path / "other-ca", ["127.0.0.1"], ca_name="not-the-operator")
+    ca_file.write_text((other / "ca.crt").read_text())
+    t0 = time.monotonic()
+    r = play()
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 60
+    assert f"does not verify with the CA in {ca_file}" in r.stderr
+    assert "certificate verify failed" in r.stderr and "report-ca.crt" in r.stderr
+    assert "Traceback" not in r.stderr

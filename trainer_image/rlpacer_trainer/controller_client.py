@@ -8,7 +8,11 @@
   token. Network errors and 5xx are retried with the *same* (attempt, step) body (the
   endpoint is idempotent); so is a 429 (over the job's request rate), after its
   ``Retry-After``; other 4xx are raised with the operator's message. While a plan says
-  ``ScalingUp`` the driver polls ``GET plan`` until Ready or TimedOut. A plan's fields this
+  ``ScalingUp`` the driver polls ``GET plan`` until Ready or TimedOut. An ``https://`` URL is
+  verified with the CA in ``ca_file`` (the job's ConfigMap, re-read on every call so a renewed
+  CA is picked up; unset: the system's CAs). A certificate that does not verify is retried
+  like a network error (the operator may be mid-renewal and the ConfigMap a minute behind),
+  then raised as :class:`ReportTLSError`, which says which CA file was used. A plan's fields this
   version does not know (a newer operator's additions) are ignored, logged once and counted
   (``unknown_plan_fields``).
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +46,7 @@ from rlpacer.control.plan import (
     StepReportData,
     StepSecondsData,
 )
+from rlpacer_trainer import contract as c
 
 log = logging.getLogger("rlpacer_trainer.controller")
 
@@ -52,6 +58,10 @@ class ControllerClient(Protocol):
     def plan(self) -> Plan: ...
     def report(self, report: StepReport) -> Plan: ...
     def wait_ready(self, plan: Plan) -> Plan: ...
+
+
+class ReportTLSError(RuntimeError):
+    """The step-report endpoint's certificate did not verify with the CA the driver has."""
 
 
 class ControllerError(RuntimeError):
@@ -119,8 +129,10 @@ class HTTPController:
 
     def __init__(self, base_url: str, namespace: str, name: str, token: str, *,
                  retries: int = 8, backoff_s: float = 0.5, poll_s: float = 2.0,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, ca_file: str | None = None) -> None:
         self.base = base_url.rstrip("/")
+        self.ca_file = ca_file
+        self.tls = self.base.lower().startswith("https://")
         self.ns, self.name, self.token = namespace, name, token
         self.retries, self.backoff_s, self.poll_s, self.timeout_s = (
             retries, backoff_s, poll_s, timeout_s)
@@ -140,17 +152,37 @@ class HTTPController:
                             " ignored (a newer operator?): %s", ", ".join(extra))
         return plan
 
+    def _context(self) -> ssl.SSLContext | None:
+        if not self.tls:
+            return None
+        try:
+            return ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ReportTLSError(
+                f"cannot load the step-report CA {self.ca_file} ({e}): the job's ConfigMap"
+                " carries it as report-ca.crt when the operator serves TLS") from None
+
+    def _tls_error(self, err: BaseException) -> ReportTLSError:
+        ca = (f"the CA in {self.ca_file} ({c.ENV_REPORT_CA_FILE})" if self.ca_file
+              else f"the system's CAs ({c.ENV_REPORT_CA_FILE} is unset)")
+        return ReportTLSError(
+            f"the step-report endpoint {self.base} presented a certificate that does not verify"
+            f" with {ca}: {err}. The operator's CA is in the job's ConfigMap (key"
+            " report-ca.crt); a driver of another release or an operator with a new"
+            " certificate is the usual cause")
+
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
         delay = self.backoff_s
         for attempt in range(self.retries + 1):
+            ctx = self._context()
             req = urllib.request.Request(self.base + path, data=data, method=method)
             req.add_header("Authorization", f"Bearer {self.token}")
             req.add_header(PLAN_FIELDS_HEADER, USABLE_REPLICAS)  # optional fields we read
             if data is not None:
                 req.add_header("Content-Type", "application/json")
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with urllib.request.urlopen(req, timeout=self.timeout_s, context=ctx) as resp:
                     return json.loads(resp.read().decode() or "{}")  # type: ignore[no-any-return]
             except urllib.error.HTTPError as err:
                 text = err.read().decode(errors="replace")
@@ -163,8 +195,14 @@ class HTTPController:
                         wait = delay
                     time.sleep(min(max(wait, 0.0), MAX_RETRY_AFTER_S))
                     continue
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if attempt == self.retries:
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+                reason = getattr(err, "reason", err)
+                if isinstance(reason, ssl.SSLCertVerificationError):
+                    if attempt == self.retries:
+                        raise self._tls_error(reason) from None
+                    log.warning("step-report endpoint: certificate does not verify (attempt"
+                                " %d of %d): %s", attempt + 1, self.retries + 1, reason)
+                elif attempt == self.retries:
                     raise
             time.sleep(delay)
             delay = min(delay * 2, 10.0)

@@ -8,8 +8,11 @@ Reads the env the operator sets (names in :mod:`rlpacer.api.contract`, re-export
   :mod:`rlpacer_trainer.topology` for why and how), resumes from the latest checkpoint
   in ``RLPACER_CHECKPOINT_DIR``, and runs the loop, reporting each step to
   ``RLPACER_REPORT_URL`` with the token in ``RLPACER_TOKEN_FILE`` (in-process controller when
-  no URL is set). Exit 0 when the job's steps are done, non-zero on failure: the operator
-  then starts a new attempt (``RLPACER_ATTEMPT``) from the last checkpoint.
+  no URL is set; an ``https://`` URL is verified with the CA in ``RLPACER_REPORT_CA_FILE``,
+  and the endpoint is reached once before the engines start). Exit 0 when the job's steps
+  are done, non-zero on failure (3: the operator refused the driver or its certificate did
+  not verify): the operator then starts a new attempt (``RLPACER_ATTEMPT``) from the last
+  checkpoint.
 * ``head``    ``ray start --head --block`` bound to the pod's IP (``RLPACER_POD_IP``).
 * ``rollout`` / ``learner``  ``ray start --address=$RAY_ADDRESS --block``: they contribute
   resources on which the driver places its engine actors and learners, and advertise their
@@ -65,8 +68,16 @@ def run_driver(env: Mapping[str, str]) -> int:
     url = env.get(c.ENV_REPORT_URL)
     if url:
         token_file = Path(env.get(c.ENV_TOKEN_FILE) or c.TOKEN_PATH)
+        retries = env.get(c.ENV_REPORT_RETRIES, "8")
+        if not retries.isdigit():
+            raise PodEnvError(f"{c.ENV_REPORT_RETRIES}={retries!r}: give a count of retries"
+                              " (0 or more)")
         controller = HTTPController(url, _need(env, c.ENV_NAMESPACE), _need(env, c.ENV_JOB),
-                                    token_file.read_text().strip())
+                                    token_file.read_text().strip(), retries=int(retries),
+                                    ca_file=env.get(c.ENV_REPORT_CA_FILE) or None)
+        # Reach the operator before anything heavy starts: a wrong CA, token or URL fails
+        # the pod in seconds, not after the engines have loaded the model.
+        controller.plan()
     if env.get(c.ENV_RAY_ADDRESS):
         # a separate host: attach through a Ray node of this pod (topology's docstring)
         with topology.attached(env, runtime_env=runtime.RUNTIME_ENV):
@@ -150,6 +161,13 @@ def main(env: Mapping[str, str] | None = None) -> int:
     except (PodEnvError, topology.TopologyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        from rlpacer_trainer.controller_client import ControllerError, ReportTLSError
+
+        if isinstance(err, (ReportTLSError, ControllerError)):
+            print(f"error: {err}", file=sys.stderr)
+            return 3
+        raise
 
 
 if __name__ == "__main__":

@@ -45,6 +45,13 @@ ENV_ATTEMPT = "RLPACER_ATTEMPT"
 ENV_REPORT_URL = "RLPACER_REPORT_URL"
 #: File holding the job's step-report bearer token (mounted from the job's Secret).
 ENV_TOKEN_FILE = "RLPACER_TOKEN_FILE"
+#: PEM file of the CA the driver verifies an ``https://`` report URL with (driver only; the
+#: job's ConfigMap key :data:`REPORT_CA_KEY`, written there by the operator). Unset: the
+#: system's CAs.
+ENV_REPORT_CA_FILE = "RLPACER_REPORT_CA_FILE"
+#: Retries of a step report or plan read that failed in transit (network error, 5xx, a
+#: certificate that does not verify) before the driver fails; default 8 (about 2 minutes).
+ENV_REPORT_RETRIES = "RLPACER_REPORT_RETRIES"
 #: File holding the run config: the RLTrainingJob manifest (``rlpacer run`` format).
 ENV_CONFIG = "RLPACER_CONFIG"
 #: Ray address for workers and the driver (``<head-service>:6379``); unset on the head.
@@ -79,6 +86,8 @@ ALL_ENV = (
     ENV_ATTEMPT,
     ENV_REPORT_URL,
     ENV_TOKEN_FILE,
+    ENV_REPORT_CA_FILE,
+    ENV_REPORT_RETRIES,
     ENV_CONFIG,
     ENV_RAY_ADDRESS,
     ENV_CHECKPOINT_DIR,
@@ -97,6 +106,11 @@ CONFIG_MOUNT_DIR = "/etc/rlpacer"
 #: Key of the run config in the ConfigMap (and file name under :data:`CONFIG_MOUNT_DIR`).
 CONFIG_KEY = "job.yaml"
 CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
+#: Key of the step-report endpoint's CA in the ConfigMap (when the operator serves TLS); the
+#: driver's :data:`ENV_REPORT_CA_FILE` names it under :data:`CONFIG_MOUNT_DIR`. A ConfigMap,
+#: not the immutable token Secret: a renewed CA reaches running drivers (mounted files update).
+REPORT_CA_KEY = "report-ca.crt"
+REPORT_CA_PATH = f"{CONFIG_MOUNT_DIR}/{REPORT_CA_KEY}"
 
 #: Where the job's Secret is mounted.
 TOKEN_MOUNT_DIR = "/var/run/secrets/rlpacer"

@@ -32,8 +32,8 @@ Design decisions:
   webhook must not admit what it has not checked.
 * TLS: the chart mounts the serving certificate (``tls.crt``, ``tls.key``) into
   ``webhook_cert_dir``; Kopf's server re-reads the files when they change (renewals).
-  Without a certificate directory, :func:`webhook_server` makes a self-signed one with
-  ``openssl`` (local runs only) and writes the CA bundle next to it.
+  Without a certificate directory, :func:`webhook_server` generates a CA and a certificate
+  with ``openssl`` (:mod:`rlpacer.operator.tls`; local runs only), the CA next to it.
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +56,7 @@ from rlpacer.api.policy import (
     parse_policy,
 )
 from rlpacer.control.policy import apply_defaults, selector_matches, validate_job
+from rlpacer.operator import tls
 
 logger = logging.getLogger(__name__)
 
@@ -272,29 +270,9 @@ class PolicyAdmission:
 
 
 def self_signed(cert_dir: Path, hostnames: Sequence[str], days: int = 365) -> Path:
-    """Write ``tls.crt``/``tls.key`` (self-signed, SANs for ``hostnames``) with ``openssl``.
-
-    For local runs without the chart; the certificate is its own CA bundle (``ca.crt``).
-    """
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        raise RuntimeError(
-            "the webhook needs a TLS certificate: set webhook_cert_dir (the chart mounts one)"
-            " or install openssl to generate a self-signed one"
-        )
-    cert_dir.mkdir(parents=True, exist_ok=True)
-    sans = []
-    for h in hostnames:
-        is_ip = h.replace(".", "").isdigit() or ":" in h
-        sans.append(f"IP:{h}" if is_ip else f"DNS:{h}")
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", "tls.key", "-out", "tls.crt", "-days", str(days),
-         "-subj", f"/CN={hostnames[0]}", "-addext", "subjectAltName=" + ",".join(sans)],
-        cwd=cert_dir, check=True, capture_output=True,
-    )
-    (cert_dir / "ca.crt").write_bytes((cert_dir / "tls.crt").read_bytes())
-    return cert_dir
+    """Write a CA (``ca.crt``) and ``tls.crt``/``tls.key`` signed by it for ``hostnames``
+    (:func:`rlpacer.operator.tls.generate`). For local runs without the chart."""
+    return tls.generate(cert_dir, hostnames, days)
 
 
 def webhook_server(
@@ -316,8 +294,7 @@ def webhook_server(
         names = [urlsplit(url).hostname or "127.0.0.1"] if url else ["127.0.0.1"]
         if "127.0.0.1" not in names:
             names.append("127.0.0.1")
-        cert_dir = self_signed(Path(tempfile.mkdtemp(prefix="rlpacer-webhook-")), names)
-        logger.warning("webhook: generated a self-signed certificate in %s", cert_dir)
+        cert_dir = tls.generate_temporary(names, "webhook")
     d = Path(cert_dir)
     for f in ("tls.crt", "tls.key"):
         if not (d / f).is_file():

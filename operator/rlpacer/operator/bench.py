@@ -232,7 +232,10 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
                 seconds: float, warmup: float, settle: float, rounds: int,
                 trace: list[Sample] | None = None,
                 pids: dict[str, int] | None = None,
-                metrics_port: int | None = None) -> dict[str, Any]:
+                metrics_port: int | None = None,
+                ca_file: str | None = None) -> dict[str, Any]:
+    import ssl
+
     import aiohttp
 
     from rlpacer.operator import names as child_names
@@ -277,7 +280,10 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
     per_round: list[dict[str, float]] = []
     errors: list[str] = []
     answered = [0] * len(names)
-    conn = aiohttp.TCPConnector(limit=0)
+    # Over TLS, as drivers report. Connections are kept alive: a driver makes one call per
+    # step, so its handshake per call is noise next to a step; the bench times the operator.
+    conn = aiohttp.TCPConnector(
+        limit=0, ssl=ssl.create_default_context(cafile=ca_file) if ca_file else False)
     before: dict[str, float] = {}
     after: dict[str, float] = {}
     cpu: dict[str, float] = {}  # CPU seconds by process over the measured windows
@@ -434,6 +440,10 @@ def run_from_args(args: argparse.Namespace) -> int:
                        capture_output=True)
         port = _free_port()
         metrics_port = _free_port()
+        from rlpacer.operator import tls
+
+        certs = tls.generate(Path(tempfile.mkdtemp(prefix="rlpacer-bench-tls-")),
+                             ["127.0.0.1"], days=1)
         log = Path(tempfile.mkstemp(prefix="rlpacer-bench-operator-", suffix=".log")[1])
         op = subprocess.Popen(
             [sys.executable,
@@ -441,16 +451,17 @@ def run_from_args(args: argparse.Namespace) -> int:
                if os.environ.get("RLPACER_BENCH_PROFILE") else []),
              "-m", "rlpacer.cli", "operator", "--report-port", str(port),
              "--metrics-port", str(metrics_port), "--namespaces", args.namespace,
+             "--report-cert-dir", str(certs),
              "--operator-namespace", "rlpacer-system", "--log-level", "WARNING"],
             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
+        base = f"https://127.0.0.1:{port}"
         print(f"{args.jobs} jobs, {args.rate}/s each, {args.seconds:.0f}s; operator log {log}",
               file=sys.stderr, flush=True)
         trace: list[Sample] | None = [] if args.trace else None
         pids = {"operator": op.pid, **(cluster.pids() if cluster is not None else {})}
         res = asyncio.run(_load(kubeconfig, base, args.namespace, names, args.rate,
                                 args.seconds, args.warmup, args.settle, args.rounds, trace,
-                                pids, metrics_port))
+                                pids, metrics_port, str(certs / "ca.crt")))
         if args.trace and trace is not None:
             write_trace(args.trace, trace)
     finally:

@@ -71,6 +71,9 @@ class BuildInputs:
     workloads: bool = True
     #: SHA-256 (hex) of the job's Ray token, annotated on every pod (None: not known).
     ray_token_sha256: str | None = None
+    #: PEM of the CA that signed the step-report endpoint's certificate (None: plain HTTP).
+    #: Goes into the ConfigMap; the driver verifies the operator with it.
+    report_ca: str | None = None
 
 
 def owner_reference(inputs: BuildInputs) -> Obj:
@@ -111,7 +114,8 @@ def config_map(inputs: BuildInputs) -> Obj:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(inputs, names.config_map(inputs.name)),
-        "data": {contract.CONFIG_KEY: run_config(inputs)},
+        "data": {contract.CONFIG_KEY: run_config(inputs),
+                 **({contract.REPORT_CA_KEY: inputs.report_ca} if inputs.report_ca else {})},
     }
 
 
@@ -212,6 +216,8 @@ def _env(inputs: BuildInputs, role: contract.Role, world_size: int) -> list[Obj]
             {"name": contract.ENV_REPORT_URL, "value": inputs.report_url},
             {"name": contract.ENV_TOKEN_FILE, "value": contract.TOKEN_PATH},
         ]
+        if inputs.report_ca:
+            env.append({"name": contract.ENV_REPORT_CA_FILE, "value": contract.REPORT_CA_PATH})
     return env
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import kopf
 
+from rlpacer.operator import tls
 from rlpacer.operator.handlers import JobLoops, OperatorContext, build_registry, watch_jobs
 from rlpacer.operator.kube import Credentials, KubeClient
 from rlpacer.operator.lease import LeaderElector
@@ -28,6 +29,7 @@ from rlpacer.operator.policies import PolicyCache, policy_admission
 from rlpacer.operator.runtime import Jobs
 from rlpacer.operator.server import LeaderState, metrics_app, report_app, start_site
 from rlpacer.operator.settings import OperatorSettings, from_args
+from rlpacer.operator.tls import ServingCert
 
 log = logging.getLogger("rlpacer.operator")
 
@@ -53,9 +55,14 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
     registry = build_registry(ctx)
     m_runner, m_port = await start_site(
         metrics_app(metrics, leader), settings.metrics_host, settings.metrics_port)
+    cert = report_cert(settings)
+    if cert is not None:
+        jobs.report_ca = cert.ca_pem
     r_runner, r_port = await start_site(
-        report_app(jobs, leader, metrics), settings.report_host, settings.report_port)
-    log.info("serving step reports on :%d, metrics on :%d (identity %s)", r_port, m_port,
+        report_app(jobs, leader, metrics), settings.report_host, settings.report_port,
+        ssl_context=cert.context if cert is not None else None)
+    log.info("serving step reports on :%d (%s), metrics on :%d (identity %s)", r_port,
+             "TLS" if cert is not None else "plain HTTP: report_insecure_http", m_port,
              settings.identity)
 
     elector = None
@@ -88,6 +95,8 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
         ))
         tasks.append(kopf_task)
         tasks.append(asyncio.create_task(watch_jobs(jobs, loops, settings.namespaces)))
+        if cert is not None:
+            tasks.append(asyncio.create_task(follow_cert(cert)))
         waits: set[asyncio.Task[Any]] = {kopf_task, stop_task}
         hold = None
         if elector is not None:
@@ -123,6 +132,32 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
         await m_runner.cleanup()
         await kube.close()
     return code
+
+
+#: How often the report certificate's files are checked for a renewal, seconds.
+CERT_CHECK_SECONDS = 30.0
+
+
+def report_cert(settings: OperatorSettings) -> ServingCert | None:
+    """The step-report endpoint's certificate (None: plain HTTP, ``report_insecure_http``);
+    a generated one when ``report_cert_dir`` is unset. A bad folder fails the start, named."""
+    if settings.report_insecure_http:
+        log.warning("step reports are served over plain HTTP (report_insecure_http): job"
+                    " tokens cross the network in clear text; use it for local runs only")
+        return None
+    cert_dir = settings.report_cert_dir or tls.generate_temporary(
+        settings.report_hostnames(), "report-endpoint")
+    try:
+        return ServingCert(cert_dir, setting="report_cert_dir")
+    except tls.CertError as e:
+        raise SystemExit(f"invalid operator settings:\n  {e}") from None
+
+
+async def follow_cert(cert: ServingCert, period: float = CERT_CHECK_SECONDS) -> None:
+    """Re-read a renewed certificate (the jobs' ConfigMaps get its CA on their next pass)."""
+    while True:
+        await asyncio.sleep(period)
+        await asyncio.to_thread(cert.reload)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

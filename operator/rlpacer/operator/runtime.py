@@ -161,6 +161,10 @@ class Jobs:
         self.policies = policies
         self._jobs: dict[tuple[str, str], JobRuntime] = {}
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
+        #: The CA (PEM) of the step-report endpoint's certificate, for the jobs' ConfigMaps
+        #: (None: plain HTTP). ``main.serve`` points it at the served certificate, which
+        #: follows renewals.
+        self.report_ca: Callable[[], str | None] = lambda: None
 
     # --- lookup -------------------------------------------------------------------------
     async def get(self, namespace: str, name: str) -> JobRuntime | None:
@@ -531,6 +535,7 @@ class Jobs:
                 rollout_replicas=rt.status.rollout.desired_replicas,
                 report_url=self.settings.pod_report_url(),
                 workloads=dec.workloads,
+                report_ca=self.report_ca(),
             )
         if dec.events:
             await self.post_events(rt, dec.events)

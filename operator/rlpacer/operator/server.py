@@ -1,6 +1,8 @@
 """HTTP servers in the operator process (aiohttp, same event loop as Kopf).
 
-* Step reports (DESIGN.md "Step-report protocol"), on ``report_port``:
+* Step reports (DESIGN.md "Step-report protocol"), on ``report_port``, over TLS (the
+  certificate of ``report_cert_dir``, or one generated at start: ``main.report_cert``; plain
+  HTTP only with ``report_insecure_http``):
   ``GET  /v1/namespaces/{ns}/rltrainingjobs/{name}/plan`` and
   ``POST /v1/namespaces/{ns}/rltrainingjobs/{name}/steps`` (``Authorization: Bearer``).
   A POST is answered only after the new controller state is persisted in the job's status.
@@ -28,6 +30,7 @@ import json
 import logging
 import math
 import re
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -347,11 +350,13 @@ def metrics_app(metrics: Metrics, leader: LeaderState) -> web.Application:
     return app
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start ``app``; returns the runner and the bound port (``port`` 0 picks one)."""
+async def start_site(app: web.Application, host: str, port: int,
+                     ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+    """Start ``app`` (over TLS with ``ssl_context``); returns the runner and the bound port
+    (``port`` 0 picks one)."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     server: Any = site._server
     bound = port

@@ -38,7 +38,24 @@ class OperatorSettings(BaseModel):
         default=None,
         description=(
             "Base URL the pods use to reach the step-report endpoint (RLPACER_REPORT_URL);"
-            " default http://<service_name>.<operator_namespace>.svc:<report_port>."
+            " default https://<service_name>.<operator_namespace>.svc:<report_port> (http://"
+            " with report_insecure_http)."
+        ),
+    )
+    report_cert_dir: str | None = Field(
+        default=None,
+        description=(
+            "Folder with tls.crt, tls.key and ca.crt: step reports are served over TLS with"
+            " this certificate (re-read when the files change) and every job's driver"
+            " verifies it with ca.crt. Unset: a CA and certificate are generated at start"
+            " for the Service's names, the report URL's host and 127.0.0.1 (local runs)."
+        ),
+    )
+    report_insecure_http: bool = Field(
+        default=False,
+        description=(
+            "Serve step reports over plain HTTP (bearer tokens in clear text): local runs"
+            " only; the chart sets it only with operator.reportTLS=false."
         ),
     )
     report_rate_per_second: float = Field(
@@ -120,11 +137,43 @@ class OperatorSettings(BaseModel):
             raise ValueError("lease_renew_seconds must be < lease_duration_seconds")
         return self
 
+    @model_validator(mode="after")
+    def _report_tls(self) -> OperatorSettings:
+        if self.report_insecure_http and self.report_cert_dir:
+            raise ValueError(
+                "report_cert_dir and report_insecure_http exclude each other: unset one"
+                " (TLS with that certificate, or plain HTTP for local runs)")
+        if self.report_url:
+            scheme = self.report_url.split("://", 1)[0].lower() if "://" in self.report_url \
+                else ""
+            want = "http" if self.report_insecure_http else "https"
+            if scheme != want:
+                raise ValueError(
+                    f"report_url {self.report_url!r} must start with {want}:// (step reports"
+                    f" are served over {'plain HTTP' if want == 'http' else 'TLS'}; "
+                    + ("unset report_insecure_http for TLS)" if want == "http"
+                       else "set report_insecure_http for plain HTTP, local runs only)"))
+        return self
+
+    def report_hostnames(self) -> list[str]:
+        """Names a generated report certificate covers: the Service's, the report URL's host
+        and loopback."""
+        from urllib.parse import urlsplit
+
+        svc, ns = self.service_name, self.operator_namespace
+        names = [f"{svc}.{ns}.svc", svc, f"{svc}.{ns}", f"{svc}.{ns}.svc.cluster.local"]
+        host = urlsplit(self.report_url).hostname if self.report_url else None
+        for h in (host, "127.0.0.1", "localhost"):
+            if h and h not in names:
+                names.append(h)
+        return names
+
     def pod_report_url(self) -> str:
         if self.report_url:
             return self.report_url.rstrip("/")
+        scheme = "http" if self.report_insecure_http else "https"
         return (
-            f"http://{self.service_name}.{self.operator_namespace}.svc:{self.report_port}"
+            f"{scheme}://{self.service_name}.{self.operator_namespace}.svc:{self.report_port}"
         )
 
     @classmethod

@@ -74,14 +74,17 @@ class OperatorProcess:
             "get", "deploy", self.fullname, "-n", self.system, "-o", "json").stdout)
         # A new pod name per start, as a Deployment rollout creates a new pod.
         env = deployment_env(dep, pod_name=f"{self.fullname}-local-{self.starts}")
-        cert_dir = self.tmp / f"webhook-tls-{self.starts}"  # the kubelet mounts the Secret
+        # The kubelet mounts the serving certificate's Secret (webhooks and step reports).
+        cert_dir = self.tmp / f"tls-{self.starts}"
         cert_dir.mkdir()
         secret = json.loads(self.cluster.kubectl(
             "get", "secret", f"{self.fullname}-webhook-tls", "-n", self.system,
             "-o", "json").stdout)
-        for key in ("tls.crt", "tls.key"):
-            (cert_dir / key).write_bytes(base64.b64decode(secret["data"][key]))
-        env["RLPACER_OPERATOR_WEBHOOK_CERT_DIR"] = str(cert_dir)
+        for key, value in secret["data"].items():
+            (cert_dir / key).write_bytes(base64.b64decode(value))
+        for what in ("WEBHOOK", "REPORT"):
+            if f"RLPACER_OPERATOR_{what}_CERT_DIR" in env:
+                env[f"RLPACER_OPERATOR_{what}_CERT_DIR"] = str(cert_dir)
         for what in ("WEBHOOK", "METRICS"):  # the pod's IP is loopback here
             env[f"RLPACER_OPERATOR_{what}_HOST"] = "127.0.0.1"
         env["RLPACER_OPERATOR_REPORT_HOST"] = self.report_host

@@ -413,7 +413,10 @@ class PlayedPod:
             return ""
 
 
-class _ApiLookup:
+class ApiLookup:
+    """ConfigMaps, Secrets and ServiceAccount tokens read from the API server (as a kubelet
+    does, with the cluster's admin credentials)."""
+
     def __init__(self, cluster: LocalCluster) -> None:
         self.cluster = cluster
 
@@ -501,7 +504,7 @@ class PodHarness:
         self.names = dict(names or {})
         self.pods: dict[str, PlayedPod] = {}  # uid -> played pod
         self.errors: list[str] = []
-        self._lookup = _ApiLookup(cluster)
+        self._lookup = ApiLookup(cluster)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None

@@ -291,3 +291,31 @@ def test_restriction_holds_with_a_claim_and_without_gpus() -> None:
     builders.build_children(_inputs())  # the shared constants are never mutated by a build
     assert builders.POD_SECURITY_CONTEXT["runAsUser"] == 1000
     assert built == builders.build_children(_inputs())
+
+
+def test_the_report_ca_reaches_the_driver_through_the_configmap() -> None:
+    """With TLS the ConfigMap carries the operator's CA and only the driver (the one role that
+    reports) is told where it is mounted; without it neither appears."""
+    ca = "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n"
+    children = builders.build_children(_inputs(report_ca=ca,
+                                               report_url="https://op.sys.svc:8080"))
+    cm = next(c for c in children if c["kind"] == "ConfigMap")
+    assert cm["data"][contract.REPORT_CA_KEY] == ca
+    assert f"{contract.CONFIG_MOUNT_DIR}/{contract.REPORT_CA_KEY}" == contract.REPORT_CA_PATH
+    for c in children:
+        if c["kind"] not in ("Pod", "StatefulSet"):
+            continue
+        spec = c["spec"] if c["kind"] == "Pod" else c["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert contract.CONFIG_MOUNT_DIR in mounts
+        if c["kind"] == "Pod":
+            assert env[contract.ENV_REPORT_CA_FILE] == contract.REPORT_CA_PATH
+        else:
+            assert contract.ENV_REPORT_CA_FILE not in env
+    plain = builders.build_children(_inputs())
+    cm = next(c for c in plain if c["kind"] == "ConfigMap")
+    assert contract.REPORT_CA_KEY not in cm["data"]
+    pod = next(c for c in plain if c["kind"] == "Pod")
+    env_names = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+    assert contract.ENV_REPORT_CA_FILE not in env_names

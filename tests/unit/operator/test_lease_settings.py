@@ -51,8 +51,28 @@ def test_settings_from_env_and_flags() -> None:
     }
     s = OperatorSettings.load(env, {"report_port": "9100"})
     assert s.namespaces == ["a", "b"] and s.report_port == 9100 and not s.leader_election
-    assert s.pod_report_url() == "http://rlpacer-operator.sys.svc:9100"
+    assert s.pod_report_url() == "https://rlpacer-operator.sys.svc:9100"
+    insecure = OperatorSettings.load(env, {"report_insecure_http": True})
+    assert insecure.pod_report_url() == "http://rlpacer-operator.sys.svc:9000"
     with pytest.raises(SystemExit, match="report_port"):
         OperatorSettings.load({"RLPACER_OPERATOR_REPORT_PORT": "x"})
     with pytest.raises(SystemExit, match="lease_renew_seconds"):
         OperatorSettings.load({}, {"lease_renew_seconds": 20})
+
+
+def test_report_tls_settings_are_checked_at_load() -> None:
+    """TLS is the default; plain HTTP only when asked for, and a report URL whose scheme
+    contradicts what is served fails the start, naming the fix."""
+    with pytest.raises(SystemExit, match=r"report_url 'http://op:1' must start with https://"
+                                         r".*set report_insecure_http"):
+        OperatorSettings.load({}, {"report_url": "http://op:1"})
+    with pytest.raises(SystemExit, match=r"must start with http://.*unset report_insecure_http"):
+        OperatorSettings.load({}, {"report_url": "https://op:1", "report_insecure_http": True})
+    with pytest.raises(SystemExit, match="report_cert_dir and report_insecure_http exclude"):
+        OperatorSettings.load({"RLPACER_OPERATOR_REPORT_CERT_DIR": "/c",
+                               "RLPACER_OPERATOR_REPORT_INSECURE_HTTP": "true"})
+    s = OperatorSettings.load({"RLPACER_OPERATOR_OPERATOR_NAMESPACE": "sys"},
+                              {"report_url": "https://10.0.0.5:8443"})
+    names = s.report_hostnames()
+    assert names[0] == "rlpacer-operator.sys.svc" and "10.0.0.5" in names
+    assert "127.0.0.1" in names
