@@ -17,6 +17,7 @@ COMMANDS: tuple[str, ...] = (
     "rlpacer.operator.commands",  # rlpacer crds, operator, bench-operator
     "rlpacer_trainer.cli",  # rlpacer run, bench-train (the data plane, trainer_image/)
     "rlpacer.testing.devcluster",  # rlpacer dev-cluster (a local cluster that runs jobs)
+    "rlpacer.testing.bench_long_round",  # rlpacer bench-long-round (played hosts)
 )
 
 

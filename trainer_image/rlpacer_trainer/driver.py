@@ -329,7 +329,9 @@ class Driver:
         rollout_s = reward_s = 0.0
         dropped = refills = 0
         rewards_all: list[float] = []
+        t_join = time.perf_counter()
         used = self.use_plan(plan)
+        join_s = time.perf_counter() - t_join  # engines started for this round, if any
         self._served = {}
         self._died_served = []
         self._stats_before = stats_before = self._engine_stats()
@@ -396,7 +398,7 @@ class Driver:
             "kept": summary.count, "aborted": aborted, "long_queue": report.long_queue,
             "next_round_kind": report.next_round_kind.value,
             "seconds_rollout": rollout_s, "seconds_reward": reward_s, "seconds_train": train_s,
-            "seconds_sync": sync_s, "lambda": next_plan.lambda_,
+            "seconds_sync": sync_s, "seconds_join": join_s, "lambda": next_plan.lambda_,
             "straggler_rate": next_plan.straggler_rate,
             "straggler": getattr(self.controller, "last_straggler", None),
             "tau": float(self.cfg.spec.group_control.straggler_ratio),
@@ -563,13 +565,14 @@ class Driver:
         after = self._engine_stats()
         for e, info in self._infos(sorted(self.pool)).items():
             tokens = after[e].tokens - (before[e].tokens if e in before else 0)
+            busy = after[e].busy_seconds - (before[e].busy_seconds if e in before else 0.0)
             if self._served.get(e, 0) == 0 and tokens == 0:
                 continue
             out.append({"replica": info.replica, "address": info.address,
                         "hostname": info.hostname, "netns": info.netns,
                         "cores": info.threads_bind,
                         "responses": self._served.get(e, 0), "tokens": tokens,
-                        "policy_version": info.policy_version})
+                        "busy_s": round(busy, 4), "policy_version": info.policy_version})
         return out
 
     def sync_weights(self) -> float:

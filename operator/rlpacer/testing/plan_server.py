@@ -1,14 +1,17 @@
-"""A played operator for the elastic long-round e2e: the step-report protocol's two routes
-over the real plan logic (the in-process controller), with the rollout capacity of an
-operator that scales a StatefulSet from 1 to 2 replicas for each long round.
+"""A played operator for played-host jobs (:mod:`rlpacer.testing.played_job`): the
+step-report protocol's two routes over the real plan logic (the in-process controller), with
+the rollout capacity of an operator that scales a StatefulSet from 1 to 2 replicas for each
+long round.
 
-``python elastic_plan_server.py JOB_YAML ADDRESS PORT STATE_DIR [MODE]``. It talks to the
-test through files in STATE_DIR. MODE ``elastic`` (default): it writes ``scale-up`` when a
+``python -m rlpacer.testing.plan_server JOB_YAML ADDRESS PORT STATE_DIR [MODE]``. It talks to
+the test through files in STATE_DIR. MODE ``elastic`` (default): it writes ``scale-up`` when a
 report asks for a long round (the test then starts the rollout-1 pod) and waits for
 ``rollout-1-ready`` (the test writes it) before the plan says Ready with ``usableReplicas``
 [0, 1]; after the long round it writes ``scale-down`` (the test then deletes the pod). MODE
-``restart``: two replicas throughout; after step 0's report it writes ``paused`` and says
-ScalingUp (the driver waits) until ``go`` exists (the test meanwhile replaces rollout-1's pod).
+``single``: one replica throughout, long rounds included (the fixed small pool: the baseline
+of ``bench-long-round``); it writes ``scale-down`` after a long round too. MODE ``restart``:
+two replicas throughout; after step 0's report it writes ``paused`` and says ScalingUp (the
+driver waits) until ``go`` exists (the test meanwhile replaces rollout-1's pod).
 ``requests.log`` lists what it answered.
 """
 
@@ -49,7 +52,7 @@ class Elastic:
                                        state=RolloutState.SCALING_UP, usable_replicas=[0])
             return RolloutCapacity(desired_replicas=2, ready_replicas=2,
                                    state=RolloutState.READY, usable_replicas=[0, 1])
-        if not self.long:
+        if not self.long or self.mode == "single":
             return RolloutCapacity(desired_replicas=1, ready_replicas=1,
                                    state=RolloutState.READY, usable_replicas=[0])
         ready = (self.state / "rollout-1-ready").exists()
@@ -68,7 +71,7 @@ class Elastic:
             (self.state / "paused").write_text("0")
         was = self.long
         self.long = r.next_round_kind is RoundKind.LONG
-        if self.long and not was:
+        if self.long and not was and self.mode == "elastic":
             (self.state / "scale-up").write_text(str(r.step))
         if was and not self.long:
             (self.state / "scale-down").write_text(str(r.step))

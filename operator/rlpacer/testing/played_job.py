@@ -1,0 +1,275 @@
+"""A job's pods on played hosts with a played operator: one long round, elastic or not.
+
+Each pod of the job (a Ray head, a learner, rollout-0, rollout-1 when the long round scales
+up, the driver) runs ``python -m rlpacer_trainer.pod`` on a host of its own
+(:class:`rlpacer.testing.netns.TestHosts`: its own network namespace, address, hostname and
+PID namespace), and a played operator (:mod:`rlpacer.testing.plan_server`) answers the
+step-report protocol with the real plan logic and a rollout capacity of 1 replica, scaled to
+2 for each long round (``elastic``) or kept at 1 (``single``). As a kubelet would, rollout-1's
+pod is started when the operator scales up and deleted (its whole host) when it scales down.
+
+:func:`run_long_round` is what ``tests/e2e/test_elastic_long_round_hosts.py`` checks and what
+``rlpacer bench-long-round`` times. Needs root (network namespaces) and vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlpacer.api import contract
+from rlpacer.testing import netns
+from rlpacer.testing.cluster import repo_root
+from rlpacer.testing.netns import TestHosts
+
+JOB, NS = "elastic", "team-a"
+HEAD_SVC = f"{JOB}-head.{NS}.svc"
+PORT = 8080
+EXAMPLE = "examples/tiny-local.yaml"
+
+#: The pods of the job and their roles (rollout-1 only plays while a long round is scaled up).
+PODS: dict[str, contract.Role] = {
+    "head": contract.Role.HEAD, "learner-0": contract.Role.LEARNER,
+    "rollout-0": contract.Role.ROLLOUT, "rollout-1": contract.Role.ROLLOUT,
+    "driver": contract.Role.DRIVER,
+}
+
+
+def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: int = 4,
+                   max_tokens: int | None = None) -> None:
+    """The tiny example job: ``prompts`` per step and twice as many raced for their places
+    (the slowest half deferred), so step 1 is a long round on ``longRound.rolloutReplicas``
+    = 2."""
+    doc = yaml.safe_load((repo_root() / EXAMPLE).read_text())
+    spec = doc["spec"]
+    spec["rollout"]["replicas"] = replicas
+    if max_tokens is not None:
+        spec["rollout"]["maxResponseTokens"] = max_tokens
+    spec["tailBatching"]["longRound"]["rolloutReplicas"] = 2
+    spec["tailBatching"]["promptOverprovision"] = "2"
+    spec["algorithm"]["dynamicSampling"] = False
+    spec["steps"] = steps
+    spec["promptsPerStep"] = prompts
+    spec["checkpoint"]["everySteps"] = 10
+    path.write_text(yaml.safe_dump(doc))
+
+
+@dataclass
+class PlayedJob:
+    """The hosts, the played operator and the pods of one job under ``tmp``."""
+
+    tmp: Path
+    hosts: TestHosts = field(default_factory=TestHosts)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.logs = self.tmp / "logs"
+        self.state = self.tmp / "state"
+        self.ckpt = self.tmp / "checkpoints"
+        for d in (self.logs, self.state):
+            d.mkdir(parents=True, exist_ok=True)
+        (self.tmp / "report-token").write_text("job-token\n")
+        self.temp_root = Path(f"/tmp/{self.hosts.tag}")
+        python = sys.executable
+        self.python = python
+        self.base_env = {
+            "PATH": f"{Path(python).parent}:/usr/sbin:/usr/bin:/sbin:/bin",
+            "RAY_AUTH_TOKEN": secrets.token_hex(32), "PYTHONUNBUFFERED": "1",
+            "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+
+    def __enter__(self) -> PlayedJob:
+        self.hosts.start()
+        try:
+            for name in [*PODS, "operator"]:
+                self.hosts.add(name)
+            self.hosts.alias("head", HEAD_SVC, f"{HEAD_SVC}.cluster.local")
+        except BaseException:
+            self.hosts.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.hosts.close()
+        finally:
+            shutil.rmtree(self.temp_root, ignore_errors=True)
+
+    def start_operator(self, mode: str) -> None:
+        out = open(self.logs / "operator.log", "wb")  # noqa: SIM115
+        self.hosts.popen(
+            "operator",
+            [self.python, "-m", "rlpacer.testing.plan_server", str(self.tmp / "job.yaml"),
+             self.hosts.address("operator"), str(PORT), str(self.state), mode],
+            env={**self.base_env, "HOME": str(self.tmp)}, stdout=out, stderr=subprocess.STDOUT)
+
+    def start(self, name: str, temp: str | None = None) -> subprocess.Popen[bytes]:
+        """Starts pod ``name`` (``python -m rlpacer_trainer.pod``) on its played host."""
+        role = PODS[name]
+        ray_temp = self.temp_root / (temp or name)
+        home = self.tmp / "home" / ray_temp.name
+        home.mkdir(parents=True)
+        env = {
+            **self.base_env, "HOME": str(home),
+            contract.ENV_JOB: JOB, contract.ENV_NAMESPACE: NS,
+            contract.ENV_ROLE: role.value, contract.ENV_POD_IP: self.hosts.address(name),
+            contract.ENV_RAY_TEMP_DIR: str(ray_temp),
+            contract.ENV_RANK: name.rsplit("-", 1)[-1] if "-" in name else "0",
+        }
+        if role is not contract.Role.HEAD:
+            env[contract.ENV_RAY_ADDRESS] = f"{HEAD_SVC}:{contract.RAY_GCS_PORT}"
+        if role is contract.Role.DRIVER:
+            env |= {contract.ENV_CONFIG: str(self.tmp / "job.yaml"),
+                    contract.ENV_CHECKPOINT_DIR: str(self.ckpt),
+                    contract.ENV_ATTEMPT: "0",
+                    contract.ENV_REPORT_URL: f"http://{self.hosts.address('operator')}:{PORT}",
+                    contract.ENV_TOKEN_FILE: str(self.tmp / "report-token")}
+        out = open(self.logs / f"{ray_temp.name}.log", "wb")  # noqa: SIM115
+        proc = self.hosts.popen(name, [self.python, "-m", contract.POD_ENTRYPOINT_MODULE],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def start_head(self) -> None:
+        head = self.start("head")
+        netns.wait_port(self.hosts.address("head"), contract.RAY_GCS_PORT, head, 90)
+
+    def delete(self, name: str) -> None:
+        """The pod deleted: every process on its host killed."""
+        proc = self.procs.pop(name)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def wait_file(self, name: str, procs: Mapping[str, subprocess.Popen[bytes]] | None = None,
+                  timeout: float = 600) -> bool:
+        """Waits for ``state/name``; False when a watched pod exits first or on timeout."""
+        watched = self.procs if procs is None else procs
+        path = self.state / name
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists():
+                return True
+            if any(p.poll() is not None for p in watched.values()):
+                return False
+            time.sleep(0.3)
+        return False
+
+    def wait_driver(self, timeout: float = 600) -> int:
+        try:
+            return self.procs["driver"].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.procs["driver"].kill()
+            return -1
+
+    def host_cpu_seconds(self, name: str) -> float:
+        """CPU seconds (user + system) used so far by the processes alive on host ``name``
+        (those in its network namespace): what a cgroup's usage would show for the pod."""
+        inode = self.hosts.hosts[name].netns_inode()
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                if os.stat(d / "ns" / "net").st_ino != inode:
+                    continue
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / tick
+
+    def wait_log(self, pod: str, text: str, timeout: float = 600) -> bool:
+        """Waits until ``text`` is in the log of ``pod``; False if it exits first."""
+        path = self.logs / f"{pod}.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists() and text in path.read_text(errors="replace"):
+                return True
+            if self.procs[pod].poll() is not None:
+                return False
+            time.sleep(0.2)
+        return False
+
+    def logs_text(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+                         for p in sorted(self.logs.iterdir()))
+
+    def records(self) -> list[dict[str, Any]]:
+        path = self.ckpt / "metrics-attempt0.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+class PlayedJobFailed(AssertionError):
+    """The played job did not finish; the message carries every pod's log tail."""
+
+
+@dataclass
+class LongRoundRun:
+    """What :func:`run_long_round` saw."""
+
+    records: list[dict[str, Any]]
+    driver_log: str
+    #: Played host name -> (address, network-namespace inode).
+    hosts: dict[str, tuple[str, int]]
+    #: Seconds from the operator's scale-up (rollout-1's pod created) to the long round's end.
+    scaled_seconds: float | None = None
+    #: CPU seconds the processes on rollout-1's host used from its engine's join (the driver's
+    #: "joined" line) to the scale-down: the long round's share it generated.
+    added_cpu_seconds: float | None = None
+
+
+def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts: int = 4,
+                   max_tokens: int | None = None) -> LongRoundRun:
+    """Runs the tiny job (:func:`write_manifest`) on played hosts to its end. ``elastic``:
+    rollout-1's pod is created when the operator scales up for the long round and deleted
+    when it scales down; ``single``: the long round runs on rollout-0 alone."""
+    if mode not in ("elastic", "single"):
+        raise ValueError(f"mode {mode!r}: expected elastic or single")
+    tmp.mkdir(parents=True, exist_ok=True)
+    write_manifest(tmp / "job.yaml", steps=steps, prompts=prompts, max_tokens=max_tokens)
+    with PlayedJob(tmp) as job:
+        job.start_operator(mode)
+        job.start_head()
+        for name in ("learner-0", "rollout-0", "driver"):
+            job.start(name)
+        scaled_at, cpu_at_join = None, 0.0
+        if mode == "elastic":
+            # the operator scales up for the long round: rollout-1's pod starts only now
+            if not job.wait_file("scale-up"):
+                raise PlayedJobFailed("no long round:\n" + job.logs_text())
+            job.start("rollout-1")
+            scaled_at = time.monotonic()
+            (job.state / "rollout-1-ready").write_text("1")
+            if not job.wait_log("driver", "rollout engine of replica 1 joined"):
+                raise PlayedJobFailed("rollout-1's engine never joined:\n" + job.logs_text())
+            cpu_at_join = job.host_cpu_seconds("rollout-1")
+        # the long round done: the operator scales back down and the pod goes
+        if not job.wait_file("scale-down", {"driver": job.procs["driver"]}):
+            raise PlayedJobFailed("the long round never ended:\n" + job.logs_text())
+        scaled = None if scaled_at is None else time.monotonic() - scaled_at
+        added_cpu = None
+        if mode == "elastic":
+            added_cpu = job.host_cpu_seconds("rollout-1") - cpu_at_join
+            job.delete("rollout-1")
+        rc = job.wait_driver()
+        if rc != 0:
+            raise PlayedJobFailed(f"driver exited {rc}:\n" + job.logs_text())
+        return LongRoundRun(
+            records=job.records(),
+            driver_log=(job.logs / "driver.log").read_text(errors="replace"),
+            hosts={n: (job.hosts.address(n), job.hosts.hosts[n].netns_inode()) for n in PODS},
+            scaled_seconds=scaled, added_cpu_seconds=added_cpu)
