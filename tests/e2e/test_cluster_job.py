@@ -50,6 +50,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
 CHART = repo_root() / "charts" / "rlpacer"
 EXAMPLE = repo_root() / "examples" / "tiny-cluster.yaml"
 JOB = "tiny-cluster"
+RESUME = "resume"  # the second job: a learner pod dies mid-job
 RUN_TIMEOUT = float(os.environ.get("RLPACER_E2E_TIMEOUT", "1200"))
 ALL_ROLES = [r.value for r in contract.Role]
 # The namespace's policy (the example job fits it; see the file's comments).
@@ -98,7 +99,7 @@ def release(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
     svc = f"{name}-rlpacer.{system}.svc"
     harness = PodHarness(cluster, jobs, tmp / "harness", roles=ALL_ROLES, hosts=hosts,
                          names={svc: hosts.gateway, f"{svc}.cluster.local": hosts.gateway},
-                         label_selector=f"{contract.LABEL_JOB}={JOB}")
+                         label_selector=f"{contract.LABEL_JOB} in ({JOB},{RESUME})")
     rel = Release(cluster, name, system, jobs, values, op, harness, tmp)
     try:
         # helm install rlpacer charts/rlpacer -n rlpacer-system --create-namespace, plus the
@@ -412,6 +413,102 @@ def test_the_job_gets_slo_violated_and_every_verdict_matches_its_numbers(run: Ru
     assert "SLOViolated" in events, events
 
 
+def test_dead_learner_then_dead_driver_each_attempt_resumes_from_the_last_checkpoint(
+    release: Release, run: Run
+) -> None:
+    """A second job (checkpoints on a claim, every step, backoffLimit 2). Mid-job its learner
+    pod's container is killed: the driver's attempt fails on the dead learner, the operator
+    starts the next attempt, the StatefulSet replaces the learner pod. Two steps later that
+    attempt's driver is killed mid-step: the operator starts a third. Each attempt resumes
+    from the last checkpoint: the steps after it are re-run on the same prompts (the data
+    order and the planner come from the checkpoint), the engines start from the checkpointed
+    weights, no prompt of a checkpointed step is drawn again, and the job Succeeds."""
+    rel = release
+    claim = f"{RESUME}-checkpoints"
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{rel.jobs}-pv"},
+          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                   "storageClassName": "manual", "hostPath": {"path": str(rel.tmp / "pv")},
+                   "claimRef": {"namespace": rel.jobs, "name": claim}}}
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+           "metadata": {"name": claim, "namespace": rel.jobs},
+           "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual",
+                    "volumeName": pv["metadata"]["name"],
+                    "resources": {"requests": {"storage": "1Gi"}}}}
+    rel.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                      "items": [pv, pvc]}))
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = RESUME
+    spec = doc["spec"]
+    spec["steps"] = STEPS = 7
+    spec["tailBatching"]["enabled"] = False
+    spec["checkpoint"] = {"everySteps": 1, "volumeClaim": claim}
+    spec["backoffLimit"] = 2
+    rel.kubectl("apply", "-n", rel.jobs, "-f", "-", input=json.dumps(doc))
+    h = rel.harness
+    learner_name = names.statefulset(RESUME, contract.Role.LEARNER) + "-0"
+    t0 = time.monotonic()
+    crashes: list[tuple[str, int]] = []  # (what, status.step when it was killed)
+    while True:
+        st = (rel.get("rltj", RESUME, "-n", rel.jobs) or {}).get("status") or {}
+        if st.get("summary") in ("Succeeded", "Failed"):
+            break
+        step, attempt = st.get("step", 0), st.get("attempt", 0)
+        if not crashes and step >= 2:
+            (learner,) = [p for p in h.played(learner_name) if p.exit_code is None]
+            h.crash(learner)
+            crashes.append(("learner", step))
+        elif len(crashes) == 1 and attempt == 1 and step >= crashes[0][1] + 2:
+            live = [p for p in h.played(names.driver_pod(RESUME, 1)) if p.exit_code is None]
+            if live:
+                h.crash(live[0])
+                crashes.append(("driver", step))
+        assert not h.errors, h.describe()
+        assert time.monotonic() - t0 < RUN_TIMEOUT, f"{st}\n{h.describe()}"
+        time.sleep(0.3)
+    assert [c[0] for c in crashes] == ["learner", "driver"], (crashes, st)
+    assert st["summary"] == "Succeeded", f"{st}\n{h.describe()}\n{rel.operator.tail()}"
+    assert st["attempt"] == 2 and st["step"] == STEPS, st
+    drivers = [h.played(names.driver_pod(RESUME, a)) for a in range(3)]
+    assert [len(d) for d in drivers] == [1, 1, 1], h.describe()
+    (d0,), (d1,), (d2,) = drivers
+    assert d0.exit_code not in (0, None) and d1.exit_code == 137 and d2.exit_code == 0, \
+        h.describe()
+    learners = h.played(learner_name)
+    assert len(learners) >= 2 and learners[0].exit_code == 137, h.describe()
+    ckpt = d0.mount(contract.CHECKPOINT_DIR)  # the claim: one folder for every pod
+    assert ckpt == d1.mount(contract.CHECKPOINT_DIR) == d2.mount(contract.CHECKPOINT_DIR)
+    recs = [[json.loads(x) for x in (ckpt / f"metrics-attempt{a}.jsonl").read_text()
+             .splitlines()] for a in range(3)]
+    print(json.dumps([[(r["step"], r["prompts"], r["policy_version"]) for r in a]
+                      for a in recs]))
+    kept: list[dict[str, Any]] = []  # the surviving history: each step from its last attempt
+    for a in range(3):
+        steps = [r["step"] for r in recs[a]]
+        start = 0 if a == 0 else recs[a][0]["step"]
+        assert steps == list(range(start, start + len(steps))), (a, steps)
+        if a > 0:
+            log = (d1 if a == 1 else d2).log_tail(50000)
+            assert f"resumed from checkpoint at step {start} (attempt {a})" in log
+            # the last checkpoint: every step the attempt before finished, or all but the last
+            # (killed between its record and its checkpoint); the redone step draws the same
+            # prompts, and the engines start on the checkpointed weights
+            redone = [r for r in recs[a - 1] if r["step"] >= start]
+            assert len(redone) <= 1, (a, [r["step"] for r in recs[a - 1]])
+            if redone:
+                assert redone[0]["prompts"] == recs[a][0]["prompts"]
+            kept = [r for r in kept if r["step"] < start]
+            assert kept[-1]["step"] == start - 1
+            assert {e["policy_version"] for e in recs[a][0]["engines"]} == \
+                {kept[-1]["policy_version"]}
+        kept += recs[a]
+    assert crashes[0][1] >= 2 and recs[1][0]["step"] >= 2
+    assert [r["step"] for r in kept] == list(range(STEPS))
+    # no prompt skipped or drawn twice in the surviving history
+    prompts = [p for r in kept for p in r["prompts"]]
+    assert len(prompts) == len(set(prompts)), prompts
+    assert (ckpt / "latest").read_text().strip() == f"step-{STEPS:06d}"
+
+
 def test_helm_uninstall_leaves_no_orphans(release: Release, run: Run) -> None:
     rel = release
     rel.operator.stop()
@@ -439,5 +536,6 @@ def test_helm_uninstall_leaves_no_orphans(release: Release, run: Run) -> None:
     left = rel.kubectl("get", "statefulsets,pods", "-n", rel.jobs, "-o", "name").stdout
     assert left.strip() == "", left
     assert rel.get("rltj", JOB, "-n", rel.jobs) is not None
+    assert rel.get("rltj", RESUME, "-n", rel.jobs) is not None
     assert rel.get("rltp", "team-limits", "-n", rel.jobs) is not None
     rel.kubectl("get", "crd", "rltrainingjobs.rlpacer.io")

@@ -563,6 +563,14 @@ class PodHarness:
         if pod.proc.poll() is None:
             os.kill(_main_pid(pod), signal.SIGCONT)
 
+    def crash(self, pod: PlayedPod) -> None:
+        """The pod's container dies: every process of it killed at once (SIGKILL), as an OOM
+        kill or a lost GPU would end it. The harness then reports the pod Failed (exit 137),
+        and its controller (a StatefulSet) replaces it, as on a cluster."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pod.proc.pid, signal.SIGKILL)
+        pod.proc.wait(10)
+
     def describe(self) -> str:
         """Every played pod with its command and log tail (for assertion messages)."""
         with self._lock:
