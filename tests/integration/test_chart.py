@@ -11,9 +11,11 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -116,11 +118,53 @@ def test_template_renders_a_hardened_operator_wired_to_its_settings() -> None:
     assert env["RLPACER_OPERATOR_REPORT_BURST"] == "50"
     # The mounted certificate directory holds what the operator's webhook server loads.
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert mounts["webhook-tls"] == env["RLPACER_OPERATOR_WEBHOOK_CERT_DIR"]
+    assert mounts["tls"] == env["RLPACER_OPERATOR_WEBHOOK_CERT_DIR"]
+    # ... and step reports are served over TLS with the same certificate (with its ca.crt)
+    assert mounts["tls"] == env["RLPACER_OPERATOR_REPORT_CERT_DIR"]
+    assert "RLPACER_OPERATOR_REPORT_INSECURE_HTTP" not in env
+    vol = next(v for v in pod["volumes"] if v["name"] == "tls")
+    assert vol["secret"]["secretName"] == "rlpacer-webhook-tls" and "items" not in vol["secret"]
     # Monitoring objects are off by default; the dashboard is on.
     assert not find(docs, "ServiceMonitor") and not find(docs, "PrometheusRule")
     (dash,) = find(docs, "ConfigMap", "rlpacer-dashboard")
     assert json.loads(dash["data"]["rlpacer.json"])["uid"] == "rlpacer-jobs"
+
+
+def test_report_tls_values() -> None:
+    """Step reports over TLS are on by default and need no webhook; the generated certificate
+    names the report URL's host; reportTLS=false serves plain HTTP (and says so to the
+    operator); mode Secret needs no caBundle when only reports use the certificate."""
+    docs = render({"webhook.enabled": False, "operator.reportURL": "https://reports.example:8443"})
+    (dep,) = find(docs, "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["RLPACER_OPERATOR_REPORT_CERT_DIR"] == "/etc/rlpacer/tls"
+    assert "RLPACER_OPERATOR_WEBHOOK_CERT_DIR" not in env
+    assert not find(docs, "ValidatingWebhookConfiguration")
+    (tls,) = find(docs, "Secret", "rlpacer-webhook-tls")
+    cert = base64.b64decode(tls["data"]["tls.crt"])
+    ca = base64.b64decode(tls["data"]["ca.crt"])
+    san = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName"], input=cert,
+                         capture_output=True, check=True).stdout.decode()
+    assert "DNS:reports.example" in san and "DNS:rlpacer.rlpacer-system.svc" in san, san
+    with tempfile.TemporaryDirectory() as d:  # the certificate is signed by the Secret's CA
+        Path(d, "ca.crt").write_bytes(ca)
+        Path(d, "tls.crt").write_bytes(cert)
+        subprocess.run(["openssl", "verify", "-CAfile", f"{d}/ca.crt", f"{d}/tls.crt"],
+                       check=True, capture_output=True)
+    plain = render({"operator.reportTLS": False, "webhook.enabled": False})
+    (dep,) = find(plain, "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["RLPACER_OPERATOR_REPORT_INSECURE_HTTP"] == "true"
+    assert "RLPACER_OPERATOR_REPORT_CERT_DIR" not in env
+    assert (not find(plain, "Secret") and "volumeMounts" not in c) or all(
+        m["name"] != "tls" for m in c.get("volumeMounts", []))
+    own = render({"webhook.enabled": False, "webhook.certs.mode": "Secret",
+                  "webhook.certs.existingSecret": "my-tls"})
+    (dep,) = find(own, "Deployment")
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    assert vol["secret"]["secretName"] == "my-tls"
 
 
 def test_template_webhooks_failure_policy_scope_and_ca() -> None:

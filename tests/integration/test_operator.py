@@ -830,7 +830,9 @@ def test_step_reports_are_tls_only_and_a_played_driver_verifies_the_operator(
     driver pod the operator builds, played from its spec (env, ConfigMap and Secret files as a
     kubelet mounts them), reaches the operator over TLS with the ConfigMap's CA; given another
     CA it fails at once, exit 3, with a message naming the CA file."""
-    apply(cluster, small_job("tls", namespace))
+    # a job the trainer can load (the played driver reads its run config before reporting)
+    apply(cluster, small_job("tls", namespace, model={"source": "builtin://tiny-chain"},
+                             data={"source": "builtin://chain"}))
     tok = token(cluster, namespace, "tls")
     plain = f"http://127.0.0.1:{operator.report_port}" + plan_path(namespace, "tls")
     req = urllib.request.Request(plain, headers={"Authorization": f"Bearer {tok}"})

@@ -162,8 +162,12 @@ def main(env: Mapping[str, str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
+        from rlpacer_trainer.config import ConfigError
         from rlpacer_trainer.controller_client import ControllerError, ReportTLSError
 
+        if isinstance(err, ConfigError):  # the run config: the job's spec, named
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         if isinstance(err, (ReportTLSError, ControllerError)):
             print(f"error: {err}", file=sys.stderr)
             return 3
