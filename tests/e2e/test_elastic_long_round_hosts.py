@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import pytest
 
-from rlpacer.testing.played_job import PlayedJob, run_long_round, write_manifest
+from rlpacer.testing.played_job import ENGINE_PROCESS, PlayedJob, run_long_round, write_manifest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -56,12 +57,12 @@ def test_long_round_is_served_by_the_replica_that_joined(tmp_path: Path) -> None
             assert r["replicas"] == [0] and [e["replica"] for e in r["engines"]] == [0], r
     assert "rollout engine of replica 1 joined" in driver_log
     assert "rollout engine of replica 1 released" in driver_log
-    # rollout-1's own processes did the work its engine reports: the CPU its host used from
-    # the join to the scale-down covers at least half the engine's busy time (an engine that
-    # generated elsewhere, or not at all, leaves only Ray's idle housekeeping there)
+    # rollout-1's own engine process did the work its engine reports: the CPU it used on
+    # rollout-1's host from the join to the scale-down covers at least half the engine's busy
+    # time (an engine that generated elsewhere, or not at all, idles there)
     busy = sum(e["busy_s"] for r in longs for e in r["engines"] if e["replica"] == 1)
-    print(f"rollout-1: engine busy {busy:.2f}s, host CPU {run.added_cpu_seconds:.2f}s")
-    assert busy > 0.5, longs
+    print(f"rollout-1: engine busy {busy:.2f}s, its process's CPU {run.added_cpu_seconds:.2f}s")
+    assert busy > 0.1, longs
     assert run.added_cpu_seconds is not None and run.added_cpu_seconds >= 0.5 * busy
 
 
@@ -100,3 +101,51 @@ def test_an_engine_whose_pod_died_is_started_again_when_the_pod_is_back(
         assert by[1]["address"] == addr["rollout-1"]
         if r["step"] in held:
             assert {e["policy_version"] for e in by.values()} == {held[r["step"]]}
+
+
+def test_a_rollout_pod_dying_mid_round_loses_and_doubles_nothing(tmp_path: Path) -> None:
+    """Two rollout replicas; step 1's round is under way (rollout-1's host is burning CPU on
+    it) when rollout-1's pod is killed, host and all. Its unfinished requests go to rollout-0
+    (same seeds), what it answered before is kept, the step trains its prompts once, a
+    replacement pod's engine serves the later steps, and the job ends."""
+    write_manifest(tmp_path / "job.yaml", replicas=2, steps=STEPS)
+    with PlayedJob(tmp_path) as job:
+        job.start_operator("restart")
+        job.start_head()
+        for name in ("learner-0", "rollout-0", "rollout-1", "driver"):
+            job.start(name)
+        assert job.wait_file("paused"), "no step 0:\n" + job.logs_text()
+        idle = job.host_cpu("rollout-1", ENGINE_PROCESS)
+        (job.state / "go").write_text("1")  # step 1 starts on both engines
+
+        def used() -> float:
+            now = job.host_cpu("rollout-1", ENGINE_PROCESS)
+            return sum(v - idle.get(pid, 0.0) for pid, v in now.items())
+
+        deadline = time.monotonic() + 120
+        while used() < 0.2:  # its engine is generating
+            assert time.monotonic() < deadline, "step 1 never ran:\n" + job.logs_text()
+            time.sleep(0.05)
+        job.delete("rollout-1")
+        job.start("rollout-1", temp="rollout-1-new")
+        rc = job.wait_driver()
+        assert rc == 0, "driver failed:\n" + job.logs_text()
+        recs = job.records()
+        driver_log = (job.logs / "driver.log").read_text(errors="replace")
+    print(json.dumps([{k: r[k] for k in ("step", "round_kind", "replicas", "engines",
+                                         "prompts")} for r in recs], indent=1))
+    assert [r["step"] for r in recs] == list(range(STEPS))
+    assert "rollout engine of replica 1 died" in driver_log, driver_log[-3000:]
+    step1 = recs[1]
+    dead = [e for e in step1["engines"] if e.get("died")]
+    assert [e["replica"] for e in dead] == [1], step1["engines"]
+    live = [e for e in step1["engines"] if not e.get("died")]
+    assert [e["replica"] for e in live] == [0] and live[0]["responses"] > 0, step1["engines"]
+    # every step trained its prompts once, none twice across the run
+    for r in recs:
+        assert len(r["prompts"]) == len(set(r["prompts"])) == 4, r["prompts"]
+    every = [p for r in recs for p in r["prompts"]]
+    assert len(every) == len(set(every)), every
+    # the replacement pod's engine served the last step
+    assert "rollout engine of replica 1 joined" in driver_log
+    assert 1 in {e["replica"] for e in recs[-1]["engines"] if not e.get("died")}, recs[-1]

@@ -39,6 +39,9 @@ HEAD_SVC = f"{JOB}-head.{NS}.svc"
 PORT = 8080
 EXAMPLE = "examples/tiny-local.yaml"
 
+#: What the command line of an engine's process contains (its Ray actor's name).
+ENGINE_PROCESS = "VLLMEngine"
+
 #: The pods of the job and their roles (rollout-1 only plays while a long round is scaled up).
 PODS: dict[str, contract.Role] = {
     "head": contract.Role.HEAD, "learner-0": contract.Role.LEARNER,
@@ -174,23 +177,30 @@ class PlayedJob:
             self.procs["driver"].kill()
             return -1
 
-    def host_cpu_seconds(self, name: str) -> float:
-        """CPU seconds (user + system) used so far by the processes alive on host ``name``
-        (those in its network namespace): what a cgroup's usage would show for the pod."""
+    def host_cpu(self, name: str, match: str | None = None) -> dict[int, float]:
+        """CPU seconds (user + system) used so far by each process alive on host ``name``
+        (in its network namespace), by pid; with ``match``, only processes whose command line
+        contains it (Ray names an actor's process after its class: ``ray::VLLMEngine...``)."""
         inode = self.hosts.hosts[name].netns_inode()
         tick = os.sysconf("SC_CLK_TCK")
-        total = 0
+        out: dict[int, float] = {}
         for d in Path("/proc").iterdir():
             if not d.name.isdigit():
                 continue
             try:
                 if os.stat(d / "ns" / "net").st_ino != inode:
                     continue
+                if match is not None and match not in (d / "cmdline").read_bytes().decode(
+                        errors="replace"):
+                    continue
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:  # gone meanwhile
                 continue
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-        return total / tick
+            out[int(d.name)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return out
+
+    def host_cpu_seconds(self, name: str, match: str | None = None) -> float:
+        return sum(self.host_cpu(name, match).values())
 
     def wait_log(self, pod: str, text: str, timeout: float = 600) -> bool:
         """Waits until ``text`` is in the log of ``pod``; False if it exits first."""
@@ -227,8 +237,8 @@ class LongRoundRun:
     hosts: dict[str, tuple[str, int]]
     #: Seconds from the operator's scale-up (rollout-1's pod created) to the long round's end.
     scaled_seconds: float | None = None
-    #: CPU seconds the processes on rollout-1's host used from its engine's join (the driver's
-    #: "joined" line) to the scale-down: the long round's share it generated.
+    #: CPU seconds rollout-1's engine processes (on its host) used from the engine's join (the
+    #: driver's "joined" line) to the scale-down: the long round's share it generated.
     added_cpu_seconds: float | None = None
 
 
@@ -246,7 +256,8 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
         job.start_head()
         for name in ("learner-0", "rollout-0", "driver"):
             job.start(name)
-        scaled_at, cpu_at_join = None, 0.0
+        scaled_at: float | None = None
+        cpu_at_join: dict[int, float] = {}
         if mode == "elastic":
             # the operator scales up for the long round: rollout-1's pod starts only now
             if not job.wait_file("scale-up"):
@@ -256,14 +267,15 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
             (job.state / "rollout-1-ready").write_text("1")
             if not job.wait_log("driver", "rollout engine of replica 1 joined"):
                 raise PlayedJobFailed("rollout-1's engine never joined:\n" + job.logs_text())
-            cpu_at_join = job.host_cpu_seconds("rollout-1")
+            cpu_at_join = job.host_cpu("rollout-1", ENGINE_PROCESS)
         # the long round done: the operator scales back down and the pod goes
         if not job.wait_file("scale-down", {"driver": job.procs["driver"]}):
             raise PlayedJobFailed("the long round never ended:\n" + job.logs_text())
         scaled = None if scaled_at is None else time.monotonic() - scaled_at
         added_cpu = None
         if mode == "elastic":
-            added_cpu = job.host_cpu_seconds("rollout-1") - cpu_at_join
+            now = job.host_cpu("rollout-1", ENGINE_PROCESS)
+            added_cpu = sum(v - cpu_at_join.get(pid, 0.0) for pid, v in now.items())
             job.delete("rollout-1")
         rc = job.wait_driver()
         if rc != 0:
