@@ -533,8 +533,12 @@ def test_helm_uninstall_leaves_no_orphans(release: Release, run: Run) -> None:
     # The finished job's workloads are gone (the operator deleted them); the job object and
     # its config remain, as do the CRDs (Helm never deletes crds/): users' jobs and policies
     # survive an uninstall, and a reinstalled operator picks them up.
-    left = rel.kubectl("get", "statefulsets,pods", "-n", rel.jobs, "-o", "name").stdout
-    assert left.strip() == "", left
+    left = rel.kubectl("get", "statefulsets,pods", "-n", rel.jobs, "-o", "name").stdout.split()
+    # ... but for the failed attempts' driver pods, kept (phase Failed) for their logs
+    assert sorted(left) == [f"pod/{names.driver_pod(RESUME, a)}" for a in (0, 1)], left
+    for a in (0, 1):
+        pod = rel.get("pod", names.driver_pod(RESUME, a), "-n", rel.jobs)
+        assert pod["status"]["phase"] == "Failed", pod["status"]
     assert rel.get("rltj", JOB, "-n", rel.jobs) is not None
     assert rel.get("rltj", RESUME, "-n", rel.jobs) is not None
     assert rel.get("rltp", "team-limits", "-n", rel.jobs) is not None
