@@ -57,14 +57,14 @@ def test_long_round_is_served_by_the_replica_that_joined(tmp_path: Path) -> None
             assert r["replicas"] == [0] and [e["replica"] for e in r["engines"]] == [0], r
     assert "rollout engine of replica 1 joined" in driver_log
     assert "rollout engine of replica 1 released" in driver_log
-    # rollout-1's own engine process did the work its engine reports: the CPU it used on
-    # rollout-1's host from the join to the scale-down covers at least half the engine's busy
-    # time (an engine that generated elsewhere, or not at all, idles there)
-    busy = sum(e["busy_s"] for r in longs for e in r["engines"] if e["replica"] == 1)
-    print(f"rollout-1: engine busy {busy:.2f}s, its process's CPU {run.added_cpu_seconds:.2f}s")
-    assert busy > 0.1, longs
-    assert run.added_cpu_seconds is not None and run.added_cpu_seconds >= 0.5 * busy
-
+    # rollout-1's engine process computed during the round: the CPU it used in the round (read
+    # in that process) covers at least half its busy time; and an engine process ran on
+    # rollout-1's host, seen from outside it, having used at least that much CPU
+    (added,) = [e for r in longs for e in r["engines"] if e["replica"] == 1]
+    print(f"rollout-1: engine busy {added['busy_s']:.2f}s, CPU {added['cpu_s']:.2f}s in the"
+          f" round; its process on rollout-1's host: {run.added_cpu_seconds:.2f}s in all")
+    assert added["busy_s"] > 0.1 and added["cpu_s"] >= 0.5 * added["busy_s"], added
+    assert run.added_cpu_seconds is not None and run.added_cpu_seconds >= added["cpu_s"]
 
 def test_an_engine_whose_pod_died_is_started_again_when_the_pod_is_back(
     tmp_path: Path,

@@ -65,9 +65,12 @@ class OperatorProc:
 
     def __init__(self, cluster: LocalCluster, namespace: str, lease: str = "rlpacer-operator",
                  identity: str = "op-a", report_url: str | None = None,
-                 report_rate: float = 0, report_burst: int = 50) -> None:
+                 report_rate: float = 0, report_burst: int = 50,
+                 also_watch: tuple[str, ...] = ()) -> None:
         self.cluster = cluster
         self.namespace = namespace
+        #: Namespaces watched besides ``namespace`` (which holds the Lease).
+        self.also_watch = also_watch
         self.lease = lease
         self.identity = identity
         self.report_port = _free_port()
@@ -88,7 +91,8 @@ class OperatorProc:
         env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
         args = [
             sys.executable, "-m", "rlpacer.cli", "operator",
-            "--namespaces", self.namespace, "--operator-namespace", self.namespace,
+            "--namespaces", ",".join((self.namespace, *self.also_watch)),
+            "--operator-namespace", self.namespace,
             "--report-host", "127.0.0.1", "--report-port", str(self.report_port),
             "--report-url", self.report_url, "--report-cert-dir", str(report_certs()),
             "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
@@ -878,3 +882,93 @@ def test_step_reports_are_tls_only_and_a_played_driver_verifies_the_operator(
     assert f"does not verify with the CA in {ca_file}" in r.stderr
     assert "certificate verify failed" in r.stderr and "report-ca.crt" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _series(op: OperatorProc, ns: str, name: str) -> bool:
+    return f'job="{name}",namespace="{ns}"' in op.metrics()
+
+
+def test_a_namespace_deleted_under_running_jobs_goes_and_the_operator_carries_on(
+        cluster: LocalCluster, crds: None, namespace: str) -> None:
+    """Two running jobs (children applied, reports accepted) in a namespace that is then
+    deleted: the namespace goes (nothing the operator added blocks it), the jobs' metric
+    series go, the operator keeps serving the jobs of its other namespace and does not loop on
+    errors about the deleted one."""
+    doomed = f"{namespace[:50]}-gone"
+    cluster.create_namespace(doomed)
+    op = OperatorProc(cluster, namespace, also_watch=(doomed,)).start()
+    try:
+        op.wait_ready()
+        for n in ("a", "b"):
+            apply(cluster, small_job(n, doomed))
+        for n in ("a", "b"):
+            drv = Driver(op, doomed, n, token(cluster, doomed, n))
+            assert drv.post(report(0, drv.plan()["groupSize"], 150.0))[0] == 200
+            wait(cluster, lambda n=n: _sts(cluster, doomed, n), f"children of {n}")
+            assert _series(op, doomed, n)
+        mark = len(op.log.read_text().splitlines())
+        t0 = time.monotonic()
+        cluster.delete_namespace(doomed)
+        wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{doomed}") is None,
+             "the namespace deleted", 120)
+        gone_s = time.monotonic() - t0
+        wait(cluster, lambda: not any(_series(op, doomed, n) for n in ("a", "b")),
+             "the jobs' metric series removed", 30)
+        # the operator goes on: a job of its other namespace is served as before
+        apply(cluster, small_job("after", namespace))
+        drv = Driver(op, namespace, "after", token(cluster, namespace, "after"))
+        assert drv.post(report(0, drv.plan()["groupSize"], 150.0))[0] == 200
+        time.sleep(6)  # three resync periods: a loop on the deleted jobs would show by now
+        assert op.proc is not None and op.proc.poll() is None and op.ready()
+        after = op.log.read_text().splitlines()[mark:]
+        noisy = [x for x in after if doomed in x and (" ERROR " in x or "Traceback" in x)]
+        late = [x for x in noisy if x not in after[: len(after) // 2]]
+        print(f"namespace deleted in {gone_s:.1f}s; {len(noisy)} error lines about it")
+        assert len(noisy) <= 4 and not late, "\n".join(noisy)[-3000:]
+    finally:
+        op.kill(signal.SIGTERM)
+        cluster.delete_namespace(doomed)
+
+
+def test_two_jobs_of_one_name_in_two_namespaces_do_not_cross(
+        cluster: LocalCluster, crds: None, namespace: str) -> None:
+    """The same job name in two namespaces at once: separate tokens (each refused on the
+    other's path), reports and plans, statuses, children and metric series."""
+    other = f"{namespace[:50]}-twin"
+    cluster.create_namespace(other)
+    op = OperatorProc(cluster, namespace, also_watch=(other,)).start()
+    try:
+        op.wait_ready()
+        for ns in (namespace, other):
+            apply(cluster, small_job("twin", ns))
+        tok = {ns: token(cluster, ns, "twin") for ns in (namespace, other)}
+        assert tok[namespace] != tok[other]
+        a, b = Driver(op, namespace, "twin", tok[namespace]), Driver(op, other, "twin", tok[other])
+        # a token is valid for its own job only, even under the same name
+        code, err = http("GET", op.base + plan_path(other, "twin"), tok[namespace])
+        assert code == 401, err
+        code, err = b.post(report(0, 8, 150.0), tok=tok[namespace])
+        assert code == 401, err
+        # three reports to a, one to b: each status counts its own
+        g = a.plan()["groupSize"]
+        for step in range(3):
+            code, plan = a.post(report(step, g, 150.0 + step))
+            assert code == 200, plan
+            g = plan["groupSize"]
+        assert b.post(report(0, b.plan()["groupSize"], 900.0))[0] == 200
+        assert status(cluster, namespace, "twin")["step"] == 3
+        assert status(cluster, other, "twin")["step"] == 1
+        assert a.plan()["step"] == 3 and b.plan()["step"] == 1
+        # children: the same names, each owned by its own job
+        uid = {ns: job(cluster, ns, "twin")["metadata"]["uid"] for ns in (namespace, other)}
+        for ns in (namespace, other):
+            sts = wait(cluster, lambda ns=ns: _sts(cluster, ns, "twin"), "children")
+            assert sts["metadata"]["ownerReferences"][0]["uid"] == uid[ns]
+        # metric series apart: each job counts its own steps
+        fams = {f.name: f for f in text_string_to_metric_families(op.metrics())}
+        steps = {s.labels["namespace"]: s.value for s in fams["rlpacer_steps"].samples
+                 if s.name == "rlpacer_steps_total" and s.labels.get("job") == "twin"}
+        assert steps == {namespace: 3.0, other: 1.0}, steps
+    finally:
+        op.kill(signal.SIGTERM)
+        cluster.delete_namespace(other)

@@ -566,13 +566,17 @@ class Driver:
         for e, info in self._infos(sorted(self.pool)).items():
             tokens = after[e].tokens - (before[e].tokens if e in before else 0)
             busy = after[e].busy_seconds - (before[e].busy_seconds if e in before else 0.0)
+            # a joining engine's start-up is not this step's work: from its first stats read
+            cpu = after[e].cpu_seconds - (before[e].cpu_seconds if e in before else
+                                          after[e].cpu_seconds)
             if self._served.get(e, 0) == 0 and tokens == 0:
                 continue
             out.append({"replica": info.replica, "address": info.address,
                         "hostname": info.hostname, "netns": info.netns,
                         "cores": info.threads_bind,
                         "responses": self._served.get(e, 0), "tokens": tokens,
-                        "busy_s": round(busy, 4), "policy_version": info.policy_version})
+                        "busy_s": round(busy, 4), "cpu_s": round(cpu, 4),
+                        "policy_version": info.policy_version})
         return out
 
     def sync_weights(self) -> float:

@@ -61,6 +61,9 @@ class EngineStats:
     steps: int = 0
     tokens: int = 0  # generated tokens, including those of aborted requests
     aborted: int = 0
+    #: CPU seconds the engine's process has used since it started (all its threads: on CPU
+    #: the generation itself), read in that process
+    cpu_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +304,7 @@ class VLLMEngine:
                           policy_version=self.policy_version(), threads_bind=self.cfg.threads_bind)
 
     def stats(self) -> EngineStats:
-        return dataclasses.replace(self._stats)
+        return dataclasses.replace(self._stats, cpu_seconds=time.process_time())
 
     def nccl_join(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join learner rank 0's weight broadcast group (GPU; see nccl_weights, unverified)."""
@@ -387,4 +390,5 @@ def total_stats(stats: Iterable[EngineStats]) -> EngineStats:
         t.steps += s.steps
         t.tokens += s.tokens
         t.aborted += s.aborted
+        t.cpu_seconds += s.cpu_seconds
     return t

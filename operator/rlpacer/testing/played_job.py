@@ -202,18 +202,6 @@ class PlayedJob:
     def host_cpu_seconds(self, name: str, match: str | None = None) -> float:
         return sum(self.host_cpu(name, match).values())
 
-    def wait_log(self, pod: str, text: str, timeout: float = 600) -> bool:
-        """Waits until ``text`` is in the log of ``pod``; False if it exits first."""
-        path = self.logs / f"{pod}.log"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if path.exists() and text in path.read_text(errors="replace"):
-                return True
-            if self.procs[pod].poll() is not None:
-                return False
-            time.sleep(0.2)
-        return False
-
     def logs_text(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
                          for p in sorted(self.logs.iterdir()))
@@ -237,8 +225,9 @@ class LongRoundRun:
     hosts: dict[str, tuple[str, int]]
     #: Seconds from the operator's scale-up (rollout-1's pod created) to the long round's end.
     scaled_seconds: float | None = None
-    #: CPU seconds rollout-1's engine processes (on its host) used from the engine's join (the
-    #: driver's "joined" line) to the scale-down: the long round's share it generated.
+    #: CPU seconds the engine process on rollout-1's host (seen from outside it, sampled until
+    #: the driver ended it) had used over its life: its start, its weights, its share of the
+    #: long round.
     added_cpu_seconds: float | None = None
 
 
@@ -257,7 +246,6 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
         for name in ("learner-0", "rollout-0", "driver"):
             job.start(name)
         scaled_at: float | None = None
-        cpu_at_join: dict[int, float] = {}
         if mode == "elastic":
             # the operator scales up for the long round: rollout-1's pod starts only now
             if not job.wait_file("scale-up"):
@@ -265,17 +253,21 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
             job.start("rollout-1")
             scaled_at = time.monotonic()
             (job.state / "rollout-1-ready").write_text("1")
-            if not job.wait_log("driver", "rollout engine of replica 1 joined"):
-                raise PlayedJobFailed("rollout-1's engine never joined:\n" + job.logs_text())
-            cpu_at_join = job.host_cpu("rollout-1", ENGINE_PROCESS)
-        # the long round done: the operator scales back down and the pod goes
-        if not job.wait_file("scale-down", {"driver": job.procs["driver"]}):
-            raise PlayedJobFailed("the long round never ended:\n" + job.logs_text())
+        # the long round done: the operator scales back down and the pod goes. Meanwhile the
+        # engine process on rollout-1's host is watched from outside (the driver ends it
+        # before the report that scales down): its CPU seconds as last seen.
+        seen: dict[int, float] = {}
+        deadline = time.monotonic() + 600
+        while not (job.state / "scale-down").exists():
+            if job.procs["driver"].poll() is not None or time.monotonic() > deadline:
+                raise PlayedJobFailed("the long round never ended:\n" + job.logs_text())
+            if mode == "elastic":
+                seen.update(job.host_cpu("rollout-1", ENGINE_PROCESS))
+            time.sleep(0.2)
         scaled = None if scaled_at is None else time.monotonic() - scaled_at
         added_cpu = None
         if mode == "elastic":
-            now = job.host_cpu("rollout-1", ENGINE_PROCESS)
-            added_cpu = sum(v - cpu_at_join.get(pid, 0.0) for pid, v in now.items())
+            added_cpu = float(sum(seen.values()))
             job.delete("rollout-1")
         rc = job.wait_driver()
         if rc != 0:
