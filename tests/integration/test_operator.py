@@ -921,10 +921,14 @@ def test_a_namespace_deleted_under_running_jobs_goes_and_the_operator_carries_on
         time.sleep(6)  # three resync periods: a loop on the deleted jobs would show by now
         assert op.proc is not None and op.proc.poll() is None and op.ready()
         after = op.log.read_text().splitlines()[mark:]
-        noisy = [x for x in after if doomed in x and (" ERROR " in x or "Traceback" in x)]
-        late = [x for x in noisy if x not in after[: len(after) // 2]]
-        print(f"namespace deleted in {gone_s:.1f}s; {len(noisy)} error lines about it")
-        assert len(noisy) <= 4 and not late, "\n".join(noisy)[-3000:]
+        noisy = [x for x in after if " ERROR " in x or "Traceback" in x]
+        print(f"namespace deleted in {gone_s:.1f}s")
+        # the API server's refusals while the namespace terminates are expected, not errors
+        assert not noisy, "\n".join(noisy)[-3000:]
+        errors = {s.labels["job"]: s.value for f in text_string_to_metric_families(op.metrics())
+                  if f.name == "rlpacer_reconcile_errors" for s in f.samples
+                  if s.labels.get("namespace") == doomed and s.name.endswith("_total")}
+        assert not errors, errors
     finally:
         op.kill(signal.SIGTERM)
         cluster.delete_namespace(doomed)

@@ -34,7 +34,7 @@ import kopf
 from rlpacer.api import contract
 from rlpacer.api.job import GROUP, PLURAL, VERSION
 from rlpacer.operator.kube import METADATA_ONLY, METADATA_ONLY_LIST, ApiError, Credentials
-from rlpacer.operator.runtime import JobGone, Jobs
+from rlpacer.operator.runtime import JobGone, Jobs, namespace_terminating
 from rlpacer.operator.settings import OperatorSettings
 
 log = logging.getLogger("rlpacer.operator")
@@ -111,6 +111,15 @@ class JobLoops:
                 return
             except asyncio.CancelledError:
                 raise
+            except ApiError as e:
+                if not namespace_terminating(e):
+                    log.exception("reconcile %s/%s failed", namespace, name)
+                    jobs.metrics.reconcile_errors.labels(namespace, name).inc()
+                    requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]
+                    errors += 1
+                else:  # its namespace is going, and the job with it: not an error
+                    log.info("reconcile %s/%s: namespace is being deleted", namespace, name)
+                    requeue = None
             except Exception:
                 log.exception("reconcile %s/%s failed", namespace, name)
                 jobs.metrics.reconcile_errors.labels(namespace, name).inc()

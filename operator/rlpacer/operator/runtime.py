@@ -564,6 +564,12 @@ class Jobs:
             try:
                 await self.kube.apply(obj, self.settings.field_manager)
             except ApiError as e:
+                if namespace_terminating(e):
+                    # The namespace is being deleted and takes the job and its children
+                    # with it: nothing to re-create, nothing to report as an error.
+                    log.info("%s/%s: namespace is being deleted; children left to go",
+                             rt.namespace, rt.name)
+                    return None
                 if e.status == 422 and obj["kind"] == "Pod":
                     # A running pod's spec is immutable (e.g. the operator's report URL
                     # changed): it keeps what it has; the next attempt gets the new spec.
@@ -600,6 +606,12 @@ class Jobs:
                     raise
         if flipped:
             await self.post_events(rt, [Event("Warning", "InvalidSpec", msg)])
+
+
+def namespace_terminating(e: ApiError) -> bool:
+    """The API server's refusal to create anything in a namespace being deleted (403, cause
+    ``NamespaceTerminating``; its message is stable across releases)."""
+    return e.status == 403 and "because it is being terminated" in (e.message or "")
 
 
 def token_hash(token: str) -> str:

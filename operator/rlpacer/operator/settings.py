@@ -1,7 +1,8 @@
 """The operator's configuration: one documented pydantic object, from env and flags.
 
 Every field reads ``RLPACER_OPERATOR_<FIELD>`` from the environment (the Helm chart sets
-these), and ``rlpacer operator --<field>`` overrides it. Lists are comma-separated in env.
+these), and ``rlpacer operator --<field>`` overrides it. Lists are comma-separated in env; a
+list flag may be repeated, each comma-separated too (``--namespaces a,b --namespaces c``).
 Invalid values fail at start with the field named.
 """
 
@@ -192,6 +193,8 @@ class OperatorSettings(BaseModel):
                 raw[name] = value
         for k, v in (overrides or {}).items():
             if v is not None:
+                if isinstance(v, list):  # a repeated flag; each may list several, too
+                    v = [x.strip() for item in v for x in str(item).split(",") if x.strip()]
                 raw[k] = v
         try:
             return cls.model_validate(raw)

@@ -52,6 +52,7 @@ def test_settings_from_env_and_flags() -> None:
     s = OperatorSettings.load(env, {"report_port": "9100"})
     assert s.namespaces == ["a", "b"] and s.report_port == 9100 and not s.leader_election
     assert s.pod_report_url() == "https://rlpacer-operator.sys.svc:9100"
+    assert OperatorSettings.load({}, {"namespaces": ["a,b", " c"]}).namespaces == ["a", "b", "c"]
     insecure = OperatorSettings.load(env, {"report_insecure_http": True})
     assert insecure.pod_report_url() == "http://rlpacer-operator.sys.svc:9000"
     with pytest.raises(SystemExit, match="report_port"):
