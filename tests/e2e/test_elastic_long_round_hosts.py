@@ -66,6 +66,17 @@ def test_long_round_is_served_by_the_replica_that_joined(tmp_path: Path) -> None
     assert added["busy_s"] > 0.1 and added["cpu_s"] >= 0.5 * added["busy_s"], added
     assert run.added_cpu_seconds is not None and run.added_cpu_seconds >= added["cpu_s"]
 
+def _two_replicas_held_after_step_0(job: PlayedJob) -> None:
+    """Every pod of the job up, two rollout replicas; returns once step 0 is reported and the
+    played operator holds the driver (ScalingUp) until ``go`` is written."""
+    write_manifest(job.tmp / "job.yaml", replicas=2, steps=STEPS)
+    job.start_operator("restart")
+    job.start_head()
+    for name in ("learner-0", "rollout-0", "rollout-1", "driver"):
+        job.start(name)
+    assert job.wait_file("paused"), "no step 0:\n" + job.logs_text()
+
+
 def test_an_engine_whose_pod_died_is_started_again_when_the_pod_is_back(
     tmp_path: Path,
 ) -> None:
@@ -73,13 +84,8 @@ def test_an_engine_whose_pod_died_is_started_again_when_the_pod_is_back(
     ScalingUp) rollout-1's pod is killed, host and all, and a new one started in its place:
     the driver finds its engine dead and starts one on the new pod, at the learner's weights,
     which serves the remaining steps."""
-    write_manifest(tmp_path / "job.yaml", replicas=2, steps=STEPS)
     with PlayedJob(tmp_path) as job:
-        job.start_operator("restart")
-        job.start_head()
-        for name in ("learner-0", "rollout-0", "rollout-1", "driver"):
-            job.start(name)
-        assert job.wait_file("paused"), "no step 0:\n" + job.logs_text()
+        _two_replicas_held_after_step_0(job)
         job.delete("rollout-1")  # the pod and every process on it
         job.start("rollout-1", temp="rollout-1-new")  # its replacement
         (job.state / "go").write_text("1")
@@ -108,13 +114,8 @@ def test_a_rollout_pod_dying_mid_round_loses_and_doubles_nothing(tmp_path: Path)
     it) when rollout-1's pod is killed, host and all. Its unfinished requests go to rollout-0
     (same seeds), what it answered before is kept, the step trains its prompts once, a
     replacement pod's engine serves the later steps, and the job ends."""
-    write_manifest(tmp_path / "job.yaml", replicas=2, steps=STEPS)
     with PlayedJob(tmp_path) as job:
-        job.start_operator("restart")
-        job.start_head()
-        for name in ("learner-0", "rollout-0", "rollout-1", "driver"):
-            job.start(name)
-        assert job.wait_file("paused"), "no step 0:\n" + job.logs_text()
+        _two_replicas_held_after_step_0(job)
         idle = job.host_cpu("rollout-1", ENGINE_PROCESS)
         (job.state / "go").write_text("1")  # step 1 starts on both engines
 
