@@ -11,7 +11,11 @@ report asks for a long round (the test then starts the rollout-1 pod) and waits 
 ``single``: one replica throughout, long rounds included (the fixed small pool: the baseline
 of ``bench-long-round``); it writes ``scale-down`` after a long round too. MODE ``restart``:
 two replicas throughout; after step 0's report it writes ``paused`` and says ScalingUp (the
-driver waits) until ``go`` exists (the test meanwhile replaces rollout-1's pod).
+driver waits) until ``go`` exists (the test meanwhile replaces rollout-1's pod). MODE
+``timeout-gap``: a long round asks for 3 replicas and writes ``scale-up`` (the test starts
+only rollout-2's pod, rollout-1 stays pending, then writes ``rollout-2-ready``); the plan then
+says TimedOut scaled back to 2 replicas with ``usableReplicas`` [0], as the operator does when
+a higher ordinal is ready and a lower one pending (the StatefulSet removes ordinal 2 first).
 ``requests.log`` lists what it answered.
 """
 
@@ -55,6 +59,12 @@ class Elastic:
         if not self.long or self.mode == "single":
             return RolloutCapacity(desired_replicas=1, ready_replicas=1,
                                    state=RolloutState.READY, usable_replicas=[0])
+        if self.mode == "timeout-gap":
+            if not (self.state / "rollout-2-ready").exists():
+                return RolloutCapacity(desired_replicas=3, ready_replicas=1,
+                                       state=RolloutState.SCALING_UP, usable_replicas=[0])
+            return RolloutCapacity(desired_replicas=2, ready_replicas=2,
+                                   state=RolloutState.TIMED_OUT, usable_replicas=[0])
         ready = (self.state / "rollout-1-ready").exists()
         return RolloutCapacity(
             desired_replicas=2, ready_replicas=2 if ready else 1,
@@ -71,7 +81,7 @@ class Elastic:
             (self.state / "paused").write_text("0")
         was = self.long
         self.long = r.next_round_kind is RoundKind.LONG
-        if self.long and not was and self.mode == "elastic":
+        if self.long and not was and self.mode in ("elastic", "timeout-gap"):
             (self.state / "scale-up").write_text(str(r.step))
         if was and not self.long:
             (self.state / "scale-down").write_text(str(r.step))

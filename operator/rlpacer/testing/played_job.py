@@ -46,7 +46,7 @@ ENGINE_PROCESS = "VLLMEngine"
 PODS: dict[str, contract.Role] = {
     "head": contract.Role.HEAD, "learner-0": contract.Role.LEARNER,
     "rollout-0": contract.Role.ROLLOUT, "rollout-1": contract.Role.ROLLOUT,
-    "driver": contract.Role.DRIVER,
+    "rollout-2": contract.Role.ROLLOUT, "driver": contract.Role.DRIVER,
 }
 
 
@@ -202,6 +202,18 @@ class PlayedJob:
     def host_cpu_seconds(self, name: str, match: str | None = None) -> float:
         return sum(self.host_cpu(name, match).values())
 
+    def wait_log(self, pod: str, text: str, timeout: float = 300) -> bool:
+        """Waits until ``text`` is in pod ``pod``'s log; False if it exits first or on timeout."""
+        path = self.logs / f"{pod}.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists() and text in path.read_text(errors="replace"):
+                return True
+            if self.procs[pod].poll() is not None:
+                return False
+            time.sleep(0.2)
+        return False
+
     def logs_text(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
                          for p in sorted(self.logs.iterdir()))
@@ -235,9 +247,10 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
                    max_tokens: int | None = None) -> LongRoundRun:
     """Runs the tiny job (:func:`write_manifest`) on played hosts to its end. ``elastic``:
     rollout-1's pod is created when the operator scales up for the long round and deleted
-    when it scales down; ``single``: the long round runs on rollout-0 alone."""
-    if mode not in ("elastic", "single"):
-        raise ValueError(f"mode {mode!r}: expected elastic or single")
+    when it scales down; ``single``: the long round runs on rollout-0 alone; ``timeout-gap``:
+    the scale-up to 3 brings up only rollout-2 and times out (usable [0])."""
+    if mode not in ("elastic", "single", "timeout-gap"):
+        raise ValueError(f"mode {mode!r}: expected elastic, single or timeout-gap")
     tmp.mkdir(parents=True, exist_ok=True)
     write_manifest(tmp / "job.yaml", steps=steps, prompts=prompts, max_tokens=max_tokens)
     with PlayedJob(tmp) as job:
@@ -253,6 +266,15 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
             job.start("rollout-1")
             scaled_at = time.monotonic()
             (job.state / "rollout-1-ready").write_text("1")
+        elif mode == "timeout-gap":
+            # a scale-up to 3 where only ordinal 2 comes up: once its Ray node has joined,
+            # the operator times out and scales back to 2 (ordinal 2 goes first)
+            if not job.wait_file("scale-up"):
+                raise PlayedJobFailed("no long round:\n" + job.logs_text())
+            job.start("rollout-2")
+            if not job.wait_log("rollout-2", "Ray runtime started"):
+                raise PlayedJobFailed("rollout-2 never joined Ray:\n" + job.logs_text())
+            (job.state / "rollout-2-ready").write_text("1")
         # the long round done: the operator scales back down and the pod goes. Meanwhile the
         # engine process on rollout-1's host is watched from outside (the driver ends it
         # before the report that scales down): its CPU seconds as last seen.
@@ -269,6 +291,8 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
         if mode == "elastic":
             added_cpu = float(sum(seen.values()))
             job.delete("rollout-1")
+        elif mode == "timeout-gap":
+            job.delete("rollout-2")
         rc = job.wait_driver()
         if rc != 0:
             raise PlayedJobFailed(f"driver exited {rc}:\n" + job.logs_text())
