@@ -976,3 +976,43 @@ def test_two_jobs_of_one_name_in_two_namespaces_do_not_cross(
     finally:
         op.kill(signal.SIGTERM)
         cluster.delete_namespace(other)
+
+
+def test_a_policy_tightened_while_a_scale_up_pends_cuts_that_scale_up(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    """A long round asks for 3 replicas of 8 GPUs (2 GPU nodes x 8: the third cannot be
+    scheduled, the scale-up pends with a 300 s timeout). A policy allowing 2 is then applied:
+    without any report, the operator cuts the pending scale-up to 2 (StatefulSet, status,
+    Event), the 2 are ready, and the plan says Ready long before the timeout."""
+    obj = small_job("tight", namespace,
+                    rollout={"replicas": 1, "gpusPerReplica": 8, "tensorParallelSize": 8},
+                    tailBatching={"longRound": {"rolloutReplicas": 3,
+                                                "scaleUpTimeoutSeconds": 300}})
+    apply(cluster, obj)
+    drv = Driver(operator, namespace, "tight", token(cluster, namespace, "tight"))
+    wait(cluster, lambda: (_sts(cluster, namespace, "tight").get("status") or {})
+         .get("readyReplicas") == 1, "rollout replica ready", 90)
+    code, plan = drv.post(report(0, drv.plan()["groupSize"], 150.0, nxt="Long"))
+    assert code == 200 and plan["rollout"]["state"] == "ScalingUp", plan
+    assert plan["rollout"]["desiredReplicas"] == 3
+    wait(cluster, lambda: _sts(cluster, namespace, "tight")["spec"]["replicas"] == 3,
+         "scaling up to 3")
+    t0 = time.monotonic()
+    apply(cluster, {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingPolicy",
+                    "metadata": {"name": "tighter", "namespace": namespace},
+                    "spec": {"action": "Enforce", "longRounds": {"maxRolloutReplicas": 2}}})
+    plan = wait(cluster, lambda: (p := drv.plan())["rollout"]["state"] == "Ready" and p,
+                "the cut scale-up ready", 60)
+    took = time.monotonic() - t0
+    assert plan["rollout"]["desiredReplicas"] == 2 and plan["rollout"]["readyReplicas"] >= 2
+    assert took < 60, took
+    wait(cluster, lambda: _sts(cluster, namespace, "tight")["spec"]["replicas"] == 2,
+         "the StatefulSet at 2")
+    st = status(cluster, namespace, "tight")
+    assert [(a["reason"], a["toReplicas"]) for a in st["scaleActions"]] == [
+        ("LongRound", 3), ("PolicyClamped", 2)], st["scaleActions"]
+    reasons = {e["reason"] for e in kube_events(cluster, namespace, "tight")}
+    assert {"ScalingUp", "PolicyClamped", "ScaledUp"} <= reasons, reasons
+    assert "ScaleUpTimedOut" not in reasons
+    print(f"pending scale-up cut and ready {took:.1f}s after the policy")

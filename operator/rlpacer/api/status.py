@@ -170,7 +170,9 @@ class ScaleAction(APIModel):
     time: str = Field(description="When (RFC 3339).", json_schema_extra={"format": "date-time"})
     from_replicas: int = Field(ge=0, description="Replicas before.")
     to_replicas: int = Field(ge=0, description="Replicas after.")
-    reason: str = Field(max_length=64, description="LongRound, ScaleUpTimedOut or LongRoundDone.")
+    reason: str = Field(max_length=64, description=(
+        "LongRound, ScaleUpTimedOut, LongRoundDone or PolicyClamped (a policy tightened"
+        " while the scale-up was pending)."))
     step: int = Field(ge=0, description="The step the action was for.")
 
 

@@ -54,6 +54,8 @@ class Observed:
     rollout_ready: int = 0
     #: ordinals of the rollout StatefulSet's Ready pods (None: not looked at)
     rollout_ordinals: tuple[int, ...] | None = None
+    #: long-round rollout replicas the namespace's policies allow now (None: not enforced)
+    long_round_cap: int | None = None
 
 
 @dataclass
@@ -211,7 +213,8 @@ def decide(
     # --- rollout capacity ----------------------------------------------------------------
     if not is_terminal(st.conditions):
         rollout, actions, events = scaler.observe(
-            st.rollout, spec, observed.rollout_ready, st.step, now, observed.rollout_ordinals
+            st.rollout, spec, observed.rollout_ready, st.step, now, observed.rollout_ordinals,
+            long_cap=observed.long_round_cap,
         )
         st.rollout = rollout
         _record(st, actions)

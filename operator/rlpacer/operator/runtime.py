@@ -52,7 +52,7 @@ from rlpacer.api.status import (
     summarize,
 )
 from rlpacer.control.plan import JobController
-from rlpacer.operator import builders, names, scaler
+from rlpacer.operator import builders, enforce, names, scaler
 from rlpacer.operator.decide import Decision, Observed, decide, restart_attempt
 from rlpacer.operator.kube import ApiError, KubeClient, object_path
 from rlpacer.operator.metrics import Metrics
@@ -512,14 +512,17 @@ class Jobs:
 
         if rt.ordinals_pruned:
             observed = dataclasses.replace(observed, rollout_ordinals=None)
+        # the policies as they are now (cached): a tightened one cuts a pending scale-up
+        policies = await self.policies_for(rt.namespace)
 
         def mutate(
             spec: RLTrainingJobSpec, st: RLTrainingJobStatus
         ) -> tuple[RLTrainingJobStatus, Decision]:
-            obs = observed
+            cap = None if policies is None else enforce.limits(spec, policies).long_round_replicas
+            obs = dataclasses.replace(observed, long_round_cap=cap)
             if st.attempt != observed.attempt:  # the driver seen belongs to another attempt
                 obs = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready,
-                               rollout_ordinals=observed.rollout_ordinals)
+                               rollout_ordinals=observed.rollout_ordinals, long_round_cap=cap)
             d = decide(spec, st, obs, now, rt.generation)
             return d.status, d
 

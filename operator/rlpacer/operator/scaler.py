@@ -91,24 +91,36 @@ def plan_round(
 
 def observe(
     rollout: RolloutStatus, spec: RLTrainingJobSpec, ready: int, step: int, now: datetime,
-    ordinals: Sequence[int] | None = None,
+    ordinals: Sequence[int] | None = None, long_cap: int | None = None,
 ) -> tuple[RolloutStatus, list[ScaleAction], list[Event]]:
     """Fold in the observed ready replicas (and, when known, which ordinals are ready);
-    resolve a pending scale-up (ready or timed out)."""
+    resolve a pending scale-up (ready or timed out). ``long_cap``: the long-round replicas the
+    namespace's policies allow now; a pending scale-up above it (a policy tightened after the
+    report that asked for it) is cut down to it at once, not at the next report."""
     update: dict[str, Any] = {"ready_replicas": ready}
     if ordinals is not None:
         update["ready_ordinals"] = sorted(set(ordinals))
     new = rollout.model_copy(update=update)
     if new.state != RolloutState.SCALING_UP.value:
         return new, [], []
+    actions: list[ScaleAction] = []
+    events: list[Event] = []
+    cap = None if long_cap is None else max(long_cap, short_replicas(spec))
+    if cap is not None and new.desired_replicas > cap:
+        actions.append(ScaleAction(time=fmt_time(now), from_replicas=new.desired_replicas,
+                                   to_replicas=cap, reason="PolicyClamped", step=step))
+        events.append(Event("Warning", "PolicyClamped",
+                            f"the namespace's policy now allows {cap} rollout replicas for a"
+                            f" long round: pending scale-up {new.desired_replicas} -> {cap}"))
+        new = new.model_copy(update={"desired_replicas": cap})
     if ready >= new.desired_replicas:
         started = parse_time(new.scale_up_started_at) if new.scale_up_started_at else now
         secs = max(0.0, (now - started).total_seconds())
         new = new.model_copy(update={"state": RolloutState.READY.value,
                                      "scale_up_started_at": None})
-        return new, [], [Event("Normal", "ScaledUp",
-                               f"{ready}/{new.desired_replicas} rollout replicas ready"
-                               f" after {secs:.0f}s")]
+        return new, actions, [*events, Event("Normal", "ScaledUp",
+                                             f"{ready}/{new.desired_replicas} rollout replicas"
+                                             f" ready after {secs:.0f}s")]
     deadline = _deadline(new, spec, now)
     if now >= deadline:
         back_to = max(ready, short_replicas(spec))
@@ -124,8 +136,8 @@ def observe(
         new = new.model_copy(update={"desired_replicas": back_to,
                                      "state": RolloutState.TIMED_OUT.value,
                                      "scale_up_started_at": None})
-        return new, [action], [ev]
-    return new, [], []
+        return new, [*actions, action], [*events, ev]
+    return new, actions, events
 
 
 def _deadline(rollout: RolloutStatus, spec: RLTrainingJobSpec, now: datetime) -> datetime:

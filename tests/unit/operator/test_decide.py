@@ -180,3 +180,34 @@ def test_ready_ordinals_and_usable_replicas_with_a_gap() -> None:
     ro, _, _ = scaler.observe(ro, spec, 3, 6, T0 + timedelta(seconds=70), ordinals=[0, 1, 2])
     ro, _, _ = scaler.plan_round(ro, spec, RoundKind.SHORT, 6, T0 + timedelta(seconds=90))
     assert scaler.capacity(ro).usable_replicas == [0]
+
+
+def test_a_policy_tightened_while_a_scale_up_pends_cuts_it_at_once() -> None:
+    """The long round asked for the spec's replicas; a policy then allows fewer: the next
+    observation (a reconcile pass, no report) cuts the pending scale-up to the cap, recorded
+    and told, and the round can start once that many are ready. Never below the short
+    round's replicas; no cap (or a looser one) changes nothing."""
+    spec = _spec()
+    long_r = scaler.long_replicas(spec)
+    short = scaler.short_replicas(spec)
+    assert long_r > short + 1, (long_r, short)
+    ro = RLTrainingJobStatus().rollout.model_copy(
+        update={"desired_replicas": short, "ready_replicas": short})
+    ro, _, _ = scaler.plan_round(ro, spec, RoundKind.LONG, 3, T0)
+    assert ro.state == "ScalingUp" and ro.desired_replicas == long_r
+    same, acts, evs = scaler.observe(ro, spec, short, 3, T0, long_cap=None)
+    assert same.desired_replicas == long_r and not acts and not evs
+    same, acts, _ = scaler.observe(ro, spec, short, 3, T0, long_cap=long_r + 4)
+    assert same.desired_replicas == long_r and not acts
+    cut, acts, evs = scaler.observe(ro, spec, short, 3, T0 + timedelta(seconds=5),
+                                    long_cap=short + 1)
+    assert cut.state == "ScalingUp" and cut.desired_replicas == short + 1
+    assert [(a.reason, a.from_replicas, a.to_replicas) for a in acts] == [
+        ("PolicyClamped", long_r, short + 1)]
+    assert [e.reason for e in evs] == ["PolicyClamped"] and "pending scale-up" in evs[0].message
+    ready, acts, evs = scaler.observe(cut, spec, short + 1, 3, T0 + timedelta(seconds=6),
+                                      long_cap=short + 1)
+    assert ready.state == "Ready" and not acts and [e.reason for e in evs] == ["ScaledUp"]
+    floor, acts, _ = scaler.observe(ro, spec, short, 3, T0, long_cap=0)
+    assert floor.desired_replicas == short and floor.state == "Ready"
+    assert [a.to_replicas for a in acts] == [short]
