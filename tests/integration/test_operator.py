@@ -1016,3 +1016,46 @@ def test_a_policy_tightened_while_a_scale_up_pends_cuts_that_scale_up(
     assert {"ScalingUp", "PolicyClamped", "ScaledUp"} <= reasons, reasons
     assert "ScaleUpTimedOut" not in reasons
     print(f"pending scale-up cut and ready {took:.1f}s after the policy")
+
+
+def test_operator_killed_while_a_scale_up_pends_times_it_out_on_time(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    """A scale-up that cannot complete (a third 8-GPU replica on 2 x 8 GPUs, 20 s timeout)
+    pends when the operator is SIGKILLed; 8 s later a new one starts. It times the scale-up
+    out 20 s after it began (the start is in status), not 20 s after its own start, scales
+    the pending replica back and the plan says TimedOut."""
+    timeout_s = 20
+    obj = small_job("pend", namespace,
+                    rollout={"replicas": 1, "gpusPerReplica": 8, "tensorParallelSize": 8},
+                    tailBatching={"longRound": {"rolloutReplicas": 3,
+                                                "scaleUpTimeoutSeconds": timeout_s}})
+    apply(cluster, obj)
+    drv = Driver(operator, namespace, "pend", token(cluster, namespace, "pend"))
+    wait(cluster, lambda: (_sts(cluster, namespace, "pend").get("status") or {})
+         .get("readyReplicas") == 1, "rollout replica ready", 90)
+    code, plan = drv.post(report(0, drv.plan()["groupSize"], 150.0, nxt="Long"))
+    assert code == 200 and plan["rollout"]["state"] == "ScalingUp", plan
+    started = status(cluster, namespace, "pend")["rollout"]["scaleUpStartedAt"]
+    operator.kill(signal.SIGKILL)
+    time.sleep(8)
+    operator.start()
+    operator.wait_ready()
+    plan = wait(cluster, lambda: (p := drv.plan())["rollout"]["state"] == "TimedOut" and p,
+                "the scale-up timed out", 60)
+    ready = plan["rollout"]["readyReplicas"]
+    back = max(ready, 1)
+    assert ready < 3 and plan["rollout"]["desiredReplicas"] == back, plan
+    wait(cluster, lambda: _sts(cluster, namespace, "pend")["spec"]["replicas"] == back,
+         "the pending replica scaled back")
+    st = status(cluster, namespace, "pend")
+    acts = st["scaleActions"]
+    assert [(a["reason"], a["toReplicas"]) for a in acts] == [
+        ("LongRound", 3), ("ScaleUpTimedOut", back)], acts
+    from rlpacer.operator.timeutil import parse_time
+
+    late = (parse_time(acts[1]["time"]) - parse_time(started)).total_seconds()
+    print(f"timed out {late:.1f}s after the scale-up began (timeout {timeout_s}s)")
+    # on time: not before the deadline, and well before a deadline restarted with the new
+    # operator would have been (8 s + its start later)
+    assert timeout_s <= late < timeout_s + 6, late
