@@ -1,6 +1,7 @@
 """The step-report endpoint of a real operator process against the real API server, fuzzed:
 a few hundred hostile bodies, paths that splice into the API server's URL, then the per-job
-request rate. Every answer is JSON, never a 500; nothing rejected changes the stored status.
+request rate, all over the endpoint's TLS. Every answer is JSON, never a 500; nothing
+rejected changes the stored status.
 (The many-example properties run in process: tests/unit/operator/test_report_fuzz.py.)"""
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_operator import OperatorProc, apply, crds, small_job, status, token
+from test_operator import (
+    OperatorProc,
+    apply,
+    client_context,
+    crds,
+    small_job,
+    status,
+    token,
+)
 
 from rlpacer.api.protocol import steps_path
 from rlpacer.testing.cluster import LocalCluster
@@ -42,7 +51,7 @@ def send(url: str, data: bytes, headers: dict[str, str],
          method: str = "POST") -> tuple[int, dict[str, str], Any]:
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=client_context()) as r:
             code, hdrs, text = r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         code, hdrs, text = e.code, dict(e.headers), e.read()
