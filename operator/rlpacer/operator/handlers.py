@@ -117,7 +117,8 @@ class JobLoops:
                     jobs.metrics.reconcile_errors.labels(namespace, name).inc()
                     requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]
                     errors += 1
-                else:  # its namespace is going, and the job with it: not an error
+                else:  # its namespace is going, and the job and children with it: the
+                    # API server refuses to re-create anything there, which is not an error
                     log.info("reconcile %s/%s: namespace is being deleted", namespace, name)
                     requeue = None
             except Exception:

@@ -567,12 +567,6 @@ class Jobs:
             try:
                 await self.kube.apply(obj, self.settings.field_manager)
             except ApiError as e:
-                if namespace_terminating(e):
-                    # The namespace is being deleted and takes the job and its children
-                    # with it: nothing to re-create, nothing to report as an error.
-                    log.info("%s/%s: namespace is being deleted; children left to go",
-                             rt.namespace, rt.name)
-                    return None
                 if e.status == 422 and obj["kind"] == "Pod":
                     # A running pod's spec is immutable (e.g. the operator's report URL
                     # changed): it keeps what it has; the next attempt gets the new spec.
