@@ -6,11 +6,14 @@
 * :class:`HTTPController` (a pod): the operator's step-report protocol (DESIGN.md; models in
   :mod:`rlpacer.api.protocol`): ``GET .../plan``, ``POST .../steps`` with the job's bearer
   token. Network errors and 5xx are retried with the *same* (attempt, step) body (the
-  endpoint is idempotent); so is a 429 (over the job's request rate), after its
-  ``Retry-After``; other 4xx are raised with the operator's message. While a plan says
-  ``ScalingUp`` the driver polls ``GET plan`` until Ready or TimedOut. An ``https://`` URL is
-  verified with the CA in ``ca_file`` (the job's ConfigMap, re-read on every call so a renewed
-  CA is picked up; unset: the system's CAs). A certificate that does not verify is retried
+  endpoint is idempotent), ``retries`` times with exponential backoff; a 503 (the operator
+  on standby, or its API server or etcd away: nothing persisted) no sooner than its
+  ``Retry-After`` and for at least ``retry_window_s`` (5 minutes) whatever the count; a 429
+  (over the job's request rate) after its ``Retry-After``; other 4xx are raised with the
+  operator's message. While a plan says ``ScalingUp`` the driver polls ``GET plan`` until
+  Ready or TimedOut. An ``https://`` URL is verified with the CA in ``ca_file`` (the job's
+  ConfigMap, re-read on every call so a renewed CA is picked up; unset: the system's CAs).
+  A certificate that does not verify is retried
   like a network error (the operator may be mid-renewal and the ConfigMap a minute behind),
   then raised as :class:`ReportTLSError`, which says which CA file was used. A plan's fields this
   version does not know (a newer operator's additions) are ignored, logged once and counted
@@ -52,6 +55,21 @@ log = logging.getLogger("rlpacer_trainer.controller")
 
 #: Longest wait a 429's Retry-After can impose on one retry, seconds.
 MAX_RETRY_AFTER_S = 60.0
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A ``Retry-After`` header's delay in seconds (the delta-seconds form), or None."""
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None
+
+
+def _reason(text: str) -> str:
+    try:
+        return str(json.loads(text).get("reason", "")) or text[:80]
+    except (ValueError, AttributeError):
+        return text[:80]
 
 
 class ControllerClient(Protocol):
@@ -129,13 +147,16 @@ class HTTPController:
 
     def __init__(self, base_url: str, namespace: str, name: str, token: str, *,
                  retries: int = 8, backoff_s: float = 0.5, poll_s: float = 2.0,
-                 timeout_s: float = 30.0, ca_file: str | None = None) -> None:
+                 timeout_s: float = 30.0, ca_file: str | None = None,
+                 retry_window_s: float = 300.0) -> None:
         self.base = base_url.rstrip("/")
         self.ca_file = ca_file
         self.tls = self.base.lower().startswith("https://")
         self.ns, self.name, self.token = namespace, name, token
         self.retries, self.backoff_s, self.poll_s, self.timeout_s = (
             retries, backoff_s, poll_s, timeout_s)
+        #: 503s ("not persisted, retry") are retried at least this long, whatever the count.
+        self.retry_window_s = retry_window_s
         self.last_straggler: bool | None = None
         #: Plans read with fields this version does not know (ignored).
         self.unknown_plan_fields = 0
@@ -174,39 +195,50 @@ class HTTPController:
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
         delay = self.backoff_s
-        for attempt in range(self.retries + 1):
+        start = time.monotonic()
+        attempt = 0
+        while True:
             ctx = self._context()
             req = urllib.request.Request(self.base + path, data=data, method=method)
             req.add_header("Authorization", f"Bearer {self.token}")
             req.add_header(PLAN_FIELDS_HEADER, USABLE_REPLICAS)  # optional fields we read
             if data is not None:
                 req.add_header("Content-Type", "application/json")
+            last = attempt >= self.retries
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s, context=ctx) as resp:
                     return json.loads(resp.read().decode() or "{}")  # type: ignore[no-any-return]
             except urllib.error.HTTPError as err:
                 text = err.read().decode(errors="replace")
-                if (err.code < 500 and err.code != 429) or attempt == self.retries:
+                if err.code < 500 and err.code != 429:
                     raise ControllerError(err.code, text) from None
+                # A 503 says "not persisted, retry" (standby, API server or etcd away): it is
+                # retried for at least retry_window_s, so an outage of the control plane
+                # longer than the retry count's backoff does not fail the job.
+                if last and not (err.code == 503
+                                 and time.monotonic() - start < self.retry_window_s):
+                    raise ControllerError(err.code, text) from None
+                wait = _retry_after(err.headers.get("Retry-After"))
                 if err.code == 429:  # over the job's request rate: wait as told
-                    try:
-                        wait = float(err.headers.get("Retry-After", "") or delay)
-                    except ValueError:
-                        wait = delay
-                    time.sleep(min(max(wait, 0.0), MAX_RETRY_AFTER_S))
+                    time.sleep(min(wait if wait is not None else delay, MAX_RETRY_AFTER_S))
+                    attempt += 1
                     continue
+                if err.code == 503:
+                    log.info("step-report endpoint: %d, retrying the same report (%s)",
+                             err.code, _reason(text))
+                    delay = max(delay, min(wait or 0.0, MAX_RETRY_AFTER_S))
             except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
                 reason = getattr(err, "reason", err)
                 if isinstance(reason, ssl.SSLCertVerificationError):
-                    if attempt == self.retries:
+                    if last:
                         raise self._tls_error(reason) from None
                     log.warning("step-report endpoint: certificate does not verify (attempt"
                                 " %d of %d): %s", attempt + 1, self.retries + 1, reason)
-                elif attempt == self.retries:
+                elif last:
                     raise
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
-        raise AssertionError("unreachable")
+            attempt += 1
 
     def plan(self) -> Plan:
         return self._read_plan(self._call("GET", plan_path(self.ns, self.name)))

@@ -51,6 +51,8 @@ ENV_TOKEN_FILE = "RLPACER_TOKEN_FILE"
 ENV_REPORT_CA_FILE = "RLPACER_REPORT_CA_FILE"
 #: Retries of a step report or plan read that failed in transit (network error, 5xx, a
 #: certificate that does not verify) before the driver fails; default 8 (about 2 minutes).
+#: A 503 (nothing persisted: the operator on standby, its API server or etcd away) is
+#: retried for at least 5 minutes whatever the count.
 ENV_REPORT_RETRIES = "RLPACER_REPORT_RETRIES"
 #: File holding the run config: the RLTrainingJob manifest (``rlpacer run`` format).
 ENV_CONFIG = "RLPACER_CONFIG"

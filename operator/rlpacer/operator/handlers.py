@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import kopf
 
 from rlpacer.api import contract
@@ -111,8 +112,22 @@ class JobLoops:
                 return
             except asyncio.CancelledError:
                 raise
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                # The API server unreachable (restarting, its etcd away): expected, retried
+                # with backoff, one line each time, no traceback.
+                requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]
+                log.warning("reconcile %s/%s: API server unreachable, retrying in %.1fs: %s",
+                            namespace, name, requeue, e)
+                jobs.metrics.reconcile_errors.labels(namespace, name).inc()
+                errors += 1
             except ApiError as e:
-                if not namespace_terminating(e):
+                if e.status in (429, 500, 502, 503, 504):  # the API server's own trouble
+                    requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]
+                    log.warning("reconcile %s/%s: API server answered %d, retrying in %.1fs:"
+                                " %s", namespace, name, e.status, requeue, e)
+                    jobs.metrics.reconcile_errors.labels(namespace, name).inc()
+                    errors += 1
+                elif not namespace_terminating(e):
                     log.exception("reconcile %s/%s failed", namespace, name)
                     jobs.metrics.reconcile_errors.labels(namespace, name).inc()
                     requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]

@@ -7,8 +7,9 @@ elects with a Lease and starts Kopf and the report endpoint's writes only while 
   ``leaseDurationSeconds`` *as observed on our clock* (the record's own times are another
   node's clock; we time how long the record stayed unchanged), with the resourceVersion as
   precondition so two standbys cannot both win;
-* renew every ``renew`` seconds; if a renewal cannot be written for ``duration`` seconds
-  (or another holder shows up), leadership is lost: the process stops acting and exits (the
+* renew every ``renew`` seconds, each attempt cut off when the Lease it renews would expire;
+  if a renewal cannot be written for ``duration`` seconds (or another holder shows up),
+  leadership is lost: the process stops acting and exits (the
   Deployment restarts it as a standby), as controller-runtime does;
 * on a clean shutdown the Lease is released (holder cleared) so the standby takes over at once.
 
@@ -123,12 +124,19 @@ class LeaderElector:
         last_ok = time.monotonic()
         while True:
             await asyncio.sleep(self.renew)
+            # A renewal must end before the Lease it renews could expire: an API server that
+            # hangs (its etcd away) would otherwise keep this replica acting on a lapsed Lease
+            # for the whole HTTP timeout (client-go's renew deadline).
+            left = last_ok + self.duration - time.monotonic()
             try:
-                if await self.try_acquire_or_renew():
+                if await asyncio.wait_for(self.try_acquire_or_renew(), timeout=max(left, 0.1)):
                     last_ok = time.monotonic()
                     continue
                 log.error("lease taken by another replica")
                 return
+            except TimeoutError:
+                log.warning("lease renewal got no answer within the lease's %.0fs",
+                            self.duration)
             except (ApiError, OSError) as e:
                 log.warning("lease renewal failed: %s", e)
             if time.monotonic() - last_ok >= self.duration:

@@ -8,12 +8,13 @@
   A POST is answered only after the new controller state is persisted in the job's status.
   Errors carry an :class:`~rlpacer.api.protocol.ErrorBody`: 401 bad/missing token (a token is
   valid for its own job only), 404 unknown job, 413 a body over :data:`MAX_REPORT_BYTES`,
-  422 malformed or impossible report (reason from the control layer), 503 while this replica
-  is not the leader or the API server is unavailable (the driver retries; reports are
-  idempotent), 429 ``TooManyRequests`` with ``Retry-After`` over the job's request rate
-  (:class:`TokenBucket`, ``report_rate_per_second``/``report_burst``). Every answer of this
-  app is JSON: a wrong method (405), an unknown path or a path whose namespace or name cannot
-  be a job's (404, without asking the API server) get an ErrorBody too. Fields of a report
+  422 malformed or impossible report (reason from the control layer), 503 with
+  ``Retry-After`` while this replica is not the leader or the API server (or its etcd) is
+  unavailable (the driver retries the same body; reports are idempotent), 429
+  ``TooManyRequests`` with ``Retry-After`` over the job's request rate (:class:`TokenBucket`,
+  ``report_rate_per_second``/``report_burst``). Every answer of this app is JSON: a wrong
+  method (405), an unknown path or a path whose namespace or name cannot be a job's (404,
+  without asking the API server) get an ErrorBody too. Fields of a report
   this version does not know are ignored, logged and counted (protocol versions).
   Every answer is counted by route and code, every error also by reason
   (``rlpacer_step_report_errors_total``); an unexpected exception is logged with its
@@ -135,10 +136,17 @@ class LeaderState:
         self.leader = leader
 
 
+#: ``Retry-After`` of every 503, seconds: nothing was persisted and the condition (standby,
+#: API server or etcd unreachable, a conflict loop) is usually over within seconds.
+RETRY_AFTER_UNAVAILABLE_S = 1
+
+
 def _error(code: int, reason: str, message: str) -> web.Response:
     body = ErrorBody(code=code, reason=reason, message=message).to_wire()
     resp = web.json_response(body, status=code)
     resp[_REASON] = reason
+    if code == 503:
+        resp.headers["Retry-After"] = str(RETRY_AFTER_UNAVAILABLE_S)
     return resp
 
 

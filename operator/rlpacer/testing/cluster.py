@@ -640,6 +640,8 @@ class LocalCluster:
         self.startup_timeout = startup_timeout
         self._extra = {k: list(v) for k, v in (extra_args or {}).items()}
         self._procs: list[_Proc] = []
+        #: Each started component's executable and arguments (to restart it: start_component).
+        self._commands: dict[str, tuple[Path, list[str]]] = {}
         self._owns_processes = True
         self.ports: dict[str, int] = {}
         self.server = ""
@@ -745,6 +747,7 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         log = logs / f"{name}.log"
         cmd = [str(exe), *args, *self._extra.get(name, [])]
+        self._commands[name] = (exe, list(args))
         (logs / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
         with open(log, "ab") as f:
             popen = subprocess.Popen(
@@ -1035,6 +1038,40 @@ class LocalCluster:
             "startup_seconds": self.startup_seconds,
         }
         (self.data_dir / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    # ---- faults ---------------------------------------------------------------------------
+
+    def stop_component(self, name: str) -> None:
+        """Stop one component this handle started (``etcd``, ``apiserver``, ...) and keep its
+        data: an outage that :meth:`start_component` ends."""
+        if not self._owns_processes:
+            raise ClusterError("stop_component: this handle attached to a cluster it did not"
+                               " start")
+        proc = next((p for p in self._procs if p.name == name), None)
+        if proc is None:
+            raise ClusterError(f"stop_component: no running component {name!r}; running:"
+                               f" {', '.join(p.name for p in self._procs)}")
+        _stop_group(proc.pid, proc.exe, proc.popen)
+        self._procs.remove(proc)
+
+    def start_component(self, name: str, timeout: float = 60.0) -> None:
+        """Start a component stopped by :meth:`stop_component` again, with the same command
+        and data, and wait until it is healthy (etcd ``/health``, the API server ``/readyz``)."""
+        if any(p.name == name for p in self._procs):
+            raise ClusterError(f"start_component: {name!r} is running")
+        if name not in self._commands:
+            raise ClusterError(f"start_component: {name!r} was never started here")
+        exe, args = self._commands[name]
+        self._spawn(name, exe, args)
+        deadline = time.monotonic() + timeout
+        if name == "etcd":
+            h = _Http(f"http://127.0.0.1:{self.ports['etcd']}", None)
+            self._wait("etcd /health", lambda: h.request("GET", "/health", timeout=2)[0] == 200,
+                       deadline)
+        if name in ("etcd", "apiserver"):
+            self._wait("kube-apiserver /readyz",
+                       lambda: self.http.request("GET", "/readyz", timeout=3)[0] == 200, deadline)
+        self._write_state()
 
     def pids(self) -> dict[str, int]:
         """The component processes this handle runs or attached to, by name (etcd, apiserver,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from operator_fakekube import FakeKube
@@ -40,6 +41,33 @@ def test_one_leader_takeover_after_silence_and_on_release(monkeypatch: pytest.Mo
         assert await a.try_acquire_or_renew()  # released: no need to wait
 
     asyncio.run(body())
+
+
+def test_a_renewal_that_hangs_loses_leadership_within_the_lease() -> None:
+    """An API server whose etcd is away holds requests open (up to its own timeout): the
+    leader must stop acting when its Lease could expire, not when the request gives up."""
+
+    class Hanging(FakeKube):
+        hang = False
+
+        async def get(self, path: str) -> Any:
+            if self.hang:
+                await asyncio.sleep(3600)
+            return await super().get(path)
+
+    async def body() -> float:
+        fk = Hanging()
+        a = LeaderElector(fk, "sys", "rlpacer", "a", duration=1.0, renew=0.2,  # type: ignore[arg-type]
+                          retry=0.1)
+        assert await a.try_acquire_or_renew()
+        fk.hang = True
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.wait_for(a.hold(), timeout=10)
+        return loop.time() - t0
+
+    lost_after = asyncio.run(body())
+    assert 0.9 <= lost_after <= 1.6, lost_after
 
 
 def test_settings_from_env_and_flags() -> None:

@@ -135,3 +135,61 @@ def test_http_tolerates_a_newer_operators_plan_and_waits_out_429(
         assert len(logged) == 1 and "futureKnob, rollout.zone" in logged[0]  # logged once
     finally:
         srv.shutdown()
+
+
+class _Outage(JSONHandler):
+    """An operator whose API server is away: 503 with Retry-After for ``down`` answers."""
+
+    server: Any
+
+    def do_POST(self) -> None:
+        import time
+
+        s = self.server
+        s.posts.append((time.monotonic(), self.read_json()))
+        if len(s.posts) <= s.down:
+            data = b'{"code": 503, "reason": "Unavailable", "message": "not persisted"}'
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Retry-After", s.retry_after)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        self.send_json(200, {"step": 1, "groupSize": 8, "lambda": 0.1,
+                             "rollout": {"desiredReplicas": 1, "readyReplicas": 1,
+                                         "state": "Ready"}})
+
+
+@pytest.fixture
+def outage() -> Iterator[Any]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Outage)
+    srv.posts, srv.down, srv.retry_after = [], 0, "0"  # type: ignore[attr-defined]
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+
+
+def test_http_retries_503_past_the_count_within_the_window_after_retry_after(
+        outage: Any) -> None:
+    url = f"http://127.0.0.1:{outage.server_address[1]}"
+    # 6 answers of 503 with a count of 1: the window (5 s) keeps the same report going
+    outage.down, outage.retry_after = 6, "0"
+    ctl = HTTPController(url, "ns", "job", "tok", retries=1, backoff_s=0.01,
+                         retry_window_s=5.0)
+    assert ctl.report(_report(0, 8)).step == 1
+    assert len(outage.posts) == 7 and all(b == outage.posts[0][1] for _, b in outage.posts)
+    # Retry-After is the least wait: 1 s between the two POSTs despite a 10 ms backoff
+    outage.posts.clear()
+    outage.down, outage.retry_after = 1, "1"
+    ctl.report(_report(0, 8))
+    assert outage.posts[1][0] - outage.posts[0][0] >= 0.95
+    # past the window (and the count) the 503 is raised: the driver fails, nothing hangs
+    outage.posts.clear()
+    outage.down, outage.retry_after = 10**6, "0"
+    short = HTTPController(url, "ns", "job", "tok", retries=1, backoff_s=0.05,
+                           retry_window_s=0.3)
+    with pytest.raises(ControllerError, match="503"):
+        short.report(_report(0, 8))
+    assert 2 <= len(outage.posts) <= 8
