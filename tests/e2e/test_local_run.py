@@ -77,6 +77,12 @@ def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
     assert len(pids) == 3 and topo["driver"]["pid"] not in pids
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["eval_accuracy_start"] <= 1.0 and summary["steps"] == 4
+    # the run reports the algorithm it trained with: DAPO's preset, overlong shaping off
+    alg = summary["algorithm"]
+    assert (alg["name"], alg["clipRatioHigh"], alg["lossAggregation"]) == (
+        "DAPO", "0.28", "TokenMean")
+    assert alg["dynamicSampling"] and alg["overlongBufferTokens"] == 0
+    assert "algorithm: name DAPO" in proc.stdout
     assert (out / "report.png").stat().st_size > 10_000
     assert (out / "checkpoints" / "latest").exists()
     assert "G=" in proc.stderr and "stragglers=" in proc.stderr  # the progress bar

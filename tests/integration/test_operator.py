@@ -29,7 +29,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlpacer.api import contract
-from rlpacer.api.job import parse_spec
+from rlpacer.api.job import effective_algorithm, parse_spec
 from rlpacer.api.protocol import PLAN_FIELDS_HEADER, StepReport, plan_path, steps_path
 from rlpacer.control.plan import JobController
 from rlpacer.operator import hosting, names, tls
@@ -271,6 +271,9 @@ def test_invalid_manifests_are_rejected_with_field_messages(
         "spec.rollout.topP": {"rollout": {"topP": "0", "gpusPerReplica": 0}},
         "spec.algorithm.name": {"algorithm": {"name": "PPO"}},
         "spec.algorithm.learningRate": {"algorithm": {"learningRate": 0.001}},
+        "spec.algorithm.clipRatioHigh": {"algorithm": {"name": "DAPO", "clipRatioHigh": "0"}},
+        "spec.algorithm.overlongPenalty.bufferTokens": {
+            "algorithm": {"name": "DAPO", "overlongPenalty": {"bufferTokens": 1024}}},
         "spec.steps": {"steps": 0},
     }
     for field, patch in bad.items():
@@ -299,6 +302,12 @@ def test_example_job_children_owners_and_status(
     st = wait(cluster, lambda: status(cluster, namespace, name).get("summary") in
               ("Starting", "Running") and status(cluster, namespace, name), "admitted")
     assert st["observedGeneration"] == 1
+    # the algorithm knobs have no CRD default: the stored spec keeps "unset" unset, and the
+    # status shows what the preset resolves them to (the example sets some, not all)
+    stored = job(cluster, namespace, name)["spec"]["algorithm"]
+    assert "klCoef" not in stored and stored["name"] == "DAPO"
+    want = effective_algorithm(parse_spec(doc["spec"])).to_wire()
+    assert st["algorithm"] == want and want["klCoef"] == "0" and want["dynamicSampling"]
     ns_api = f"/api/v1/namespaces/{namespace}"
     apps = f"/apis/apps/v1/namespaces/{namespace}"
     children = {

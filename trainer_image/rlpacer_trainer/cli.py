@@ -75,6 +75,8 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
     out: Path = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     print(f"rlpacer run: {cfg.job.metadata.name} -> {out}  (starting Ray and the vLLM engine)")
+    algorithm = cfg.algorithm.to_wire()  # the preset with the manifest's overrides
+    print("algorithm: " + ", ".join(f"{k} {v}" for k, v in algorithm.items()))
     runtime.init_ray()
     engines = runtime.start_engines(cfg, count=int(cfg.spec.rollout.replicas))
     metrics = report.MetricsWriter(out / "metrics.jsonl")
@@ -93,7 +95,7 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
     if resume and drv.load_checkpoint():
         print(f"resumed at step {drv.step}")
     (out / "topology.json").write_text(json.dumps(drv.topology(), indent=1))
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"algorithm": algorithm}
     evalset = cfg.eval_problems()
     if evaluate:
         extra["eval_accuracy_start"] = drv.evaluate(evalset)

@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from rlpacer.api._base import decimal
-from rlpacer.api.job import AlgorithmName, RLTrainingJob, load_manifest
+from rlpacer.api.job import (
+    EffectiveAlgorithm,
+    RLTrainingJob,
+    effective_algorithm,
+    load_manifest,
+)
 from rlpacer.control.plan import JobControllerConfig
 from rlpacer.control.sagc import GroupControlMode
 from rlpacer.control.tail_batching import TailBatchingConfig
@@ -106,8 +111,13 @@ class RunConfig:
             return self.tail_batching
         return bool(self.spec.tail_batching.enabled)
 
+    @property
+    def algorithm(self) -> EffectiveAlgorithm:
+        """The preset with the spec's overrides (what this run trains with)."""
+        return effective_algorithm(self.spec)
+
     def learner_config(self) -> LearnerConfig:
-        a = self.spec.algorithm
+        a = self.algorithm
         agg = (algos.LossAggregation.TOKEN_MEAN if a.loss_aggregation.value == "TokenMean"
                else algos.LossAggregation.SEQUENCE_MEAN_TOKEN_MEAN)
         return LearnerConfig(
@@ -123,22 +133,17 @@ class RunConfig:
         )
 
     @property
-    def is_dapo(self) -> bool:
-        return self.spec.algorithm.name is AlgorithmName.DAPO
-
-    @property
     def dynamic_sampling(self) -> bool:
-        return bool(self.spec.algorithm.dynamic_sampling)
+        return self.algorithm.dynamic_sampling
 
     @property
     def overlong_buffer(self) -> int:
-        op = self.spec.algorithm.overlong_penalty
-        return int(op.buffer_tokens) if op is not None else 0
+        return self.algorithm.overlong_buffer_tokens
 
     @property
     def overlong_scale(self) -> float:
-        op = self.spec.algorithm.overlong_penalty
-        return decimal(op.penalty) if op is not None else 0.0
+        a = self.algorithm
+        return decimal(a.overlong_penalty) if a.overlong_buffer_tokens > 0 else 0.0
 
     def planner_config(self) -> TailBatchingConfig:
         tb = self.spec.tail_batching

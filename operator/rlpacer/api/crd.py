@@ -57,17 +57,24 @@ def _dec(field: str, op: str, bound: str, message: str) -> dict[str, str]:
     return _rule(f"double(self.{field}) {op} {bound}", f"{field} {message}", field)
 
 
+def _opt_dec(field: str, op: str, bound: str, message: str) -> dict[str, str]:
+    """:func:`_dec` for a field with no default (unset passes)."""
+    return _rule(f"!has(self.{field}) || double(self.{field}) {op} {bound}",
+                 f"{field} {message}", field)
+
+
 # The CRD carries no default for a list built by a default_factory: rules fall back to it.
 _DEFAULT_CANDIDATES = list(job_api.GroupControlSpec().candidates)
+_DEFAULT_MAX_TOKENS = job_api.RolloutSpec().max_response_tokens
 
 #: CEL rules per model (by class name), the API server's copy of the pydantic validators.
 CEL_RULES: dict[str, list[dict[str, str]]] = {
     "OverlongPenalty": [_dec("penalty", ">=", "0.0", "must be >= 0")],
     "AlgorithmSpec": [
-        _dec("clipRatioLow", ">", "0.0", "must be > 0"),
-        _dec("clipRatioHigh", ">", "0.0", "must be > 0"),
+        _opt_dec("clipRatioLow", ">", "0.0", "must be > 0"),
+        _opt_dec("clipRatioHigh", ">", "0.0", "must be > 0"),
         _dec("learningRate", ">", "0.0", "must be > 0"),
-        _dec("klCoef", ">=", "0.0", "must be >= 0"),
+        _opt_dec("klCoef", ">=", "0.0", "must be >= 0"),
     ],
     "RolloutSpec": [
         _dec("temperature", ">=", "0.0", "must be >= 0"),
@@ -115,6 +122,14 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             " >= (has(self.rollout) ? self.rollout.replicas : 1)",
             "tailBatching.longRound.rolloutReplicas must be >= rollout.replicas",
             "tailBatching.longRound.rolloutReplicas",
+        ),
+        _rule(
+            "!has(self.algorithm) || !has(self.algorithm.overlongPenalty)"
+            " || !has(self.algorithm.overlongPenalty.bufferTokens)"
+            " || self.algorithm.overlongPenalty.bufferTokens"
+            f" < (has(self.rollout) ? self.rollout.maxResponseTokens : {_DEFAULT_MAX_TOKENS})",
+            "algorithm.overlongPenalty.bufferTokens must be < rollout.maxResponseTokens",
+            "algorithm.overlongPenalty.bufferTokens",
         ),
     ],
 }

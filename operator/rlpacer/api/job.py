@@ -82,11 +82,19 @@ class DataSpec(APIModel):
 
 
 class OverlongPenalty(APIModel):
-    buffer_tokens: int = Field(
-        ge=0,
+    enabled: bool = Field(
+        default=True,
         description=(
-            "DAPO overlong reward shaping: responses within this many tokens of"
-            " rollout.maxResponseTokens get a linearly growing penalty."
+            "Overlong reward shaping on (true) or off (false). Unset overlongPenalty: the"
+            " preset's choice (DAPO on, GRPO off)."
+        ),
+    )
+    buffer_tokens: int | None = Field(
+        default=None, ge=0, le=1_000_000,
+        description=(
+            "Responses within this many tokens of rollout.maxResponseTokens get a linearly"
+            " growing penalty (< maxResponseTokens). Unset: a fifth of maxResponseTokens"
+            " (DAPO's 4096 of 20480)."
         ),
     )
     penalty: Decimal = Field(default="1.0", description="Penalty at the length cap (>= 0).")
@@ -98,33 +106,94 @@ class OverlongPenalty(APIModel):
         return self
 
 
+#: Each preset's knobs (README "Algorithm presets"). GRPO (arXiv 2402.03300) as the
+#: RollPacker and DeepSeekMath set-ups run it; DAPO (arXiv 2503.14476): clip-higher,
+#: token-level loss, dynamic sampling, overlong shaping, no KL term.
+PRESETS: dict[AlgorithmName, dict[str, Any]] = {
+    AlgorithmName.GRPO: {
+        "clip_ratio_low": "0.2", "clip_ratio_high": "0.2",
+        "loss_aggregation": LossAggregation.SEQUENCE_MEAN, "dynamic_sampling": False,
+        "overlong_penalty": False, "kl_coef": "0",
+    },
+    AlgorithmName.DAPO: {
+        "clip_ratio_low": "0.2", "clip_ratio_high": "0.28",
+        "loss_aggregation": LossAggregation.TOKEN_MEAN, "dynamic_sampling": True,
+        "overlong_penalty": True, "kl_coef": "0",
+    },
+}
+
+
+def _preset_doc(knob: str) -> str:
+    def show(v: Any) -> str:
+        return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+    grpo, dapo = (show(PRESETS[n][knob]) for n in (AlgorithmName.GRPO, AlgorithmName.DAPO))
+    return f" Unset: the preset's value (GRPO {grpo}, DAPO {dapo})."
+
+
 class AlgorithmSpec(APIModel):
-    name: AlgorithmName = Field(default=AlgorithmName.GRPO, description="GRPO or DAPO.")
-    clip_ratio_low: Decimal = Field(default="0.2", description="PPO clip ratio below 1 (> 0).")
-    clip_ratio_high: Decimal = Field(
-        default="0.2", description="PPO clip ratio above 1; DAPO's clip-higher sets it larger."
+    """``name`` picks a preset (:data:`PRESETS`); each knob set here overrides the preset's
+    value. The knobs have no schema default on purpose: "unset" must stay distinguishable
+    from "set to GRPO's value" (:func:`effective_algorithm` resolves them)."""
+
+    name: AlgorithmName = Field(
+        default=AlgorithmName.GRPO,
+        description="GRPO or DAPO: the preset of every knob below that is not set.",
     )
-    dynamic_sampling: bool = Field(
-        default=False,
-        description="DAPO dynamic sampling: drop groups whose rewards are all equal and refill.",
+    clip_ratio_low: Decimal | None = Field(
+        default=None,
+        description="PPO clip ratio below 1 (> 0)." + _preset_doc("clip_ratio_low"),
     )
-    loss_aggregation: LossAggregation = Field(
-        default=LossAggregation.SEQUENCE_MEAN, description="TokenMean (DAPO) or SequenceMean."
+    clip_ratio_high: Decimal | None = Field(
+        default=None,
+        description=("PPO clip ratio above 1 (> 0; DAPO's clip-higher)."
+                     + _preset_doc("clip_ratio_high")),
+    )
+    dynamic_sampling: bool | None = Field(
+        default=None,
+        description=("Dynamic sampling: drop groups whose rewards are all equal and refill."
+                     + _preset_doc("dynamic_sampling")),
+    )
+    loss_aggregation: LossAggregation | None = Field(
+        default=None,
+        description=("TokenMean (every token weighs the same) or SequenceMean (mean per"
+                     " response, then over responses)." + _preset_doc("loss_aggregation")),
     )
     overlong_penalty: OverlongPenalty | None = Field(
-        default=None, description="DAPO overlong reward shaping; unset disables it."
+        default=None,
+        description=("Overlong reward shaping; {enabled: false} turns it off."
+                     + _preset_doc("overlong_penalty")),
     )
     learning_rate: Decimal = Field(default="1e-6", description="Learner learning rate (> 0).")
-    kl_coef: Decimal = Field(default="0", description="KL penalty to the reference policy (>= 0).")
+    kl_coef: Decimal | None = Field(
+        default=None,
+        description="KL penalty to the reference policy (>= 0)." + _preset_doc("kl_coef"),
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> AlgorithmSpec:
         for name in ("clip_ratio_low", "clip_ratio_high", "learning_rate"):
-            if decimal(getattr(self, name)) <= 0:
+            v = getattr(self, name)
+            if v is not None and decimal(v) <= 0:
                 raise ValueError(f"{_camel(name)} must be > 0")
-        if decimal(self.kl_coef) < 0:
+        if self.kl_coef is not None and decimal(self.kl_coef) < 0:
             raise ValueError("klCoef must be >= 0")
         return self
+
+
+class EffectiveAlgorithm(APIModel):
+    """The algorithm a job runs: its preset with the spec's overrides applied."""
+
+    name: AlgorithmName = Field(description="The preset.")
+    clip_ratio_low: Decimal = Field(description="PPO clip ratio below 1.")
+    clip_ratio_high: Decimal = Field(description="PPO clip ratio above 1.")
+    loss_aggregation: LossAggregation = Field(description="TokenMean or SequenceMean.")
+    dynamic_sampling: bool = Field(description="Dynamic sampling on.")
+    overlong_buffer_tokens: int = Field(
+        ge=0, description="Overlong shaping's buffer in tokens; 0: shaping off.")
+    overlong_penalty: Decimal = Field(description="Overlong penalty at the length cap.")
+    kl_coef: Decimal = Field(description="KL penalty coefficient; 0: no reference policy.")
+    learning_rate: Decimal = Field(description="Learner learning rate.")
 
 
 class RewardSpec(APIModel):
@@ -369,7 +438,48 @@ class RLTrainingJobSpec(APIModel):
                 "tailBatching.longRound.rolloutReplicas must be >= rollout.replicas"
                 f" ({tb.long_round.rollout_replicas} < {self.rollout.replicas})"
             )
+        op = self.algorithm.overlong_penalty
+        if (op is not None and op.buffer_tokens is not None
+                and op.buffer_tokens >= self.rollout.max_response_tokens):
+            raise ValueError(
+                "algorithm.overlongPenalty.bufferTokens must be < rollout.maxResponseTokens"
+                f" ({op.buffer_tokens} >= {self.rollout.max_response_tokens})"
+            )
         return self
+
+
+def algorithm_knob(a: AlgorithmSpec, name: str) -> Any:
+    """One knob of ``a``: its own value if set, else its preset's."""
+    v = getattr(a, name)
+    return PRESETS[a.name][name] if v is None else v
+
+
+def effective_algorithm(spec: RLTrainingJobSpec) -> EffectiveAlgorithm:
+    """The preset of ``spec.algorithm.name`` with every knob the spec sets overriding it."""
+    a = spec.algorithm
+    preset = PRESETS[a.name]
+
+    def knob(name: str) -> Any:
+        return algorithm_knob(a, name)
+
+    op = a.overlong_penalty
+    on = preset["overlong_penalty"] if op is None else op.enabled
+    buffer = 0
+    if on:
+        cap = int(spec.rollout.max_response_tokens)
+        buffer = (op.buffer_tokens if op is not None and op.buffer_tokens is not None
+                  else cap // 5)
+    return EffectiveAlgorithm(
+        name=a.name,
+        clip_ratio_low=knob("clip_ratio_low"),
+        clip_ratio_high=knob("clip_ratio_high"),
+        loss_aggregation=knob("loss_aggregation"),
+        dynamic_sampling=knob("dynamic_sampling"),
+        overlong_buffer_tokens=buffer,
+        overlong_penalty=op.penalty if op is not None else "1.0",
+        kl_coef=knob("kl_coef"),
+        learning_rate=a.learning_rate,
+    )
 
 
 class ObjectMeta(APIModel):

@@ -23,6 +23,7 @@ from typing import Annotated
 from pydantic import Field, StringConstraints
 
 from rlpacer.api._base import APIModel, Decimal
+from rlpacer.api.job import EffectiveAlgorithm
 
 #: Messages are truncated to this many characters (Events and conditions stay readable).
 MAX_MESSAGE = 1024
@@ -239,6 +240,11 @@ class RLTrainingJobStatus(APIModel):
     )
     posteriors: list[Posterior] = Field(
         default_factory=list, max_length=16, description="SAGC's belief per candidate G."
+    )
+    algorithm: EffectiveAlgorithm | None = Field(
+        default=None,
+        description=("The algorithm the job runs: spec.algorithm's preset with the knobs the"
+                     " spec sets."),
     )
     long_queue: int = Field(default=0, ge=0, description="Prompts waiting for a long round.")
     long_rounds: int = Field(default=0, ge=0, description="Long rounds started so far.")

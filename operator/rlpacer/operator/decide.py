@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from rlpacer.api.job import RLTrainingJobSpec
+from rlpacer.api.job import RLTrainingJobSpec, effective_algorithm
 from rlpacer.api.status import (
     MAX_SCALE_ACTIONS,
     ConditionType,
@@ -109,6 +109,8 @@ def decide(
         st.observed_generation = gen
         st.summary = summarize(st.conditions)
         return d
+
+    st.algorithm = effective_algorithm(spec)  # what the trainer resolves from the same spec
 
     # --- admission ------------------------------------------------------------------------
     if not is_true(st.conditions, ConditionType.ADMITTED):

@@ -15,7 +15,7 @@ from datetime import datetime
 
 from rlpacer.api._base import decimal
 from rlpacer.api.crd import schema_violations, status_schema
-from rlpacer.api.job import RLTrainingJobSpec
+from rlpacer.api.job import RLTrainingJobSpec, algorithm_knob
 from rlpacer.api.policy import RLTrainingPolicy
 from rlpacer.api.protocol import Plan, StepReport
 from rlpacer.api.status import (
@@ -177,7 +177,8 @@ def report_bounds(spec: RLTrainingJobSpec, group_size: int) -> dict[str, tuple[i
     eta = decimal(tb.prompt_overprovision) if tb.enabled else 1.0
     launched = math.ceil(eta * p0 - 1e-9)
     per_prompt = group_size + (tb.extra_responses_per_prompt if tb.enabled else 0)
-    rounds = MAX_ROUNDS_PER_STEP if spec.algorithm.dynamic_sampling else 1
+    dynamic = algorithm_knob(spec.algorithm, "dynamic_sampling")
+    rounds = MAX_ROUNDS_PER_STEP if dynamic else 1
     times = f" x {rounds} rounds" if rounds > 1 else ""
     return {
         "lengths.max": (spec.rollout.max_response_tokens, "spec.rollout.maxResponseTokens"),

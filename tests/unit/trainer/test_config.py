@@ -17,7 +17,7 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-local.yaml"
 
 def test_example_manifest_loads() -> None:
     cfg = RunConfig.load(EXAMPLE)
-    assert cfg.is_dapo and cfg.dynamic_sampling
+    assert cfg.algorithm.name == "DAPO" and cfg.dynamic_sampling
     lc = cfg.learner_config()
     assert (lc.clip_low, lc.clip_high, lc.aggregation) == (0.2, 0.28, "TokenMean")
     pc = cfg.planner_config()
