@@ -34,7 +34,7 @@ import kopf
 from rlpacer.api import contract
 from rlpacer.api.job import GROUP, PLURAL, VERSION
 from rlpacer.operator.kube import METADATA_ONLY, METADATA_ONLY_LIST, ApiError, Credentials
-from rlpacer.operator.runtime import JobGone, Jobs, namespace_terminating
+from rlpacer.operator.runtime import ChildRefused, JobGone, Jobs, namespace_terminating
 from rlpacer.operator.settings import OperatorSettings
 
 log = logging.getLogger("rlpacer.operator")
@@ -111,6 +111,10 @@ class JobLoops:
                 return
             except asyncio.CancelledError:
                 raise
+            except ChildRefused as e:  # the spec's doing (or a quota's): said, then retried
+                await jobs.child_refused(rt, e)
+                requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]
+                errors += 1
             except ApiError as e:
                 if not namespace_terminating(e):
                     log.exception("reconcile %s/%s failed", namespace, name)
