@@ -40,7 +40,7 @@ from rlpacer.api.job import (
     VERSION,
     ManifestError,
     RLTrainingJobSpec,
-    parse_spec,
+    read_spec,
 )
 from rlpacer.api.policy import RLTrainingPolicy
 from rlpacer.api.status import (
@@ -48,6 +48,7 @@ from rlpacer.api.status import (
     ConditionType,
     Reason,
     RLTrainingJobStatus,
+    read_status,
     set_condition,
     summarize,
 )
@@ -127,6 +128,8 @@ class JobRuntime:
     #: The last child refusal reported (Event and warning) for this job: the same refusal
     #: again is not reported again; cleared by a pass that applies every child.
     refused: str | None = None
+    #: What of the stored status this operator could not read (logged when it changes).
+    status_left_out: list[str] = field(default_factory=list)
 
     def take_controller(self, state: str | None) -> JobController | None:
         live, self.live = self.live, None
@@ -153,15 +156,24 @@ class JobRuntime:
         if raw_spec != self.raw_spec or self.spec is None:
             self.raw_spec = raw_spec
             try:
-                self.spec, self.spec_error = parse_spec(raw_spec), None
+                self.spec, ignored = read_spec(raw_spec)
+                self.spec_error = None
             except ManifestError as err:
-                self.spec, self.spec_error = None, str(err)
+                self.spec, self.spec_error, ignored = None, str(err), []
+            if ignored:  # written under a newer schema (this operator is older than the CRD)
+                log.warning("%s/%s: spec fields this operator does not know, ignored: %s",
+                            self.namespace, self.name, ", ".join(ignored))
         try:
-            self.status = RLTrainingJobStatus.model_validate(obj.get("status") or {})
+            self.status, left_out = read_status(obj.get("status") or {})
         except ValueError:
             log.warning("%s/%s: unreadable status; starting from an empty one",
                         self.namespace, self.name)
-            self.status = RLTrainingJobStatus()
+            self.status, left_out = RLTrainingJobStatus(), []
+        if left_out and left_out != self.status_left_out:
+            # a newer operator's status: what this one cannot read is dropped on its next write
+            log.warning("%s/%s: status fields this operator cannot read, left out: %s",
+                        self.namespace, self.name, ", ".join(left_out))
+        self.status_left_out = left_out
 
 
 class Jobs:
