@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from rlpacer.api._base import APIModel, Decimal, TypedObject, decimal
+from rlpacer.api._base import APIModel, Decimal, TypedObject, decimal, read_stored
 
 GROUP = "rlpacer.io"
 VERSION = "v1alpha1"
@@ -539,6 +539,19 @@ def parse_spec(spec: dict[str, Any]) -> RLTrainingJobSpec:
         raise ManifestError(
             "invalid RLTrainingJob spec:\n" + format_validation_error(err, prefix="spec.")
         ) from None
+
+
+def read_spec(spec: dict[str, Any]) -> tuple[RLTrainingJobSpec, list[str]]:
+    """Read the spec of a *stored* job (what the operator does): fields this version does not
+    know (written under a newer schema) are ignored and returned, by path; every known field
+    is validated as by :func:`parse_spec` (a bad value is still a :class:`ManifestError`)."""
+    try:
+        model, ignored = read_stored(RLTrainingJobSpec, spec, drop_invalid=False)
+    except ValidationError as err:
+        raise ManifestError(
+            "invalid RLTrainingJob spec:\n" + format_validation_error(err, prefix="spec.")
+        ) from None
+    return model, [f"spec.{p}" for p in ignored]
 
 
 def load_manifest(path: str | Path) -> RLTrainingJob:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints
 
-from rlpacer.api._base import APIModel, Decimal
+from rlpacer.api._base import APIModel, Decimal, read_stored
 from rlpacer.api.job import EffectiveAlgorithm
 
 #: Messages are truncated to this many characters (Events and conditions stay readable).
@@ -284,6 +284,15 @@ class RLTrainingJobStatus(APIModel):
             " an operator restart continues from exactly this."
         ),
     )
+
+
+def read_status(data: Any) -> tuple[RLTrainingJobStatus, list[str]]:
+    """Read a stored job's status, written by this operator or another version of it: fields
+    it does not know are ignored, values it cannot read (a condition type or enum value a
+    newer version added) are dropped to their defaults; both returned, by path. The controller
+    state, attempt and step survive whatever else in the status is unreadable."""
+    st, left_out = read_stored(RLTrainingJobStatus, data, drop_invalid=True)
+    return st, [f"status.{p}" for p in left_out]
 
 
 TERMINAL = (ConditionType.SUCCEEDED, ConditionType.FAILED)

@@ -35,7 +35,7 @@ import kopf
 from rlpacer.api import contract
 from rlpacer.api.job import GROUP, PLURAL, VERSION
 from rlpacer.operator.kube import METADATA_ONLY, METADATA_ONLY_LIST, ApiError, Credentials
-from rlpacer.operator.runtime import JobGone, Jobs, namespace_terminating
+from rlpacer.operator.runtime import ChildRefused, JobGone, Jobs, namespace_terminating
 from rlpacer.operator.settings import OperatorSettings
 
 log = logging.getLogger("rlpacer.operator")
@@ -119,6 +119,10 @@ class JobLoops:
                 log.warning("reconcile %s/%s: API server unreachable, retrying in %.1fs: %s",
                             namespace, name, requeue, e)
                 jobs.metrics.reconcile_errors.labels(namespace, name).inc()
+                errors += 1
+            except ChildRefused as e:  # the spec's doing (or a quota's): said, then retried
+                await jobs.child_refused(rt, e)
+                requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]
                 errors += 1
             except ApiError as e:
                 if e.status in (429, 500, 502, 503, 504):  # the API server's own trouble

@@ -10,6 +10,7 @@ or the in-cluster service account; Kopf is given the same ones (``kopf.on.login`
 from __future__ import annotations
 
 import json
+import re
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +27,24 @@ Obj = dict[str, Any]
 METADATA_ONLY_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+#: An apply patch is YAML (``application/apply-patch+yaml``).
+APPLY_PATCH = "application/apply-patch+yaml"
+
+#: Characters a YAML stream may not carry as themselves: not printable to YAML (DEL, the C1
+#: controls, the byte-order mark, U+FFFE/U+FFFF) or line breaks to it (U+0085, U+2028,
+#: U+2029: folded inside a quoted scalar). Surrogates never reach a str read from the API.
+_YAML_UNPRINTABLE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff]")
+
+
+def yaml_json(body: Any) -> str:
+    """``body`` as JSON that the API server's YAML decoder reads back exactly (an apply patch
+    is YAML). Plain ``json.dumps`` writes a character past U+FFFF as a surrogate-pair escape
+    (``"\\ud83d\\ude00"``), which JSON allows and YAML refuses ("found invalid Unicode
+    character escape code"): a job whose spec held one (model source, nodeSelector value, ...)
+    could never have its children applied. So non-ASCII characters go as themselves (UTF-8),
+    and only those YAML does not allow raw are escaped (all of them in the BMP)."""
+    text = json.dumps(body, ensure_ascii=False)
+    return _YAML_UNPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 class ApiError(Exception):
@@ -135,7 +154,8 @@ class KubeClient:
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
-            data = json.dumps(body)
+            text = yaml_json(body) if content_type == APPLY_PATCH else json.dumps(body)
+            data = text.encode()
         async with self._get_session().request(
             method, self.creds.server + path, data=data, params=params, headers=headers
         ) as resp:
@@ -194,7 +214,7 @@ class KubeClient:
         return await self.request(
             "PATCH", path, obj,
             params={"fieldManager": field_manager, "force": "true"},
-            content_type="application/apply-patch+yaml",
+            content_type=APPLY_PATCH,
         )
 
     async def create(self, obj: Obj) -> Obj:

@@ -40,7 +40,7 @@ from rlpacer.api.job import (
     VERSION,
     ManifestError,
     RLTrainingJobSpec,
-    parse_spec,
+    read_spec,
 )
 from rlpacer.api.policy import RLTrainingPolicy
 from rlpacer.api.status import (
@@ -48,6 +48,7 @@ from rlpacer.api.status import (
     ConditionType,
     Reason,
     RLTrainingJobStatus,
+    read_status,
     set_condition,
     summarize,
 )
@@ -69,6 +70,18 @@ MAX_CAS_RETRIES = 10
 
 class JobGone(Exception):
     """The job does not exist (any more)."""
+
+
+class ChildRefused(Exception):
+    """The API server refused a child built from the job's spec: invalid for it (400/422,
+    e.g. a toleration or node selector the model lets through) or forbidden by an admission
+    check (403: a ResourceQuota, a PriorityClass that does not exist). Not the operator's
+    fault and not fixed by retrying at once: a Warning Event (FailedCreate) and a warning
+    naming the child, then retries on the error backoff, not counted as reconcile errors."""
+
+    def __init__(self, kind: str, name: str, error: ApiError) -> None:
+        super().__init__(f"{kind} {name}: {error.status} {error.reason}: {error.message}")
+        self.kind, self.name, self.error = kind, name, error
 
 
 class ConflictLoop(Exception):
@@ -112,6 +125,11 @@ class JobRuntime:
     #: the API server pruned status.rollout.readyOrdinals (a CRD older than the operator):
     #: no longer observed, so the plans carry no usableReplicas and no pass writes for it
     ordinals_pruned: bool = False
+    #: The last child refusal reported (Event and warning) for this job: the same refusal
+    #: again is not reported again; cleared by a pass that applies every child.
+    refused: str | None = None
+    #: What of the stored status this operator could not read (logged when it changes).
+    status_left_out: list[str] = field(default_factory=list)
 
     def take_controller(self, state: str | None) -> JobController | None:
         live, self.live = self.live, None
@@ -138,15 +156,24 @@ class JobRuntime:
         if raw_spec != self.raw_spec or self.spec is None:
             self.raw_spec = raw_spec
             try:
-                self.spec, self.spec_error = parse_spec(raw_spec), None
+                self.spec, ignored = read_spec(raw_spec)
+                self.spec_error = None
             except ManifestError as err:
-                self.spec, self.spec_error = None, str(err)
+                self.spec, self.spec_error, ignored = None, str(err), []
+            if ignored:  # written under a newer schema (this operator is older than the CRD)
+                log.warning("%s/%s: spec fields this operator does not know, ignored: %s",
+                            self.namespace, self.name, ", ".join(ignored))
         try:
-            self.status = RLTrainingJobStatus.model_validate(obj.get("status") or {})
+            self.status, left_out = read_status(obj.get("status") or {})
         except ValueError:
             log.warning("%s/%s: unreadable status; starting from an empty one",
                         self.namespace, self.name)
-            self.status = RLTrainingJobStatus()
+            self.status, left_out = RLTrainingJobStatus(), []
+        if left_out and left_out != self.status_left_out:
+            # a newer operator's status: what this one cannot read is dropped on its next write
+            log.warning("%s/%s: status fields this operator cannot read, left out: %s",
+                        self.namespace, self.name, ", ".join(left_out))
+        self.status_left_out = left_out
 
 
 class Jobs:
@@ -567,19 +594,32 @@ class Jobs:
             try:
                 await self.kube.apply(obj, self.settings.field_manager)
             except ApiError as e:
-                if e.status == 422 and obj["kind"] == "Pod":
+                if (e.status == 422 and obj["kind"] == "Pod" and driver is not None
+                        and driver["metadata"]["name"] == obj["metadata"]["name"]):
                     # A running pod's spec is immutable (e.g. the operator's report URL
                     # changed): it keeps what it has; the next attempt gets the new spec.
                     log.warning("%s/%s: pod %s not updated: %s", rt.namespace, rt.name,
                                 obj["metadata"]["name"], e.message)
+                elif e.status in (400, 403, 422) and not namespace_terminating(e):
+                    raise ChildRefused(obj["kind"], obj["metadata"]["name"], e) from None
                 else:
                     raise
             rt.applied[key] = text
+        rt.refused = None
         if not dec.workloads:
             for api, plural, child in builders.workload_names(rt.name, inputs.attempt):
                 if await self.kube.delete(object_path(api, plural, rt.namespace, child)):
                     rt.applied.clear()
         return dec.requeue_after
+
+    async def child_refused(self, rt: JobRuntime, err: ChildRefused) -> None:
+        """Report a refused child once per distinct refusal (warning and Event)."""
+        msg = str(err)
+        if msg == rt.refused:
+            return
+        rt.refused = msg
+        log.warning("%s/%s: the API server refused %s", rt.namespace, rt.name, msg)
+        await self.post_events(rt, [Event("Warning", "FailedCreate", msg)])
 
     async def _invalid(self, rt: JobRuntime) -> None:
         msg = rt.spec_error or "invalid spec"

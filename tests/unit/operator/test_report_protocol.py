@@ -202,3 +202,30 @@ def test_a_newer_operators_plan_reads_in_this_version() -> None:
     plan = Plan.model_validate(wire)
     assert plan.step == 3 and plan.lambda_ == 0.25 and plan.rollout.desired_replicas == 2
     assert "budget" not in plan.to_wire()  # ignored, not carried along
+
+
+def test_an_older_trainers_report_without_the_optional_fields_is_accepted() -> None:
+    """Only the fields v1 has always required (no seconds, longQueue, nextRoundKind, reward,
+    lengths.aborted): accepted, read with the defaults, nothing counted as unknown."""
+    async def body() -> None:
+        env, close = await admitted()
+        ref, close_ref = await admitted()
+        try:
+            g = (await env.plan("job"))["groupSize"]
+            for step in range(3):
+                full = report(step, g, 20)
+                older = {k: full[k] for k in ("attempt", "step", "groupSize", "roundKind")}
+                older["lengths"] = {k: full["lengths"][k] for k in ("max", "median", "p90",
+                                                                    "count")}
+                defaults = {**full, "seconds": {}, "longQueue": 0, "nextRoundKind": "Short"}
+                code, plan = await env.post("job", older)
+                code_ref, plan_ref = await ref.post("job", defaults)
+                assert (code, plan) == (code_ref, plan_ref) == (200, plan_ref), plan
+                g = plan["groupSize"]
+            assert env.status("job")["controllerState"] == ref.status("job")["controllerState"]
+            assert env.metrics.report_unknown_fields.labels("steps")._value.get() == 0
+        finally:
+            await close()
+            await close_ref()
+
+    run(body)
