@@ -191,3 +191,17 @@ class Role(enum.StrEnum):
     DRIVER = "driver"
     LEARNER = "learner"
     ROLLOUT = "rollout"
+
+# --- the driver's exit codes -------------------------------------------------------------------
+# 0: the job's steps are done. 2: the run config or the pod's env is wrong (the message names
+# the field). 3: the operator refused the driver, or its certificate did not verify. Any
+# other non-zero code (a crash, an OOM kill): a new attempt from the last checkpoint.
+
+#: The job's data is bad (spec.data: a file, a record, a field, a prompt over
+#: rollout.maxPromptTokens); the driver checks it before anything heavy starts. Permanent:
+#: the operator fails the job with reason DataInvalid and the driver's message, spending no
+#: backoffLimit retries (the same data would fail the same way).
+EXIT_DATA_INVALID = 4
+#: The driver's error message reaches the operator through the container's termination
+#: message: the builders set this policy on the driver, so the log's tail stands in for it.
+DRIVER_TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"

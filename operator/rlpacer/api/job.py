@@ -19,6 +19,7 @@ from typing import Annotated, Any, ClassVar
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from rlpacer.api import sources
 from rlpacer.api._base import APIModel, Decimal, TypedObject, decimal, read_stored
 
 GROUP = "rlpacer.io"
@@ -51,16 +52,39 @@ class GroupControlMode(enum.StrEnum):
     FIXED = "Fixed"
 
 
+class ModelDType(enum.StrEnum):
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
 class ModelSpec(APIModel):
     source: str = Field(
         min_length=1,
         max_length=512,
         description=(
             "Where the policy's initial weights come from: builtin://<name> for the project's"
-            " tiny models (e.g. builtin://tiny-chain), pvc://<claim>/<path> for a volume, or a"
-            " path inside the image. Nothing is downloaded from a hub."
+            " tiny models (e.g. builtin://tiny-chain), pvc://<claim>/<path> for a Hugging"
+            " Face-format directory (config.json, *.safetensors, tokenizer files, optional"
+            " chat template) on a PersistentVolumeClaim, mounted read-only in the pods, or"
+            " file:///<path> / a plain path (rlpacer run, or a path inside the image)."
+            " Loaded with transformers' Auto classes and by vLLM; nothing is downloaded."
         ),
     )
+    dtype: ModelDType | None = Field(
+        default=None,
+        description=(
+            "Compute dtype: the rollout engines' weights and the learner's forward passes"
+            " (autocast; the learner keeps float32 master weights). Unset: bfloat16 on GPUs,"
+            " float32 on CPUs."
+        ),
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        sources.local_path(v, "spec.model.source", env={})  # raises on a malformed URI
+        return v
 
 
 class DataSpec(APIModel):
@@ -68,17 +92,78 @@ class DataSpec(APIModel):
         min_length=1,
         max_length=512,
         description=(
-            "Prompt dataset: builtin://<task> for the project's synthetic tasks, or"
-            " pvc://<claim>/<path>.jsonl."
+            "Prompt dataset: builtin://<task> for the project's synthetic tasks (e.g."
+            " builtin://chain), or a JSON Lines file (one object per line) from"
+            " pvc://<claim>/<path>.jsonl (mounted read-only in the driver pod) or"
+            " file:///<path>.jsonl / a plain path. Checked when the trainer starts: bad data"
+            " fails the job with reason DataInvalid, naming the file, line and field."
         ),
     )
-    prompt_field: str = Field(default="prompt", description="JSONL field holding the prompt.")
-    answer_field: str = Field(default="answer", description="JSONL field holding the answer.")
+    prompt_field: str = Field(
+        default="prompt", min_length=1, max_length=256,
+        description=(
+            "Field of each record holding the prompt text (files only); dots reach into"
+            " nested objects, e.g. meta.question."
+        ),
+    )
+    answer_field: str = Field(
+        default="answer", min_length=1, max_length=256,
+        description=(
+            "Field of each record holding the reference answer the reward compares with"
+            " (files only); dots reach into nested objects. Numbers are read as their text."
+        ),
+    )
+    system_prompt: str | None = Field(
+        default=None, max_length=65536,
+        description=(
+            "A system message put before every prompt: through the model's chat template"
+            " when it has one, else as text followed by a blank line. Not for builtin://"
+            " models (their vocabulary is the task's characters)."
+        ),
+    )
+    eval_source: str | None = Field(
+        default=None, min_length=1, max_length=512,
+        description=(
+            "Held-out prompts from a second file (same schemes and fields as source); the"
+            " run's evaluation uses them. Exclusive with evalFraction."
+        ),
+    )
+    eval_fraction: Decimal | None = Field(
+        default=None,
+        description=(
+            "Held-out split of source: this fraction of its records (in (0, 0.5], drawn with"
+            " seed) is kept out of training and used by the run's evaluation. Exclusive with"
+            " evalSource. Unset with no evalSource: a file run has no held-out set."
+        ),
+    )
     num_prompts: int | None = Field(
         default=None, ge=1, le=10_000_000,
         description="Size of a builtin dataset (prompts per epoch). Ignored for files.",
     )
-    seed: int = Field(default=0, ge=0, description="Seed of the data order and builtin data.")
+    seed: int = Field(
+        default=0, ge=0,
+        description="Seed of the data order, of a held-out split and of builtin data.",
+    )
+
+    @field_validator("source", "eval_source")
+    @classmethod
+    def _source(cls, v: str | None, info: Any) -> str | None:
+        if v is not None:
+            name = "evalSource" if info.field_name == "eval_source" else "source"
+            sources.local_path(v, f"spec.data.{name}", env={})
+        return v
+
+    @model_validator(mode="after")
+    def _split(self) -> DataSpec:
+        if self.eval_fraction is not None and not 0 < decimal(self.eval_fraction) <= 0.5:
+            raise ValueError("evalFraction must be in (0, 0.5]")
+        if self.eval_fraction is not None and self.eval_source is not None:
+            raise ValueError("give evalFraction or evalSource, not both")
+        builtin = self.source.startswith("builtin://")
+        if builtin and (self.eval_fraction is not None or self.eval_source is not None):
+            raise ValueError("evalFraction and evalSource are for file data; a builtin task"
+                             " has its own held-out set")
+        return self
 
 
 class OverlongPenalty(APIModel):
@@ -216,6 +301,14 @@ class RolloutSpec(APIModel):
     tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM tensor parallel.")
     max_response_tokens: int = Field(
         default=512, ge=1, le=1_048_576, description="Length cap of a response, in tokens."
+    )
+    max_prompt_tokens: int | None = Field(
+        default=None, ge=1, le=1_048_576,
+        description=(
+            "Length cap of a prompt in tokens (after the chat template); a longer prompt in"
+            " the data fails the job with DataInvalid. The engines' max model length is"
+            " maxPromptTokens + maxResponseTokens. Unset: the longest prompt of the data."
+        ),
     )
     temperature: Decimal = Field(default="1.0", description="Sampling temperature (>= 0).")
     top_p: Decimal = Field(default="1.0", description="Nucleus sampling mass in (0, 1].")

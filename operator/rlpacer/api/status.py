@@ -80,6 +80,7 @@ class Reason(enum.StrEnum):
     COMPLETED = "Completed"
     BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
+    DATA_INVALID = "DataInvalid"  # the driver found bad data at start (no retry)
     # SLOViolated (the values of rlpacer.control.policy.SLOReason)
     STRAGGLER_RATE_ABOVE_SLO = "StragglerRateAboveSLO"
     STEP_TIME_ABOVE_SLO = "StepTimeAboveSLO"

@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from rlpacer.api import contract
+from rlpacer.api import contract, sources
 from rlpacer.api.job import API_VERSION, KIND, RLTrainingJobSpec
 from rlpacer.operator import names
 
@@ -221,6 +221,23 @@ def _env(inputs: BuildInputs, role: contract.Role, world_size: int) -> list[Obj]
     return env
 
 
+def read_claims(spec: RLTrainingJobSpec, role: contract.Role) -> list[str]:
+    """The claims the spec's sources name (``pvc://CLAIM/PATH``) that ``role``'s pods read:
+    the model's in the driver (tokenizer, config), learner and rollout pods; the data's
+    (``source``, ``evalSource``) in the driver's. In first-seen order, each once."""
+    want: list[str] = []
+    if role in (contract.Role.DRIVER, contract.Role.LEARNER, contract.Role.ROLLOUT):
+        want.append(spec.model.source)
+    if role is contract.Role.DRIVER:
+        want += [s for s in (spec.data.source, spec.data.eval_source) if s is not None]
+    out: list[str] = []
+    for src in want:
+        pvc = sources.parse_pvc(src, "spec")
+        if pvc is not None and pvc.claim not in out:
+            out.append(pvc.claim)
+    return out
+
+
 def _pod_spec(
     inputs: BuildInputs, role: contract.Role, image: str, gpus: int, world_size: int
 ) -> Obj:
@@ -248,6 +265,15 @@ def _pod_spec(
             if claim
             else {"name": "checkpoints", "emptyDir": {}}
         )
+    for i, claim in enumerate(read_claims(spec, role)):
+        vol = f"source-{i}"
+        if claim == spec.checkpoint.volume_claim and any(
+                v["name"] == "checkpoints" for v in volumes):
+            vol = "checkpoints"  # one volume, mounted again read-only under the claims root
+        else:
+            volumes.append({"name": vol, "persistentVolumeClaim": {"claimName": claim,
+                                                                   "readOnly": True}})
+        mounts.append({"name": vol, "mountPath": sources.claim_mount(claim), "readOnly": True})
     container: Obj = {
         "name": "main",
         "image": image,
@@ -255,6 +281,8 @@ def _pod_spec(
         "env": _env(inputs, role, world_size),
         "volumeMounts": mounts,
     }
+    if role is contract.Role.DRIVER:  # its last error line becomes the pod's message
+        container["terminationMessagePolicy"] = contract.DRIVER_TERMINATION_MESSAGE_POLICY
     if role is contract.Role.HEAD:
         container["ports"] = [
             {"name": "gcs", "containerPort": contract.RAY_GCS_PORT},

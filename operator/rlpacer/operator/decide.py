@@ -14,7 +14,9 @@ Lifecycle (conditions, see ``rlpacer.api.status``):
   token the job's pods no longer share): a new attempt, not counted against ``backoffLimit``.
 * Driver pod of the current attempt Failed: ``failures`` += 1; within ``backoffLimit`` a new
   attempt (new driver pod, the controller state kept: it continues from what it learnt), else
-  Failed/BackoffLimitExceeded. Driver Succeeded: Succeeded/Completed.
+  Failed/BackoffLimitExceeded. Driver Failed with ``contract.EXIT_DATA_INVALID`` (bad data,
+  checked at start): Failed/DataInvalid with the driver's message, no retry. Driver
+  Succeeded: Succeeded/Completed.
 * ``activeDeadlineSeconds`` past ``startTime``: Failed/DeadlineExceeded.
 * Terminal: workloads deleted (GPUs released); after ``ttlSecondsAfterFinished`` the job is
   deleted (children follow by garbage collection).
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from rlpacer.api import contract
 from rlpacer.api.job import RLTrainingJobSpec, effective_algorithm
 from rlpacer.api.status import (
     MAX_SCALE_ACTIONS,
@@ -51,6 +54,8 @@ class Observed:
     attempt: int = 0  # the attempt whose driver pod was looked at
     driver_phase: str | None = None  # phase of <job>-driver-<attempt>; None: absent
     driver_message: str = ""
+    #: exit code of the driver's container when it terminated (None: running, or not seen)
+    driver_exit_code: int | None = None
     rollout_ready: int = 0
     #: ordinals of the rollout StatefulSet's Ready pods (None: not looked at)
     rollout_ordinals: tuple[int, ...] | None = None
@@ -177,6 +182,17 @@ def decide(
         _cond(st, ConditionType.TRAINING, False, Reason.STOPPED, "completed", t, gen)
         _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED, "completed", t, gen)
         ev.append(Event("Normal", "Completed", f"finished {st.step} steps"))
+        _finish(st, t)
+        d.workloads = False
+        if spec.ttl_seconds_after_finished is not None:
+            d.requeue_after = float(spec.ttl_seconds_after_finished)
+    elif phase == "Failed" and observed.driver_exit_code == contract.EXIT_DATA_INVALID:
+        # permanent: the data is bad; another attempt would fail the same way
+        msg = f"the job's data is invalid: {observed.driver_message or 'see the driver log'}"
+        _cond(st, ConditionType.FAILED, True, Reason.DATA_INVALID, msg, t, gen)
+        _cond(st, ConditionType.TRAINING, False, Reason.STOPPED, msg, t, gen)
+        _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED, "failed", t, gen)
+        ev.append(Event("Warning", "DataInvalid", msg))
         _finish(st, t)
         d.workloads = False
         if spec.ttl_seconds_after_finished is not None:

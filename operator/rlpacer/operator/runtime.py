@@ -68,6 +68,15 @@ T = TypeVar("T")
 MAX_CAS_RETRIES = 10
 
 
+
+def last_error_line(log_tail: str, limit: int = 1024) -> str:
+    """The driver's error from its termination message (the log's tail): the last line that
+    starts with ``error:``, else the last non-empty line; at most ``limit`` characters."""
+    lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if ln.startswith("error:")]
+    line = (errs or lines or [""])[-1].removeprefix("error:").strip()
+    return line[:limit]
+
 class JobGone(Exception):
     """The job does not exist (any more)."""
 
@@ -490,7 +499,7 @@ class Jobs:
         pod = await self.kube.get(
             object_path("v1", "pods", rt.namespace, names.driver_pod(rt.name, attempt))
         )
-        phase, message = None, ""
+        phase, message, exit_code = None, "", None
         if pod is not None and not _owned_by(pod, rt.uid):
             pod = None
         if pod is not None:
@@ -501,6 +510,9 @@ class Jobs:
                 term = (cs.get("state") or {}).get("terminated")
                 if term:
                     code, why = term.get("exitCode"), term.get("reason", "")
+                    exit_code = code if isinstance(code, int) else None
+                    if code == contract.EXIT_DATA_INVALID and term.get("message"):
+                        message = last_error_line(str(term["message"]))
                     message = message or f"exit code {code}: {why}"
         sts = await self.kube.get(object_path(
             "apps/v1", "statefulsets", rt.namespace,
@@ -518,6 +530,7 @@ class Jobs:
         ordinals = tuple(scaler.ready_ordinals(
             listed.get("items") or [], names.statefulset(rt.name, contract.Role.ROLLOUT)))
         return Observed(attempt=attempt, driver_phase=phase, driver_message=message,
+                        driver_exit_code=exit_code,
                         rollout_ready=ready, rollout_ordinals=ordinals), pod
 
     async def reconcile(self, rt: JobRuntime) -> float | None:

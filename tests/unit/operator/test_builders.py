@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from rlpacer.api import contract
+from rlpacer.api import contract, sources
 from rlpacer.api.job import load_manifest, parse_spec
 from rlpacer.operator import builders, names
 
@@ -319,3 +319,77 @@ def test_the_report_ca_reaches_the_driver_through_the_configmap() -> None:
     pod = next(c for c in plain if c["kind"] == "Pod")
     env_names = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
     assert contract.ENV_REPORT_CA_FILE not in env_names
+
+
+def _with_sources(model: str = "builtin://tiny-chain", data: str = "builtin://chain",
+                  eval_source: str | None = None, ckpt: str | None = None) -> dict[str, object]:
+    spec = _inputs().spec
+    upd: dict[str, object] = {
+        "model": spec.model.model_copy(update={"source": model}),
+        "data": spec.data.model_copy(update={"source": data, "eval_source": eval_source}),
+        "checkpoint": spec.checkpoint.model_copy(update={"volume_claim": ckpt}),
+    }
+    return _pod_specs(_inputs(spec=spec.model_copy(update=upd)))
+
+
+def _claim_mounts(pod: object) -> dict[str, tuple[str, bool]]:
+    """mount path under the claims root -> (claim name, mounted read-only)."""
+    vols = {v["name"]: v for v in pod["volumes"]}  # type: ignore[index]
+    out = {}
+    for m in pod["containers"][0]["volumeMounts"]:  # type: ignore[index]
+        if m["mountPath"].startswith(sources.CLAIMS_DIR + "/"):
+            claim = vols[m["name"]]["persistentVolumeClaim"]["claimName"]
+            out[m["mountPath"]] = (claim, bool(m.get("readOnly")))
+    return out
+
+
+def test_model_and_data_claims_are_mounted_read_only_where_read() -> None:
+    pods = _with_sources(model="pvc://models/qwen/v1", data="pvc://datasets/gsm/train.jsonl",
+                         eval_source="pvc://held/test.jsonl")
+    root = sources.CLAIMS_DIR
+    model = {f"{root}/models": ("models", True)}
+    # the model's claim where weights or the tokenizer are read; the data's in the driver only
+    assert _claim_mounts(pods["learner"]) == model
+    assert _claim_mounts(pods["rollout"]) == model
+    assert _claim_mounts(pods["driver"]) == {
+        **model, f"{root}/datasets": ("datasets", True), f"{root}/held": ("held", True)}
+    assert _claim_mounts(pods["head"]) == {}
+    # the driver's error reaches the operator as its termination message (DataInvalid)
+    main = pods["driver"]["containers"][0]  # type: ignore[index]
+    assert main["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    for pod in pods.values():
+        for v in pod["volumes"]:  # type: ignore[index]
+            if v["name"].startswith("source-"):
+                assert v["persistentVolumeClaim"]["readOnly"] is True
+    # the trainer resolves the same path there
+    env = {sources.ENV_CLAIMS_DIR: root}
+    assert sources.local_path("pvc://models/qwen/v1", "f", env) == f"{root}/models/qwen/v1"
+
+
+def test_builtin_sources_mount_no_claim_and_a_shared_claim_is_one_volume() -> None:
+    pods = _with_sources()
+    for pod in pods.values():
+        assert _claim_mounts(pod) == {}
+        assert not any(v["name"].startswith("source-") for v in pod["volumes"])  # type: ignore[index]
+    # model and data on one claim: one volume, one mount; the checkpoint claim as the
+    # model's: the checkpoints volume mounted a second time, read-only, not a second volume
+    pods = _with_sources(model="pvc://team/m", data="pvc://team/d.jsonl", ckpt="team")
+    driver = pods["driver"]
+    assert _claim_mounts(driver) == {f"{sources.CLAIMS_DIR}/team": ("team", True)}
+    claims = [v for v in driver["volumes"] if "persistentVolumeClaim" in v]  # type: ignore[index]
+    assert [v["name"] for v in claims] == ["checkpoints"]
+    rw = [m for m in driver["containers"][0]["volumeMounts"]  # type: ignore[index]
+          if m["mountPath"] == contract.CHECKPOINT_DIR]
+    assert rw and not rw[0].get("readOnly")
+    assert _claim_mounts(pods["rollout"]) == {f"{sources.CLAIMS_DIR}/team": ("team", True)}
+    assert [v["name"] for v in pods["rollout"]["volumes"]  # type: ignore[index]
+            if "persistentVolumeClaim" in v] == ["source-0"]
+
+
+@pytest.mark.parametrize("source", ["pvc://Bad_Claim/x", "pvc://claim", "pvc://c/../etc",
+                                    "s3://bucket/m", "file://relative/m"])
+def test_malformed_model_sources_are_refused_naming_the_field(source: str) -> None:
+    spec = _inputs().spec.to_wire()
+    spec["model"]["source"] = source
+    with pytest.raises(ValueError, match=r"spec\.model\.source"):
+        parse_spec(spec)

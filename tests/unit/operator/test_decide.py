@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 
+from rlpacer.api import contract
 from rlpacer.api.job import parse_spec
 from rlpacer.api.protocol import RoundKind
 from rlpacer.api.status import ConditionType, RLTrainingJobStatus, Summary, is_true
 from rlpacer.operator import scaler
 from rlpacer.operator.decide import Observed, decide, restart_attempt
+from rlpacer.operator.runtime import last_error_line
 
 pytestmark = pytest.mark.unit
 
@@ -211,3 +213,30 @@ def test_a_policy_tightened_while_a_scale_up_pends_cuts_it_at_once() -> None:
     floor, acts, _ = scaler.observe(ro, spec, short, 3, T0, long_cap=0)
     assert floor.desired_replicas == short and floor.state == "Ready"
     assert [a.to_replicas for a in acts] == [short]
+
+
+@pytest.mark.parametrize("exit_code", [contract.EXIT_DATA_INVALID, 1, 2, 137, None])
+def test_bad_data_fails_the_job_at_once_other_exits_retry(exit_code: int | None) -> None:
+    spec = _spec(backoffLimit=3, ttlSecondsAfterFinished=60)
+    st = _run(spec, RLTrainingJobStatus(), Observed(driver_phase="Running")).status
+    why = "spec.data.source: /d/train.jsonl line 7: field 'meta.question' missing"
+    d = _run(spec, st, Observed(driver_phase="Failed", driver_message=why,
+                                driver_exit_code=exit_code))
+    if exit_code != contract.EXIT_DATA_INVALID:
+        assert d.status.summary == Summary.RESTARTING and d.status.failures == 1
+        return
+    assert d.status.summary == Summary.FAILED and not d.workloads
+    assert d.status.failures == 0 and d.status.attempt == 0  # no backoffLimit retry spent
+    failed = next(c for c in d.status.conditions if c.type == ConditionType.FAILED)
+    assert failed.reason == "DataInvalid" and why in failed.message
+    assert [e.reason for e in d.events] == ["DataInvalid"]
+    assert d.requeue_after == pytest.approx(60)  # the TTL clock of a finished job
+
+
+def test_the_drivers_error_line_is_the_message() -> None:
+    tail = ("Traceback ...\nerror: data invalid: spec.data.source: /d/t.jsonl line 3: not valid"
+            " JSON\n\n")
+    assert last_error_line(tail) == ("data invalid: spec.data.source: /d/t.jsonl line 3: not"
+                                     " valid JSON")
+    assert last_error_line("a\nlast words\n") == "last words"
+    assert len(last_error_line("error: " + "x" * 5000)) == 1024
