@@ -97,6 +97,7 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
     (out / "topology.json").write_text(json.dumps(drv.topology(), indent=1))
     extra: dict[str, Any] = {"algorithm": algorithm}
     evalset = cfg.eval_problems()
+    evaluate = evaluate and bool(evalset)  # a file run without a held-out set: no evaluation
     if evaluate:
         extra["eval_accuracy_start"] = drv.evaluate(evalset)
     bar = _progress(cfg.total_steps, drv.step)

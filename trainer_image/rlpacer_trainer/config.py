@@ -23,7 +23,7 @@ from rlpacer.api.job import (
 from rlpacer.control.plan import JobControllerConfig
 from rlpacer.control.sagc import GroupControlMode
 from rlpacer.control.tail_batching import TailBatchingConfig
-from rlpacer_trainer import algos, task, tiny
+from rlpacer_trainer import algos, data, models, task
 from rlpacer_trainer.learner import LearnerConfig
 
 BUILTIN_TASKS = ("chain",)
@@ -31,6 +31,12 @@ BUILTIN_TASKS = ("chain",)
 
 class ConfigError(ValueError):
     """A run config that cannot work; the message names the field."""
+
+
+class DataInvalid(ConfigError):
+    """The job's data is bad (a record, a field, a prompt over the cap): the message names
+    the spec field, the file, the line and the record field. A pod exits with
+    ``contract.EXIT_DATA_INVALID`` on it."""
 
 
 @dataclasses.dataclass
@@ -56,20 +62,35 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         spec = self.job.spec
-        if not spec.data.source.startswith("builtin://"):
-            raise ConfigError(
-                f"spec.data.source: {spec.data.source!r}: this trainer build runs builtin tasks"
-                f" only ({', '.join('builtin://' + t for t in BUILTIN_TASKS)})"
-            )
-        if spec.data.source.removeprefix("builtin://") not in BUILTIN_TASKS:
-            raise ConfigError(f"spec.data.source: unknown builtin task {spec.data.source!r}")
+        self._files: tuple[list[data.Example], list[data.Example]] | None = None
+        if spec.data.source.startswith("builtin://"):
+            if spec.data.source.removeprefix("builtin://") not in BUILTIN_TASKS:
+                raise ConfigError(
+                    f"spec.data.source: unknown builtin task {spec.data.source!r}; known:"
+                    f" {', '.join('builtin://' + t for t in BUILTIN_TASKS)}")
+        else:
+            try:
+                self._files = data.load(spec.data)  # every record read and checked now
+            except data.DataError as e:
+                raise DataInvalid(str(e)) from e
         if spec.reward.type not in task.REWARDS:
             raise ConfigError(
                 f"spec.reward.type: {spec.reward.type!r} is not built in ({sorted(task.REWARDS)})"
             )
         if self.fixed_group_size is not None and self.fixed_group_size < 1:
             raise ConfigError("--fixed-group-size must be >= 1")
-        tiny.resolve_source(spec.model.source)  # fails early, naming model.source
+        try:
+            self._model_path = models.resolve(spec.model.source)  # fails early, naming it
+        except models.ModelSourceError as e:
+            raise ConfigError(str(e)) from e
+        if models.is_builtin(spec.model.source) and spec.data.system_prompt is not None:
+            raise ConfigError(
+                f"spec.data.systemPrompt: {spec.model.source} has the task's character"
+                " vocabulary and no chat template; remove systemPrompt or name a Hugging"
+                " Face-format model in spec.model.source")
+        self._tokenizer: models.PromptTokenizer | None = None
+        self._max_prompt_tokens: int | None = None
+        _ = self.max_model_len  # every prompt encoded and measured against the caps now
 
     @classmethod
     def load(cls, path: str | Path, **kw: Any) -> RunConfig:
@@ -90,6 +111,10 @@ class RunConfig:
 
     @property
     def num_prompts(self) -> int:
+        """Training prompts per epoch: a file's records (less a held-out split), or the
+        builtin task's ``numPrompts`` (4096 unset)."""
+        if self._files is not None:
+            return len(self._files[0])
         n = self.spec.data.num_prompts
         return int(n) if n else 4096
 
@@ -103,7 +128,61 @@ class RunConfig:
 
     @property
     def model_path(self) -> Path:
-        return tiny.resolve_source(self.spec.model.source)
+        return self._model_path
+
+    def tokenizer(self) -> models.PromptTokenizer:
+        """The model's: the builtin tiny one's characters, else the directory's tokenizer
+        with its chat template and ``spec.data.systemPrompt``."""
+        if self._tokenizer is None:
+            self._tokenizer = models.tokenizer(self.spec.model.source, self.model_path,
+                                               self.spec.data.system_prompt)
+        return self._tokenizer
+
+    @property
+    def engine_dtype(self) -> str:
+        """``spec.model.dtype``; unset: bfloat16 on GPU engines, float32 on CPU ones."""
+        return models.resolve_dtype(self.spec.model.dtype,
+                                    gpu=int(self.spec.rollout.gpus_per_replica) > 0)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """``spec.rollout.maxPromptTokens``; unset: the longest encoded prompt of the data.
+        A longer prompt than the spec's cap is refused, naming it."""
+        if self._max_prompt_tokens is None:
+            tok = self.tokenizer()
+            longest, which, where = 0, "", ""
+            for p in [*self.problems(), *self.eval_problems()]:
+                try:
+                    n = len(tok.prompt_ids(p.prompt))
+                except ValueError as e:
+                    where = getattr(p, "where", "")
+                    raise DataInvalid(f"spec.data.source: {where}: spec.data.promptField: {e}"
+                                      ) from e
+                if n > longest:
+                    longest, which, where = n, p.prompt, getattr(p, "where", "")
+            cap = self.spec.rollout.max_prompt_tokens
+            if cap is not None and longest > int(cap):
+                err = DataInvalid if where else ConfigError
+                raise err(
+                    f"spec.rollout.maxPromptTokens: {cap}, but a prompt of the data takes"
+                    f" {longest} tokens ({where + ': ' if where else ''}{which[:60]!r}); raise"
+                    " maxPromptTokens or shorten the prompt")
+            self._max_prompt_tokens = int(cap) if cap is not None else longest
+        return self._max_prompt_tokens
+
+    @property
+    def max_model_len(self) -> int:
+        """The engines' max model length: maxPromptTokens + maxResponseTokens, within the
+        model's context (``max_position_embeddings``)."""
+        n = self.max_prompt_tokens + self.max_tokens
+        ctx = models.max_positions(self.model_path)
+        if ctx is not None and n > ctx:
+            raise ConfigError(
+                f"spec.rollout.maxPromptTokens + spec.rollout.maxResponseTokens ="
+                f" {self.max_prompt_tokens} + {self.max_tokens} = {n} exceeds the model's"
+                f" context of {ctx} tokens (max_position_embeddings of {self.model_path});"
+                " lower maxResponseTokens or maxPromptTokens")
+        return n
 
     @property
     def tail_batching_enabled(self) -> bool:
@@ -130,6 +209,8 @@ class RunConfig:
             warmup_updates=self.warmup_updates,
             reference_samples=self.lr_reference_samples,
             temperature=max(self.temperature, 1e-3),
+            # unset: bfloat16 autocast on a GPU learner, float32 on a CPU (LearnerWorker)
+            autocast=None if self.spec.model.dtype is None else str(self.spec.model.dtype),
         )
 
     @property
@@ -172,8 +253,15 @@ class RunConfig:
             cfg = dc.replace(cfg, mode=GroupControlMode.FIXED, sagc=sagc)
         return cfg
 
-    def problems(self) -> list[task.Problem]:
+    def problems(self) -> list[Any]:
+        """The training prompts: ``task.Problem`` (builtin) or ``data.Example`` (files),
+        each with ``.pid`` (its index here), ``.prompt`` and ``.reference``."""
+        if self._files is not None:
+            return list(self._files[0])
         return task.make_problems(self.num_prompts, seed=task.TRAIN_SEED + self.data_seed)
 
-    def eval_problems(self) -> list[task.Problem]:
+    def eval_problems(self) -> list[Any]:
+        """The held-out prompts (files: evalSource or the evalFraction split, maybe none)."""
+        if self._files is not None:
+            return list(self._files[1])
         return task.make_problems(self.eval_prompts, seed=task.EVAL_SEED)

@@ -42,7 +42,7 @@ import torch
 
 from rlpacer.api.protocol import LengthSummary, Plan, RoundKind, StepReport, StepSeconds
 from rlpacer.control.tail_batching import TailBatchingPlanner
-from rlpacer_trainer import algos, task, tiny
+from rlpacer_trainer import algos, task
 from rlpacer_trainer.engine import EngineInfo, EngineStats, Finished, GenRequest, total_stats
 from rlpacer_trainer.learner import Sample
 from rlpacer_trainer.learners import driver_rng_state, set_driver_rng_state
@@ -137,6 +137,7 @@ class Driver:
         self.checkpoint_dir = checkpoint_dir
         self.on_step = on_step
         self.problems = cfg.problems()
+        self.tok = cfg.tokenizer()  # the model's: prompts in, responses out
         self.step = 0
         self.records: list[dict[str, Any]] = []
         self._reward_fn = task.REWARDS[cfg.spec.reward.type]
@@ -153,7 +154,7 @@ class Driver:
     def _score(self, tokens: tuple[int, ...], finish_reason: str, pid: int) -> float:
         r = 0.0
         if finish_reason == "stop":
-            r = self._reward_fn(tiny.decode(list(tokens)), self.problems[pid])
+            r = self._reward_fn(self.tok.decode(tokens), self.problems[pid])
         if self.cfg.overlong_buffer:
             r += self.cfg.overlong_scale * algos.overlong_penalty(
                 len(tokens), max_tokens=self.cfg.max_tokens,
@@ -170,7 +171,7 @@ class Driver:
         self._requests.clear()
         reqs: list[tuple[GenRequest, int, int]] = []
         for p in plan.prompts:
-            ids = tuple(tiny.prompt_ids(self.problems[p].prompt))
+            ids = tuple(self.tok.prompt_ids(self.problems[p].prompt))
             for i in range(plan.responses_per_prompt):
                 reqs.append((GenRequest(
                     rid(p, i), ids, self.cfg.max_tokens, self.cfg.temperature,
@@ -367,7 +368,7 @@ class Driver:
         samples = []
         for key, adv in zip(keys, advs, strict=True):
             pid = key[1]
-            prompt = tiny.prompt_ids(self.problems[pid].prompt)
+            prompt = self.tok.prompt_ids(self.problems[pid].prompt)
             for k, a in zip(groups[key], adv, strict=True):
                 samples.append(Sample(prompt, list(k.tokens), float(a)))
         served = self._served_by_engine(stats_before) + self._died_served
@@ -643,7 +644,7 @@ class Driver:
         return self.records
 
     # --- evaluation ---------------------------------------------------------------------------
-    def evaluate(self, problems: Sequence[task.Problem], temperature: float = 0.0,
+    def evaluate(self, problems: Sequence[Any], temperature: float = 0.0,
                  seed: int = 0) -> float:
         """Accuracy on ``problems`` (the held-out set): greedy by default, else one seeded
         sample per prompt at ``temperature``; split over the engines."""
@@ -652,7 +653,7 @@ class Driver:
         self._evals = getattr(self, "_evals", 0) + 1
         for j, p in enumerate(problems):
             per_engine[j % len(engines)].append(GenRequest(
-                f"eval{self.step}.{self._evals}-{j}", tuple(tiny.prompt_ids(p.prompt)),
+                f"eval{self.step}.{self._evals}-{j}", tuple(self.tok.prompt_ids(p.prompt)),
                 self.cfg.max_tokens, temperature,
                 None if temperature == 0 else sample_seed(seed, -1, j, 0)))
         hits = 0
@@ -664,7 +665,7 @@ class Driver:
                 j = int(r.request_id.rsplit("-", 1)[1])
                 f = done[r.request_id]
                 if f.finish_reason == "stop":
-                    hits += int(task.reward(tiny.decode(list(f.token_ids)), problems[j]) >= 1.0)
+                    hits += int(task.reward(self.tok.decode(f.token_ids), problems[j]) >= 1.0)
         return hits / max(1, len(problems))
 
     # --- checkpoints --------------------------------------------------------------------------

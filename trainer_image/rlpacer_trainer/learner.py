@@ -84,7 +84,8 @@ class LearnerConfig:
     # otherwise (measured: held-out greedy accuracy dipped 6 points in 8 steps at G=4).
     reference_samples: int = 0
     # mixed precision: forward passes under torch.autocast in this dtype ("bfloat16" on GPU
-    # learners), master weights and optimizer state stay float32; None: full float32
+    # learners), master weights and optimizer state stay float32; None or "float32": full
+    # float32 (LearnerWorker turns None into "bfloat16" on a GPU: spec.model.dtype unset)
     autocast: str | None = None
 
 
@@ -168,7 +169,7 @@ class Learner:
     def _autocast(self) -> Any:
         import contextlib
 
-        if self.cfg.autocast is None:
+        if self.cfg.autocast in (None, "float32"):
             return contextlib.nullcontext()
         device = next(self.model.parameters()).device.type
         return torch.autocast(device_type=device, dtype=getattr(torch, self.cfg.autocast))

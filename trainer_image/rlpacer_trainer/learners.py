@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import torch
 
-from rlpacer_trainer import tiny, topology, weights
+from rlpacer_trainer import models, tiny, topology, weights
 from rlpacer_trainer.learner import Learner, LearnerConfig, Sample, Shard
 
 
@@ -44,7 +44,7 @@ class LearnerWorker:
         tiny.set_threads(threads)
         self.rank, self.world = rank, world
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = tiny.load_model(Path(model_path)).to(self.device)
+        model = models.load_causal_lm(Path(model_path)).to(self.device)
         if self.device == "cuda" and cfg.autocast is None:
             cfg = dataclasses.replace(cfg, autocast="bfloat16")  # float32 master weights
         self.learner = Learner(model, cfg)

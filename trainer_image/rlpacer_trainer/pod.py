@@ -12,7 +12,9 @@ Reads the env the operator sets (names in :mod:`rlpacer.api.contract`, re-export
   and the endpoint is reached once before the engines start). Exit 0 when the job's steps
   are done, non-zero on failure (3: the operator refused the driver or its certificate did
   not verify): the operator then starts a new attempt (``RLPACER_ATTEMPT``) from the last
-  checkpoint.
+  checkpoint. Bad data (``spec.data``) exits with ``EXIT_DATA_INVALID`` (4) before anything
+  heavy starts, its message last on stderr: the operator fails the job (reason DataInvalid)
+  without a retry.
 * ``head``    ``ray start --head --block`` bound to the pod's IP (``RLPACER_POD_IP``).
 * ``rollout`` / ``learner``  ``ray start --address=$RAY_ADDRESS --block``: they contribute
   resources on which the driver places its engine actors and learners, and advertise their
@@ -162,9 +164,12 @@ def main(env: Mapping[str, str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
-        from rlpacer_trainer.config import ConfigError
+        from rlpacer_trainer.config import ConfigError, DataInvalid
         from rlpacer_trainer.controller_client import ControllerError, ReportTLSError
 
+        if isinstance(err, DataInvalid):  # permanent: the operator fails the job, no retry
+            print(f"error: data invalid: {err}", file=sys.stderr)
+            return c.EXIT_DATA_INVALID
         if isinstance(err, ConfigError):  # the run config: the job's spec, named
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -12,20 +12,21 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rlpacer.control.tail_batching import TailBatchingPlanner
-from rlpacer_trainer import topology
+from rlpacer_trainer import models, topology
 from rlpacer_trainer.config import RunConfig
 from rlpacer_trainer.controller_client import InProcessController
 from rlpacer_trainer.driver import Driver
-from rlpacer_trainer.engine import EngineConfig, RayEngine, VLLMEngine
+from rlpacer_trainer.engine import EngineConfig, EngineDtype, RayEngine, VLLMEngine
 from rlpacer_trainer.learners import InProcessLearners, LearnerWorker, RayLearners
 
 #: The job-level runtime env of every driver (actors inherit it). The driver's modules must be
 #: importable by actors (editable install, or the source tree).
 RUNTIME_ENV: dict[str, Any] = {
-    "env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    "env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+                 **models.OFFLINE_ENV}
 }
 
 
@@ -54,7 +55,8 @@ def engine_config(cfg: RunConfig, model_path: Path | None = None, *, replica: in
                   slot: int = 0) -> EngineConfig:
     return EngineConfig(
         model_path=str(model_path or cfg.model_path),
-        max_model_len=256,
+        max_model_len=cfg.max_model_len,
+        dtype=cast(EngineDtype, cfg.engine_dtype),
         max_num_seqs=256,
         kv_cache_gib=cfg.kv_cache_gib,
         threads_bind=cfg.threads_bind,
@@ -87,7 +89,7 @@ def start_engine(cfg: RunConfig, replica: int, *, pinned: bool = True) -> Any:
     ecfg = engine_config(cfg, replica=replica, slot=replica)
     if int(rollout.gpus_per_replica) > 0:
         ecfg = dataclasses.replace(ecfg, tensor_parallel_size=int(rollout.tensor_parallel_size),
-                                   dtype="bfloat16", single_process=False)
+                                   single_process=False)
     return RayEngine(
         ecfg, num_cpus=cfg.engine_cpus, num_gpus=int(rollout.gpus_per_replica),
         resources={topology.pod_resource("rollout", replica): 0.01} if pinned else None)

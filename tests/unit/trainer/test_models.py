@@ -1,0 +1,167 @@
+"""A user's Hugging Face-format model through a path: the project's recipe (a small Qwen2, BPE
+tokenizer trained with ``tokenizers``, ChatML template) loaded by the learner, its prompts
+encoded with its chat template, its dtype and lengths resolved from the spec; bad sources name
+spec.model.source."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rlpacer_trainer import hfrecipe, models, runtime
+from rlpacer_trainer.config import ConfigError, RunConfig
+from rlpacer_trainer.learner import LearnerConfig, Sample
+from rlpacer_trainer.learners import LearnerWorker
+
+pytestmark = pytest.mark.unit
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-local.yaml"
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return hfrecipe.make(tmp_path_factory.mktemp("hf") / "user-model")
+
+
+def _cfg(tmp_path: Path, source: str, **spec: dict[str, object]) -> RunConfig:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["model"]["source"] = source
+    for k, v in spec.items():
+        doc["spec"].setdefault(k, {}).update(v)
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return RunConfig.load(p)
+
+
+def test_recipe_writes_the_standard_layout(user_model: Path) -> None:
+    names = {p.name for p in user_model.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= names
+    cfg = json.loads((user_model / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["vocab_size"] == hfrecipe.VOCAB_SIZE
+
+
+def test_learner_loads_the_model_through_a_file_uri_and_trains(user_model: Path) -> None:
+    t0 = time.perf_counter()
+    w = LearnerWorker(str(models.resolve(f"file://{user_model}")),
+                      LearnerConfig(learning_rate=1e-3, mini_batches=1))
+    load_s = time.perf_counter() - t0
+    assert w.learner.model.config.model_type == "qwen2"
+    assert next(w.learner.model.parameters()).dtype == torch.float32
+    tok = models.HFTokenizer(user_model)
+    before = w.fingerprint()
+    prompt = tok.prompt_ids("Mia has 3 apples and buys 4 more.")
+    resp = tok.tok("7 \\boxed{7}<|im_end|>", add_special_tokens=False)["input_ids"]
+    w.train_step([Sample(prompt, resp, 1.0), Sample(prompt, resp[:2], -1.0)])
+    assert w.fingerprint() != before
+    print(f"learner load {load_s:.2f}s")
+
+
+def test_prompts_go_through_the_chat_template_with_the_system_prompt(user_model: Path) -> None:
+    tok = models.HFTokenizer(user_model, system_prompt="Put the answer in \\boxed{}.")
+    text = tok.tok.decode(tok.prompt_ids("How many?"))
+    assert text == ("<|im_start|>system\nPut the answer in \\boxed{}.<|im_end|>\n"
+                    "<|im_start|>user\nHow many?<|im_end|>\n<|im_start|>assistant\n")
+    plain = models.HFTokenizer(user_model)
+    assert plain.tok.decode(plain.prompt_ids("How many?")) == (
+        "<|im_start|>user\nHow many?<|im_end|>\n<|im_start|>assistant\n")
+    # decoding stops at the end-of-turn token (generation_config's eos), specials dropped
+    ids = tok.tok("12 apples<|im_end|>more", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == "12 apples"
+
+
+def test_a_model_without_chat_template_gets_plain_text(user_model: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(user_model, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((bare / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(tc))
+    tok = models.HFTokenizer(bare, system_prompt="Be brief.")
+    assert not tok.chat
+    assert tok.tok.decode(tok.prompt_ids("How many?")) == "Be brief.\n\nHow many?"
+
+
+def test_config_uses_the_models_tokenizer_and_system_prompt(user_model: Path,
+                                                            tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, str(user_model), data={"systemPrompt": "Count."})
+    ids = cfg.tokenizer().prompt_ids("12-3:")
+    assert isinstance(cfg.tokenizer(), models.HFTokenizer)
+    assert "<|im_start|>system\nCount." in cfg.tokenizer().tok.decode(ids)  # type: ignore[attr-defined]
+    # the builtin tiny model: characters, and a system prompt is refused naming the field
+    tiny_cfg = _cfg(tmp_path, "builtin://tiny-chain")
+    assert isinstance(tiny_cfg.tokenizer(), models.CharTokenizer)
+    with pytest.raises(ConfigError, match=r"spec\.data\.systemPrompt"):
+        _cfg(tmp_path, "builtin://tiny-chain", data={"systemPrompt": "Count."})
+
+
+def test_dtype_resolution(user_model: Path, tmp_path: Path) -> None:
+    cpu = _cfg(tmp_path, str(user_model))
+    assert cpu.engine_dtype == "float32" and runtime.engine_config(cpu).dtype == "float32"
+    assert cpu.learner_config().autocast is None  # the worker picks bfloat16 on a GPU only
+    gpu = _cfg(tmp_path, str(user_model), rollout={"gpusPerReplica": 1})
+    assert gpu.engine_dtype == "bfloat16"
+    half = _cfg(tmp_path, str(user_model), model={"dtype": "float16"},
+                rollout={"gpusPerReplica": 1})
+    assert half.engine_dtype == "float16" and half.learner_config().autocast == "float16"
+    f32 = _cfg(tmp_path, str(user_model), model={"dtype": "float32"},
+               rollout={"gpusPerReplica": 1})
+    assert f32.engine_dtype == "float32" and f32.learner_config().autocast == "float32"
+    with pytest.raises(ValueError, match="dtype"):
+        _cfg(tmp_path, str(user_model), model={"dtype": "int8"})
+
+
+def test_max_model_len_is_prompt_plus_response_tokens(user_model: Path, tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, str(user_model), rollout={"maxPromptTokens": 40,
+                                                   "maxResponseTokens": 100})
+    assert cfg.max_model_len == 140 and runtime.engine_config(cfg).max_model_len == 140
+    # unset: the longest prompt of the data, as the model's tokenizer encodes it
+    auto = _cfg(tmp_path, str(user_model), rollout={"maxResponseTokens": 100})
+    tok = auto.tokenizer()
+    longest = max(len(tok.prompt_ids(p.prompt))
+                  for p in [*auto.problems(), *auto.eval_problems()])
+    assert auto.max_prompt_tokens == longest and auto.max_model_len == longest + 100
+    tiny_cfg = _cfg(tmp_path, "builtin://tiny-chain")  # <s> + at most "NNN-K:"
+    assert tiny_cfg.max_model_len == tiny_cfg.max_prompt_tokens + 192 <= 200
+    with pytest.raises(ConfigError, match=r"spec\.rollout\.maxPromptTokens: 3, but a prompt"):
+        _ = _cfg(tmp_path, str(user_model), rollout={"maxPromptTokens": 3}).max_model_len
+    with pytest.raises(ConfigError, match=r"maxResponseTokens = .* exceeds the model's context"
+                                          r" of 512"):
+        _ = _cfg(tmp_path, str(user_model), rollout={"maxPromptTokens": 40,
+                                                     "maxResponseTokens": 500}).max_model_len
+
+
+def test_bad_model_sources_name_the_field(user_model: Path, tmp_path: Path) -> None:
+    cases = {
+        str(tmp_path / "missing"): "is not a directory",
+        f"file://{tmp_path}": "has no config.json",
+    }
+    nocfg = tmp_path / "no-weights"
+    nocfg.mkdir()
+    shutil.copy(user_model / "config.json", nocfg)
+    cases[str(nocfg)] = "no \\*.safetensors"
+    notok = tmp_path / "no-tokenizer"
+    notok.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(user_model / f, notok)
+    cases[str(notok)] = "no tokenizer files"
+    for source, why in cases.items():
+        with pytest.raises(ConfigError, match=rf"spec\.model\.source: .*{why}"):
+            _cfg(tmp_path, source)
+
+
+def test_pvc_sources_resolve_under_the_claims_mount(user_model: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "claims"
+    (root / "models").mkdir(parents=True)
+    shutil.copytree(user_model, root / "models" / "qwen")
+    monkeypatch.setenv("RLPACER_CLAIMS_DIR", str(root))
+    assert models.resolve("pvc://models/qwen") == root / "models" / "qwen"
+    with pytest.raises(models.ModelSourceError,
+                       match=r"spec\.model\.source: 'pvc://models/nope'.*mounted read-only"):
+        models.resolve("pvc://models/nope")
