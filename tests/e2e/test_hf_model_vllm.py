@@ -22,9 +22,10 @@ import yaml
 
 from rlpacer_trainer import hfrecipe, runtime, wordproblems
 from rlpacer_trainer.config import RunConfig
-from rlpacer_trainer.engine import GenRequest, VLLMEngine
+from rlpacer_trainer.engine import EngineConfig, GenRequest, VLLMEngine
 from rlpacer_trainer.learner import LearnerConfig
 from rlpacer_trainer.learners import LearnerWorker
+from rlpacer_trainer.models import HFTokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +73,8 @@ def test_vllm_and_the_learner_load_a_user_model_through_its_path(tmp_path: Path)
 def test_rlpacer_run_trains_a_user_model_on_a_jsonl_file(tmp_path: Path) -> None:
     """examples/user-model-local.yaml as its header says to run it: the recipe model and
     generated word problems under runs/ of the working folder, Ray and an engine actor, SAGC
-    and tail batching; every step trains on the file's prompts through the chat template."""
+    and tail batching; every step trains on the file's prompts through the chat template, and
+    the checkpoint's Hugging Face directory loads in vLLM."""
     hfrecipe.make(tmp_path / "runs" / "user-model")
     wordproblems.write(tmp_path / "runs" / "wordproblems.jsonl", 256)
     out = tmp_path / "out"
@@ -89,6 +91,12 @@ def test_rlpacer_run_trains_a_user_model_on_a_jsonl_file(tmp_path: Path) -> None
         assert all(0 <= p < 224 for p in r["prompts"])
     summary = json.loads((out / "summary.json").read_text())
     assert "eval_accuracy_start" in summary  # the held-out split was evaluated
-    assert (out / "checkpoints" / "latest").exists()
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    # the checkpoint's Hugging Face directory: vLLM serves it as it served the source
+    hf = latest / "model"
+    eng = VLLMEngine(EngineConfig(model_path=str(hf), max_model_len=192, threads_bind="0"))
+    tok = HFTokenizer(hf)
+    done = eng.generate([GenRequest("c", tuple(tok.prompt_ids("Mia has 3 apples.")), 8, 0.0)])
+    assert 1 <= len(done["c"].token_ids) <= 8
     print(f"first step: rollout {recs[0]['seconds_rollout']:.2f}s, train"
           f" {recs[0]['seconds_train']:.2f}s, sync {recs[0]['seconds_sync']:.2f}s")

@@ -43,6 +43,7 @@ class LearnerWorker:
                  threads: int = 1) -> None:
         tiny.set_threads(threads)
         self.rank, self.world = rank, world
+        self.model_path = model_path
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         model = models.load_causal_lm(Path(model_path)).to(self.device)
         if self.device == "cuda" and cfg.autocast is None:
@@ -111,11 +112,13 @@ class LearnerWorker:
 
     # --- checkpoints ------------------------------------------------------------------------
     def save(self, path: str) -> None:
-        """Writes the learner's part of a checkpoint (model, optimizer, RNG) to ``path``."""
+        """Writes the learner's part of a checkpoint (model, optimizer, RNG) to ``path``, and
+        the policy in Hugging Face format beside it (:func:`models.save_hf`: ``model/``)."""
         tmp = Path(path).with_name(Path(path).name + ".tmp")
         torch.save({"learner": self.learner.state_dict(), "torch_rng": torch.get_rng_state()},
                    tmp)
         tmp.replace(path)
+        models.save_hf(self.learner.model, Path(self.model_path), Path(path).parent / "model")
 
     def load(self, path: str) -> None:
         blob = torch.load(path, map_location=self.device, weights_only=False)

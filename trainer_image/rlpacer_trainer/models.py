@@ -93,6 +93,32 @@ def load_causal_lm(path: Path) -> Any:
                                                 local_files_only=True)
 
 
+#: what a model directory holds besides the weights and config that ``save_pretrained``
+#: writes: copied from the source into a checkpoint's HF directory (tokenizer, chat template)
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json",
+                 "config.json", "rlpacer_meta.json")
+
+
+def save_hf(model: Any, source: Path, out: Path) -> Path:
+    """The policy as a Hugging Face-format directory ``out`` (config.json, model.safetensors
+    in the learner's float32, the source's tokenizer files, chat template and generation
+    config): transformers' Auto classes and vLLM load it as they load the source."""
+    import shutil
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    for f in sorted(source.iterdir()):
+        if f.is_file() and not any(f.match(p) for p in _WEIGHT_FILES) and \
+                not (tmp / f.name).exists():
+            shutil.copy2(f, tmp / f.name)
+    if (source / "generation_config.json").is_file():  # the source's stop tokens, as is
+        shutil.copy2(source / "generation_config.json", tmp / "generation_config.json")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 class PromptTokenizer(Protocol):
     eos_ids: frozenset[int]
 

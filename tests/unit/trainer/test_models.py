@@ -170,3 +170,27 @@ def test_pvc_sources_resolve_under_the_claims_mount(user_model: Path, tmp_path: 
     with pytest.raises(models.ModelSourceError,
                        match=r"spec\.model\.source: 'pvc://models/nope'.*mounted read-only"):
         models.resolve("pvc://models/nope")
+
+
+@pytest.mark.parametrize("which", ["user", "builtin"])
+def test_checkpoints_hold_the_policy_in_hugging_face_format(user_model: Path, tmp_path: Path,
+                                                            which: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = user_model if which == "user" else models.resolve("builtin://tiny-chain")
+    w = LearnerWorker(str(src), LearnerConfig(learning_rate=1e-2, mini_batches=1))
+    tok = models.tokenizer(str(src) if which == "user" else "builtin://tiny-chain", src)
+    prompt = tok.prompt_ids("12-3:")
+    w.train_step([Sample(prompt, prompt[-3:], 1.0), Sample(prompt, prompt[-2:], -1.0)])
+    (tmp_path / "step-000001").mkdir()
+    w.save(str(tmp_path / "step-000001" / "learner.pt"))
+    hf = tmp_path / "step-000001" / "model"
+    assert models.resolve(str(hf)) == hf  # the layout a job's model.source accepts
+    loaded = AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True)
+    trained = w.learner.model.state_dict()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, trained[k]), k  # the trained weights, not the source's
+    again = models.tokenizer(str(hf) if which == "user" else "builtin://tiny-chain", hf)
+    assert again.prompt_ids("12-3:") == prompt  # same tokenizer (and chat template)
+    assert AutoTokenizer.from_pretrained(str(hf), local_files_only=True).chat_template == (
+        hfrecipe.CHAT_TEMPLATE if which == "user" else None)
