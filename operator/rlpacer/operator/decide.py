@@ -188,7 +188,7 @@ def decide(
             d.requeue_after = float(spec.ttl_seconds_after_finished)
     elif phase == "Failed" and observed.driver_exit_code == contract.EXIT_DATA_INVALID:
         # permanent: the data is bad; another attempt would fail the same way
-        msg = f"the job's data is invalid: {observed.driver_message or 'see the driver log'}"
+        msg = observed.driver_message or "data invalid: see the driver pod's log"
         _cond(st, ConditionType.FAILED, True, Reason.DATA_INVALID, msg, t, gen)
         _cond(st, ConditionType.TRAINING, False, Reason.STOPPED, msg, t, gen)
         _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED, "failed", t, gen)
