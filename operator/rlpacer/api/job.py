@@ -291,7 +291,94 @@ class RewardSpec(APIModel):
     timeout_seconds: int = Field(default=30, ge=1, le=3600, description="Per reward call.")
 
 
-class RolloutSpec(APIModel):
+#: Kubernetes resource quantities ("500m", "2", "8Gi", "1.5G").
+QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([numkMGTPE]|[KMGTPE]i|[eE][+-]?[0-9]+)?$"
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
+_RESOURCE_NAME = r"^(cpu|memory|ephemeral-storage|hugepages-[0-9A-Za-z]+)$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+#: env names the operator sets or the trainer relies on: not settable in a role's env
+RESERVED_ENV_PREFIXES = ("RLPACER_", "RAY_")
+RESERVED_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                          "CUDA_VISIBLE_DEVICES"})
+
+
+class ContainerResources(APIModel):
+    requests: dict[str, Quantity] | None = Field(
+        default=None, max_length=8,
+        description=(
+            "The pods' container resource requests, by the Pod API's names: cpu, memory,"
+            " ephemeral-storage, hugepages-<size>. GPUs: gpusPerReplica."
+        ),
+    )
+    limits: dict[str, Quantity] | None = Field(
+        default=None, max_length=8,
+        description="The pods' container resource limits (names as for requests).",
+    )
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _names(cls, v: dict[str, str] | None, info: Any) -> dict[str, str] | None:
+        import re
+
+        for key in v or {}:
+            low = key.lower()
+            if "gpu" in low or low.startswith(("nvidia.com/", "amd.com/")):
+                raise ValueError(
+                    f"{info.field_name}: {key!r}: GPUs are not set here; use the role's"
+                    " gpusPerReplica (rollout.gpusPerReplica, trainer.gpusPerReplica), which"
+                    " the namespace policy's GPU caps read")
+            if not re.match(_RESOURCE_NAME, key):
+                raise ValueError(f"{info.field_name}: {key!r}: not a pod resource here; use"
+                                 " cpu, memory, ephemeral-storage or hugepages-<size>")
+        return v
+
+
+class EnvVar(APIModel):
+    name: str = Field(min_length=1, max_length=256, pattern=ENV_NAME_PATTERN,
+                      description="Variable name.")
+    value: str = Field(default="", max_length=32768, description="Its value.")
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v.startswith(RESERVED_ENV_PREFIXES) or v in RESERVED_ENV:
+            raise ValueError(f"{v!r} is set by the operator or the trainer; choose another"
+                             " name (RLPACER_*, RAY_*, HOME, XDG_CACHE_HOME, HF_HUB_OFFLINE,"
+                             " TRANSFORMERS_OFFLINE and CUDA_VISIBLE_DEVICES are reserved)")
+        return v
+
+
+class LocalObjectReference(APIModel):
+    name: str = Field(min_length=1, max_length=253, description="Name of a Secret.")
+
+
+class PodSettings(APIModel):
+    """Pod API fields a role's pods take as given (the Pod API's names)."""
+
+    resources: ContainerResources | None = Field(
+        default=None,
+        description="The role's container requests and limits (cpu, memory; GPUs excluded).",
+    )
+    env: list[EnvVar] | None = Field(
+        default=None, max_length=64,
+        description="Extra environment variables of the role's container (after the operator's).",
+    )
+    image_pull_secrets: list[LocalObjectReference] | None = Field(
+        default=None, max_length=16,
+        description="Secrets (docker-registry) the role's pods pull their image with.",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _unique(cls, v: list[EnvVar] | None) -> list[EnvVar] | None:
+        names = [e.name for e in v or []]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"env: {dup} given more than once")
+        return v
+
+
+class RolloutSpec(PodSettings):
     image: str = Field(
         default="ghcr.io/rlpacer/trainer:0.1.0", max_length=512,
         description="Container image of the rollout workers (vLLM engines).",
@@ -324,10 +411,13 @@ class RolloutSpec(APIModel):
         return self
 
 
-class TrainerSpec(APIModel):
+class TrainerSpec(PodSettings):
     image: str = Field(
         default="ghcr.io/rlpacer/trainer:0.1.0", max_length=512,
-        description="Container image of the trainer (Ray head, driver, learner).",
+        description=(
+            "Container image of the trainer (Ray head, driver, learner). resources, env and"
+            " imagePullSecrets here are the learner pods'; head and driver have their own."
+        ),
     )
     replicas: int = Field(default=1, ge=1, le=1024, description="Learner replicas.")
     gpus_per_replica: int = Field(default=1, ge=0, le=64, description="GPUs per learner replica.")
@@ -504,6 +594,14 @@ class RLTrainingJobSpec(APIModel):
     )
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec, description="Where and how often to checkpoint."
+    )
+    driver: PodSettings | None = Field(
+        default=None,
+        description="The driver pod's resources, env and imagePullSecrets (image: trainer's).",
+    )
+    head: PodSettings | None = Field(
+        default=None,
+        description="The Ray head pod's resources, env and imagePullSecrets (image: trainer's).",
     )
     scheduling: SchedulingSpec = Field(
         default_factory=SchedulingSpec,

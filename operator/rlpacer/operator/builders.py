@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 from rlpacer.api import contract, sources
-from rlpacer.api.job import API_VERSION, KIND, RLTrainingJobSpec
+from rlpacer.api.job import API_VERSION, KIND, PodSettings, RLTrainingJobSpec
 from rlpacer.operator import names
 
 Obj = dict[str, Any]
@@ -221,6 +221,13 @@ def _env(inputs: BuildInputs, role: contract.Role, world_size: int) -> list[Obj]
     return env
 
 
+def role_settings(spec: RLTrainingJobSpec, role: contract.Role) -> PodSettings | None:
+    """The spec's Pod API settings of ``role``'s pods: rollout, trainer (learners), driver,
+    head."""
+    return {contract.Role.ROLLOUT: spec.rollout, contract.Role.LEARNER: spec.trainer,
+            contract.Role.DRIVER: spec.driver, contract.Role.HEAD: spec.head}[role]
+
+
 def read_claims(spec: RLTrainingJobSpec, role: contract.Role) -> list[str]:
     """The claims the spec's sources name (``pvc://CLAIM/PATH``) that ``role``'s pods read:
     the model's in the driver (tokenizer, config), learner and rollout pods; the data's
@@ -289,12 +296,19 @@ def _pod_spec(
             {"name": "client", "containerPort": contract.RAY_CLIENT_PORT},
             {"name": "dashboard", "containerPort": contract.RAY_DASHBOARD_PORT},
         ]
-    if gpus > 0:
-        qty = str(gpus)
-        container["resources"] = {
-            "limits": {contract.GPU_RESOURCE: qty},
-            "requests": {contract.GPU_RESOURCE: qty},
-        }
+    settings = role_settings(spec, role)
+    res = settings.resources if settings is not None else None
+    resources: Obj = {}
+    for kind in ("limits", "requests"):
+        given = dict(getattr(res, kind) or {}) if res is not None else {}
+        if gpus > 0:
+            given[contract.GPU_RESOURCE] = str(gpus)
+        if given:
+            resources[kind] = given
+    if resources:
+        container["resources"] = resources
+    if settings is not None and settings.env:
+        container["env"] += [{"name": e.name, "value": e.value} for e in settings.env]
     tolerations = [t.to_wire() for t in (sched.tolerations or [])]
     if gpus > 0 and GPU_TOLERATION not in tolerations:
         tolerations.append(dict(GPU_TOLERATION))
@@ -313,6 +327,8 @@ def _pod_spec(
         pod["nodeSelector"] = dict(sched.node_selector)
     if sched.priority_class_name:
         pod["priorityClassName"] = sched.priority_class_name
+    if settings is not None and settings.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": r.name} for r in settings.image_pull_secrets]
     _restrict(pod)
     return pod
 

@@ -393,3 +393,51 @@ def test_malformed_model_sources_are_refused_naming_the_field(source: str) -> No
     spec["model"]["source"] = source
     with pytest.raises(ValueError, match=r"spec\.model\.source"):
         parse_spec(spec)
+
+
+def test_per_role_resources_env_and_pull_secrets_reach_only_that_roles_pods() -> None:
+    spec = _inputs().spec.to_wire()
+    spec["rollout"].update(gpusPerReplica=2, resources={
+        "requests": {"cpu": "4", "memory": "32Gi"}, "limits": {"memory": "40Gi"}},
+        env=[{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+        imagePullSecrets=[{"name": "regcred"}])
+    spec["trainer"].update(resources={"limits": {"cpu": "8"}})
+    spec["driver"] = {"env": [{"name": "TOKENIZERS_PARALLELISM", "value": "true"}],
+                      "resources": {"requests": {"cpu": "500m", "memory": "2Gi"}}}
+    spec["head"] = {"imagePullSecrets": [{"name": "head-pull"}]}
+    pods = _pod_specs(_inputs(spec=parse_spec(spec)))
+    main = {role: pod["containers"][0] for role, pod in pods.items()}  # type: ignore[index]
+    gpu = contract.GPU_RESOURCE
+    assert main["rollout"]["resources"] == {
+        "requests": {"cpu": "4", "memory": "32Gi", gpu: "2"},
+        "limits": {"memory": "40Gi", gpu: "2"}}
+    assert main["learner"]["resources"]["limits"]["cpu"] == "8"
+    assert main["driver"]["resources"] == {"requests": {"cpu": "500m", "memory": "2Gi"}}
+    assert "resources" not in main["head"]
+
+    def user_env(role: str) -> dict[str, str]:
+        return {e["name"]: e["value"] for e in main[role]["env"]
+                if e["name"] in ("VLLM_LOGGING_LEVEL", "TOKENIZERS_PARALLELISM")}
+
+    assert user_env("rollout") == {"VLLM_LOGGING_LEVEL": "DEBUG"}
+    assert user_env("driver") == {"TOKENIZERS_PARALLELISM": "true"}
+    assert user_env("learner") == user_env("head") == {}
+    pulls = {role: pod.get("imagePullSecrets") for role, pod in pods.items()}  # type: ignore[union-attr]
+    assert pulls == {"rollout": [{"name": "regcred"}], "head": [{"name": "head-pull"}],
+                     "learner": None, "driver": None}
+
+
+@pytest.mark.parametrize(("settings", "match"), [
+    ({"resources": {"limits": {"nvidia.com/gpu": "1"}}}, "use the role's gpusPerReplica"),
+    ({"resources": {"requests": {"gpu": "1"}}}, "use the role's gpusPerReplica"),
+    ({"resources": {"requests": {"widgets": "1"}}}, "cpu, memory, ephemeral-storage"),
+    ({"resources": {"requests": {"cpu": "four"}}}, "pattern"),
+    ({"env": [{"name": "RLPACER_ROLE", "value": "x"}]}, "set by the operator"),
+    ({"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, "more than once"),
+])
+def test_bad_role_settings_are_refused_with_the_fix(settings: dict[str, object],
+                                                    match: str) -> None:
+    spec = _inputs().spec.to_wire()
+    spec["rollout"].update(settings)
+    with pytest.raises(ValueError, match=match):
+        parse_spec(spec)
