@@ -126,7 +126,9 @@ class JobRuntime:
         state = self.status.controller_state
         self.live = (state, ctl) if ctl is not None and state is not None else None
 
-    def absorb(self, obj: dict[str, Any]) -> None:
+    def absorb(self, obj: dict[str, Any], status: RLTrainingJobStatus | None = None) -> None:
+        """Take the job as read from the API server. ``status``: the model of
+        ``obj["status"]`` when the caller has it (saves validating it again)."""
         meta = obj.get("metadata", {})
         uid = meta.get("uid", "")
         if self.uid and uid != self.uid:
@@ -141,6 +143,9 @@ class JobRuntime:
                 self.spec, self.spec_error = parse_spec(raw_spec), None
             except ManifestError as err:
                 self.spec, self.spec_error = None, str(err)
+        if status is not None:
+            self.status = status
+            return
         try:
             self.status = RLTrainingJobStatus.model_validate(obj.get("status") or {})
         except ValueError:
@@ -226,12 +231,13 @@ class Jobs:
             if new_status == rt.status:
                 self.metrics.observe_status(rt.namespace, rt.name, rt.status)
                 return result
+            wire = new_status.to_wire()
             body = {
                 "apiVersion": API_VERSION,
                 "kind": KIND,
                 "metadata": {"name": rt.name, "namespace": rt.namespace,
                              "resourceVersion": rt.rv},
-                "status": new_status.to_wire(),
+                "status": wire,
             }
             t0 = time.perf_counter()
             try:
@@ -248,7 +254,8 @@ class Jobs:
                     raise JobGone(f"{rt.namespace}/{rt.name}") from e
                 raise
             self.metrics.status_write.labels("ok").observe(time.perf_counter() - t0)
-            rt.absorb(obj)
+            # stored as sent (nothing pruned or defaulted): the model written is the status
+            rt.absorb(obj, new_status if obj.get("status") == wire else None)
             self.metrics.observe_status(rt.namespace, rt.name, rt.status)
             return result
         raise ConflictLoop(f"{rt.namespace}/{rt.name}: {MAX_CAS_RETRIES} write conflicts")
