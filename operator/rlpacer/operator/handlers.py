@@ -7,7 +7,11 @@ serves admission webhooks; the jobs themselves are list+watched by :func:`watch_
 *level-based* reconcile loop (an asyncio task owned by :class:`JobLoops`): it reconciles on
 start, whenever something relevant changes (the job's spec, its pods or StatefulSets, a step
 report that changed the desired rollout replicas), when a deadline or timeout falls due, and
-at least every ``resync_seconds``.
+at least every ``resync_seconds``. The watches also say what a pass must read again: the job
+when its watch saw a resourceVersion other than the one in memory (:meth:`Jobs.saw`), the
+children after one of their events (``JobRuntime.children_changed``); so the periodic pass of
+an idle job makes no request (``Jobs.reconcile``), and a full pass every ``reapply_seconds``
+is the safety net.
 
 Why not ``@kopf.daemon``: Kopf puts a finalizer on every object with a daemon, so deleting a
 job would hang while the operator is down. Nothing outside the API needs flushing on delete
@@ -142,6 +146,9 @@ async def on_job_event(jobs: Jobs, loops: JobLoops, type_: str, obj: dict[str, A
     if type_ == "DELETED":
         await loops.stop(namespace, name)
         return
+    rv = meta.get("resourceVersion")
+    if rv:
+        jobs.saw(namespace, name, rv)
     rt = jobs.peek(namespace, name)
     # Status writes (one per step report) change nothing here; a spec change (generation)
     # pokes the loop. A step report may have loaded the job before its first watch event (a
@@ -263,8 +270,10 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
             if not job:
                 return
             rt = jobs.peek(namespace, job)
-            if rt is not None and type == "DELETED":
-                rt.applied.clear()  # re-apply on the next pass
+            if rt is not None:
+                rt.children_changed = True  # the next pass looks at the children again
+                if type == "DELETED":
+                    rt.applied.clear()  # re-apply on the next pass
             jobs.poke(namespace, job)
 
         handler.__name__ = f"{kind}_event"

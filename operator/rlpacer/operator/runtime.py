@@ -112,6 +112,12 @@ class JobRuntime:
     #: the API server pruned status.rollout.readyOrdinals (a CRD older than the operator):
     #: no longer observed, so the plans carry no usableReplicas and no pass writes for it
     ordinals_pruned: bool = False
+    #: What the last pass saw of the children (:meth:`Jobs.observe`: the observation and the
+    #: driver pod), reused by a pass that no event of a child preceded: the children are
+    #: watched (Kopf's events set ``children_changed``), so an idle job's periodic pass makes
+    #: no request. None: look.
+    observation: tuple[Observed, dict[str, Any] | None] | None = None
+    children_changed: bool = True
 
     def take_controller(self, state: str | None) -> JobController | None:
         live, self.live = self.live, None
@@ -166,6 +172,9 @@ class Jobs:
         self.policies = policies
         self._jobs: dict[tuple[str, str], JobRuntime] = {}
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
+        #: The resourceVersion of each job last seen on the operator's job watch: a pass
+        #: re-reads the job only when it differs from the one in memory (someone else wrote).
+        self._seen_rv: dict[tuple[str, str], str] = {}
         #: The CA (PEM) of the step-report endpoint's certificate, for the jobs' ConfigMaps
         #: (None: plain HTTP). ``main.serve`` points it at the served certificate, which
         #: follows renewals.
@@ -205,9 +214,14 @@ class Jobs:
         if rt is not None:
             rt.wake.set()
 
+    def saw(self, namespace: str, name: str, resource_version: str) -> None:
+        """The job watch saw this resourceVersion of the job."""
+        self._seen_rv[(namespace, name)] = resource_version
+
     def forget(self, namespace: str, name: str) -> None:
         self._jobs.pop((namespace, name), None)
         self._loading.pop((namespace, name), None)
+        self._seen_rv.pop((namespace, name), None)
         self.metrics.forget(namespace, name)
 
     async def refresh(self, rt: JobRuntime) -> None:
@@ -508,13 +522,27 @@ class Jobs:
         job), so the applies, made from the status just written, are never stale.
         """
         self.metrics.reconciles.labels(rt.namespace, rt.name).inc()
+        # Every reapply_seconds a full pass (everything read and re-applied: drift repair and
+        # the safety net of the watches); otherwise the pass reads only what the watches say
+        # changed, so an idle job costs no request.
+        full = time.monotonic() - rt.applied_at > self.settings.reapply_seconds
         async with rt.lock:
-            await self.refresh(rt)
+            if full or not rt.rv or self._seen_rv.get((rt.namespace, rt.name)) != rt.rv:
+                await self.refresh(rt)
         if rt.spec is None:
             async with rt.lock:
                 await self._invalid(rt)
             return None
-        observed, driver = await self.observe(rt)
+        seen = rt.observation
+        if full or rt.children_changed or seen is None or seen[0].attempt != rt.status.attempt:
+            rt.children_changed = False  # an event from now on is seen by the next pass
+            try:
+                seen = await self.observe(rt)
+            except BaseException:
+                rt.children_changed = True
+                raise
+            rt.observation = seen
+        observed, driver = seen
         now = utcnow()
 
         if rt.ordinals_pruned:
@@ -553,7 +581,7 @@ class Jobs:
             log.info("%s/%s: ttlSecondsAfterFinished passed; deleting", rt.namespace, rt.name)
             await self.kube.delete(job_path(rt.namespace, rt.name))
             return None
-        if time.monotonic() - rt.applied_at > self.settings.reapply_seconds:
+        if full:
             rt.applied.clear()
             rt.applied_at = time.monotonic()
         await self._ensure_token(rt, inputs)

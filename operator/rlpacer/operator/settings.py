@@ -99,13 +99,17 @@ class OperatorSettings(BaseModel):
     )
     resync_seconds: float = Field(
         default=30.0, gt=0,
-        description="Each job is reconciled at least this often (and on every child event).",
+        description=(
+            "Each job is reconciled at least this often (and on every child event); such a"
+            " pass reads from the API server only what the watches say changed."
+        ),
     )
     reapply_seconds: float = Field(
         default=300.0, gt=0,
         description=(
-            "Unchanged children are re-applied (drift repair) at most this often; a changed"
-            " or deleted child is applied on the next pass."
+            "Unchanged children are re-applied (drift repair) at most this often, in a full"
+            " pass that also reads the job and its children again (the watches' safety net);"
+            " a changed or deleted child is applied on the next pass."
         ),
     )
     finished_grace_seconds: float = Field(
