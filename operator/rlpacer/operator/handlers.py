@@ -264,29 +264,25 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
 
     def child_event(kind: str) -> Callable[..., Any]:
         async def handler(
-            type: str | None, labels: kopf.Labels, namespace: str, **_: Any
+            type: str | None, labels: kopf.Labels, namespace: str, name: str = "",
+            meta: kopf.Meta | None = None, **_: Any
         ) -> None:
             job = labels.get(contract.LABEL_JOB)
-            if not job:
-                return
-            rt = jobs.peek(namespace, job)
-            if rt is not None:
-                rt.children_changed = True  # the next pass looks at the children again
-                if type == "DELETED":
-                    rt.applied.clear()  # re-apply on the next pass
-            jobs.poke(namespace, job)
+            if job:
+                jobs.child_event(namespace, job, kind, name, type, dict(meta or {}))
 
-        handler.__name__ = f"{kind}_event"
+        handler.__name__ = f"{kind.lower()}_event"
         return handler
 
-    kopf.on.event("v1", "pods", labels=managed, registry=registry)(child_event("pod"))
+    kopf.on.event("v1", "pods", labels=managed, registry=registry)(child_event("Pod"))
     kopf.on.event("apps", "v1", "statefulsets", labels=managed, registry=registry)(
-        child_event("statefulset"))
+        child_event("StatefulSet"))
     # Every other child too: a deleted ConfigMap, Service or token Secret is re-created on
-    # the next pass, not after reapply_seconds (the Secret with the same token).
-    for plural in ("configmaps", "services", "secrets"):
-        kopf.on.event("v1", plural, labels=managed, registry=registry)(
-            child_event(plural[:-1]))
+    # the next pass, not after reapply_seconds (the Secret with the same token); a changed
+    # ConfigMap or Service is applied again.
+    for plural, kind in (("configmaps", "ConfigMap"), ("services", "Service"),
+                         ("secrets", "Secret")):
+        kopf.on.event("v1", plural, labels=managed, registry=registry)(child_event(kind))
 
     if ctx.settings.webhook_enabled:
         from rlpacer.operator.policies import policy_admission

@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import json
 import logging
+import random
 import secrets
 import time
 from collections.abc import Callable
@@ -96,8 +97,11 @@ class JobRuntime:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     #: name -> canonical JSON of the child last applied (skip unchanged applies; cleared on
-    #: a child's deletion and every resync so drift is repaired).
+    #: a child's deletion and every reapply_seconds so drift is repaired).
     applied: dict[str, str] = field(default_factory=dict)
+    #: name -> :func:`child_version` of the child as the last apply left it: a watch event
+    #: with another version is someone else's change, re-applied on the next pass.
+    applied_version: dict[str, str] = field(default_factory=dict)
     applied_at: float = 0.0
     #: (controllerState, the live controller in exactly that state): saves restoring the
     #: controller from JSON on every report. Taken (removed) by the writer that uses it, so
@@ -217,6 +221,23 @@ class Jobs:
     def saw(self, namespace: str, name: str, resource_version: str) -> None:
         """The job watch saw this resourceVersion of the job."""
         self._seen_rv[(namespace, name)] = resource_version
+
+    def child_event(self, namespace: str, job: str, kind: str, name: str,
+                    event: str | None, meta: dict[str, Any]) -> None:
+        """A watch event of one of the job's children (Kopf's handlers): the next pass looks
+        at the children again; a deleted child, or one someone else changed (another
+        :func:`child_version` than the operator's last apply left), is applied again."""
+        rt = self._jobs.get((namespace, job))
+        if rt is not None:
+            rt.children_changed = True
+            key = f"{kind}/{name}"
+            if event == "DELETED":
+                rt.applied.clear()  # re-apply everything on the next pass
+            elif key in rt.applied_version and child_version(kind, meta) not in (
+                    None, rt.applied_version[key]):
+                rt.applied.pop(key, None)
+                rt.applied_version.pop(key, None)
+            rt.wake.set()
 
     def forget(self, namespace: str, name: str) -> None:
         self._jobs.pop((namespace, name), None)
@@ -583,7 +604,10 @@ class Jobs:
             return None
         if full:
             rt.applied.clear()
-            rt.applied_at = time.monotonic()
+            # jittered: jobs created (or loaded by a new leader) together do not make their
+            # full passes together ever after
+            rt.applied_at = time.monotonic() - random.uniform(0.0, 0.2) * (
+                self.settings.reapply_seconds)
         await self._ensure_token(rt, inputs)
         ray_token = await self._ensure_ray_token(rt, inputs)
         if ray_token is not None:
@@ -600,16 +624,22 @@ class Jobs:
             if rt.applied.get(key) == text:
                 continue
             try:
-                await self.kube.apply(obj, self.settings.field_manager)
+                out = await self.kube.apply(obj, self.settings.field_manager)
             except ApiError as e:
                 if e.status == 422 and obj["kind"] == "Pod":
                     # A running pod's spec is immutable (e.g. the operator's report URL
                     # changed): it keeps what it has; the next attempt gets the new spec.
                     log.warning("%s/%s: pod %s not updated: %s", rt.namespace, rt.name,
                                 obj["metadata"]["name"], e.message)
+                    out = None
                 else:
                     raise
             rt.applied[key] = text
+            version = child_version(obj["kind"], (out or {}).get("metadata") or {})
+            if version is not None:
+                rt.applied_version[key] = version
+            else:
+                rt.applied_version.pop(key, None)
         if not dec.workloads:
             for api, plural, child in builders.workload_names(rt.name, inputs.attempt):
                 if await self.kube.delete(object_path(api, plural, rt.namespace, child)):
@@ -644,6 +674,20 @@ def namespace_terminating(e: ApiError) -> bool:
     """The API server's refusal to create anything in a namespace being deleted (403, cause
     ``NamespaceTerminating``; its message is stable across releases)."""
     return e.status == 403 and "because it is being terminated" in (e.message or "")
+
+
+def child_version(kind: str, meta: dict[str, Any]) -> str | None:
+    """What says a child was changed by someone: a StatefulSet's generation (its spec; the
+    controller's status updates leave it), the resourceVersion of a ConfigMap or Service
+    (nothing else writes them). None for pods (their status changes all the time; their spec
+    hardly can) and Secrets (written once): the full pass of reapply_seconds covers those."""
+    if kind == "StatefulSet":
+        gen = meta.get("generation")
+        return None if gen is None else f"generation {gen}"
+    if kind in ("ConfigMap", "Service"):
+        rv = meta.get("resourceVersion")
+        return None if not rv else f"resourceVersion {rv}"
+    return None
 
 
 def token_hash(token: str) -> str:

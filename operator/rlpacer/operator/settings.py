@@ -105,11 +105,12 @@ class OperatorSettings(BaseModel):
         ),
     )
     reapply_seconds: float = Field(
-        default=300.0, gt=0,
+        default=3600.0, gt=0,
         description=(
-            "Unchanged children are re-applied (drift repair) at most this often, in a full"
-            " pass that also reads the job and its children again (the watches' safety net);"
-            " a changed or deleted child is applied on the next pass."
+            "About this often (jittered by up to a fifth) a job's pass is a full one: it reads"
+            " the job and its children again and re-applies every child (the safety net of"
+            " the watches). A child deleted, or a ConfigMap, Service or StatefulSet spec"
+            " changed by someone else, is applied again on the next pass (its watch event)."
         ),
     )
     finished_grace_seconds: float = Field(

@@ -433,3 +433,49 @@ def test_an_idle_jobs_pass_makes_no_request_until_the_watches_say_something_chan
             await close()
 
     run(body)
+
+
+def test_a_child_someone_else_changed_is_applied_again_on_its_event_not_on_a_timer() -> None:
+    """Drift repair without polling: a StatefulSet whose spec someone changed (its watch event
+    carries another generation than the operator's apply left) or a changed ConfigMap (another
+    resourceVersion) is applied again on the next pass; an event of the operator's own apply,
+    or of a status update (same generation), makes no request."""
+
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            await env.jobs.reconcile(rt)
+            env.jobs.saw(NS, "job", rt.rv)
+            sts = names.statefulset("job", contract.Role.ROLLOUT)
+            sts_path = object_path("apps/v1", "statefulsets", NS, sts)
+            mine = env.fk.objects[sts_path]["metadata"]
+            # the StatefulSet controller's status update: same generation
+            env.jobs.child_event(NS, "job", "StatefulSet", sts, "MODIFIED",
+                                 {**mine, "resourceVersion": "900"})
+            before = len(env.fk.calls)
+            await env.jobs.reconcile(rt)
+            assert [c for c in env.fk.calls[before:] if c[0] == "PATCH"] == []
+            # someone scaled it by hand: a new generation, applied again
+            env.jobs.child_event(NS, "job", "StatefulSet", sts, "MODIFIED",
+                                 {**mine, "generation": int(mine["generation"]) + 1})
+            cm = names.config_map("job")
+            env.jobs.child_event(NS, "job", "ConfigMap", cm, "MODIFIED",
+                                 {"name": cm, "resourceVersion": "901"})
+            before = len(env.fk.calls)
+            await env.jobs.reconcile(rt)
+            patched = {p for m, p in env.fk.calls[before:] if m == "PATCH"}
+            assert patched == {sts_path, object_path("v1", "configmaps", NS, cm)}
+            # the operator's own applies' events: nothing more
+            for path, kind, name in ((sts_path, "StatefulSet", sts),
+                                     (object_path("v1", "configmaps", NS, cm), "ConfigMap", cm)):
+                env.jobs.child_event(NS, "job", kind, name, "MODIFIED",
+                                     env.fk.objects[path]["metadata"])
+            before = len(env.fk.calls)
+            await env.jobs.reconcile(rt)
+            assert [c for c in env.fk.calls[before:] if c[0] == "PATCH"] == []
+        finally:
+            await close()
+
+    run(body)
