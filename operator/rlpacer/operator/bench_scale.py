@@ -47,6 +47,7 @@ import math
 import os
 import shlex
 import ssl
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -505,17 +506,27 @@ def summarize(results: list[dict[str, Any]], interval: float) -> dict[str, Any]:
         ns, col(lambda r: r["reporting"]["cpu_s_per_min"].get("apiserver", 0.0)))
     etcd_cpu_rep, _ = _fit(
         ns, col(lambda r: r["reporting"]["cpu_s_per_min"].get("etcd", 0.0)))
-    reports_per_job_min = 60.0 / interval
-    # per report (reporting minus idle, per job, over the reports a job makes a minute)
+
+    def per_answer(f: Any) -> float:
+        """(reporting minus idle) over the reports answered in the window, mean over N (a
+        job of a loaded machine reports less often than every interval)."""
+        xs = [f(r["reporting"]) - f(r["idle"]) for r in results]
+        return statistics.fmean(max(0.0, x) * r["reporting"]["minutes"] / max(1, r["reports"])
+                                for x, r in zip(xs, results, strict=True))
+
     per_report = {
-        "operator_requests": max(0.0, rep_req - idle_req) / reports_per_job_min,
-        "operator_cpu_ms": max(0.0, op_cpu_rep - op_cpu_idle) / reports_per_job_min * 1000,
+        "operator_requests": per_answer(lambda w: w["operator_requests_per_min"]),
+        "operator_cpu_ms": 1000 * per_answer(lambda w: w["cpu_s_per_min"].get("operator", 0)),
+        "apiserver_cpu_ms": 1000 * per_answer(lambda w: w["cpu_s_per_min"].get("apiserver", 0)),
+        "etcd_cpu_ms": 1000 * per_answer(lambda w: w["cpu_s_per_min"].get("etcd", 0)),
     }
     k = 1000.0
     memory_1000 = rss_base + rss_slope * k
     largest = max(results, key=lambda r: r["jobs"])
-    saturated = [r["jobs"] for r in results if r["reporting"]["machine_busy"] >= SATURATED
-                 or r["create"]["machine_busy"] >= SATURATED]
+    cpus = os.cpu_count() or 1
+    saturated = [r["jobs"] for r in results if r["reporting"]["machine_busy"] >= SATURATED]
+    # the load average counts every process of the machine, others' too (a shared machine)
+    overloaded = [r["jobs"] for r in results if r["load_average"] > cpus]
     return {
         "slopes_per_job": {
             "operator_rss_mib": rss_slope,
@@ -533,10 +544,8 @@ def summarize(results: list[dict[str, Any]], interval: float) -> dict[str, Any]:
             "operator_cpu_cores": (op_idle_base + k * op_cpu_idle
                                    + k * per_report["operator_cpu_ms"] / 1000) / 60,
             "status_writes_per_s": k / 60,
-            "apiserver_cpu_cores_from_reports": (
-                k * max(0.0, api_cpu_rep) / reports_per_job_min) / 60,
-            "etcd_cpu_cores_from_reports": (
-                k * max(0.0, etcd_cpu_rep) / reports_per_job_min) / 60,
+            "apiserver_cpu_cores_from_reports": k / 60 * per_report["apiserver_cpu_ms"] / 1000,
+            "etcd_cpu_cores_from_reports": k / 60 * per_report["etcd_cpu_ms"] / 1000,
         },
         "targets": {
             f"operator memory at 1,000 jobs < {TARGET_MEMORY_1000_JOBS_MIB:.0f} MiB":
@@ -548,6 +557,7 @@ def summarize(results: list[dict[str, Any]], interval: float) -> dict[str, Any]:
                 largest["reconcile_lag_p99_s"] < TARGET_RECONCILE_LAG_P99_S,
         },
         "saturated_at": saturated,
+        "overloaded_at": overloaded,
     }
 
 
@@ -588,9 +598,11 @@ def _table(results: list[dict[str, Any]], summary: dict[str, Any], interval: flo
         f" {s['operator_cpu_s_per_min_idle']:.4f} idle; API server CPU"
         f" {s['apiserver_cpu_s_per_min_reporting']:.3f} s/min, etcd"
         f" {s['etcd_cpu_s_per_min_reporting']:.3f} s/min (reporting)")
+    pr = summary["per_report"]
     lines.append(
-        f"per report: {summary['per_report']['operator_requests']:.2f} operator API requests,"
-        f" {summary['per_report']['operator_cpu_ms']:.2f} ms operator CPU")
+        f"per report: {pr['operator_requests']:.2f} operator API requests; CPU: operator"
+        f" {pr['operator_cpu_ms']:.2f} ms, API server {pr['apiserver_cpu_ms']:.2f} ms, etcd"
+        f" {pr['etcd_cpu_ms']:.2f} ms")
     lines.append(
         f"1,000 jobs x 1 report/min: operator RSS {x['operator_rss_mib']:.0f} MiB,"
         f" {x['operator_requests_per_min']:.0f} API requests/min"
@@ -600,12 +612,19 @@ def _table(results: list[dict[str, Any]], summary: dict[str, Any], interval: flo
         f" {x['etcd_cpu_cores_from_reports']:.2f} cores for the reports")
     for t, ok in summary["targets"].items():
         lines.append(f"target {t}: {'met' if ok else 'NOT met'}")
-    sat = summary["saturated_at"]
+    sat, over = summary["saturated_at"], summary["overloaded_at"]
     lines.append(
-        f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
-        + (f"saturated (busy >= {SATURATED}) at N={sat}: figures there measure the queue of"
-           " a saturated machine" if sat else
-           f"not saturated up to N={max(r['jobs'] for r in results)}"))
+        f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} now, per N"
+        f" {[round(r['load_average'], 1) for r in results]}; busy (this cluster, operator and"
+        f" load generator) per N {[round(r['reporting']['machine_busy'], 2) for r in results]}")
+    if sat:
+        lines.append(f"saturated by this bench (busy >= {SATURATED}) at N={sat}: figures there"
+                     " measure the queue of a saturated machine")
+    if over:
+        lines.append(f"overloaded (load average above {os.cpu_count()}: other processes"
+                     f" compete for the cores) at N={over}: latencies there are the machine's")
+    if not sat and not over:
+        lines.append(f"neither saturated nor overloaded up to N={max(r['jobs'] for r in results)}")
     return "\n".join(lines)
 
 
@@ -623,7 +642,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         op = start_operator(kubeconfig, args.namespace, shlex.split(args.operator_args))
         print(f"operator log {op.log}; {len(cluster.nodes)} KWOK nodes", file=sys.stderr,
               flush=True)
-        pids = {"operator": op.proc.pid, **cluster.pids()}
+        # the load generator too: its drivers' TLS and JSON are CPU on the same cores
+        pids = {"operator": op.proc.pid, **cluster.pids(), "bench": os.getpid()}
         results = asyncio.run(_measure(kubeconfig, op, args.namespace, steps, args.interval,
                                        args.seconds, args.idle_seconds, pids,
                                        args.settle_timeout))
