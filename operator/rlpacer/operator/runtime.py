@@ -44,6 +44,7 @@ from rlpacer.api.job import (
     parse_spec,
 )
 from rlpacer.api.policy import RLTrainingPolicy
+from rlpacer.api.protocol import RolloutState
 from rlpacer.api.status import (
     MAX_TOKEN_HASHES,
     ConditionType,
@@ -555,7 +556,11 @@ class Jobs:
                 await self._invalid(rt)
             return None
         seen = rt.observation
-        if full or rt.children_changed or seen is None or seen[0].attempt != rt.status.attempt:
+        # While a scale-up pends, every pass looks: its deadline is decided on the replicas
+        # ready now, not on the last event's view (a short, rare state: no cost at rest).
+        pending = rt.status.rollout.state == RolloutState.SCALING_UP.value
+        if (full or pending or rt.children_changed or seen is None
+                or seen[0].attempt != rt.status.attempt):
             rt.children_changed = False  # an event from now on is seen by the next pass
             try:
                 seen = await self.observe(rt)
