@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlpacer.api.protocol import RoundKind
@@ -155,10 +155,22 @@ class StepReportData:
     reward: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["round_kind"] = self.round_kind.value
-        out["next_round_kind"] = self.next_round_kind.value
-        return out
+        # asdict()'s result, written out: it deep-copies every value, and a job's state
+        # (which holds its last report) is serialised on every step report.
+        ln, s = self.lengths, self.seconds
+        return {
+            "attempt": self.attempt,
+            "step": self.step,
+            "group_size": self.group_size,
+            "round_kind": self.round_kind.value,
+            "lengths": {"max": ln.max, "median": ln.median, "p90": ln.p90, "count": ln.count,
+                        "aborted": ln.aborted},
+            "seconds": {"rollout": s.rollout, "reward": s.reward, "train": s.train,
+                        "sync": s.sync},
+            "long_queue": self.long_queue,
+            "next_round_kind": self.next_round_kind.value,
+            "reward": self.reward,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepReportData:
@@ -188,9 +200,14 @@ class ControlPlan:
     """Whether the step just reported was a straggler (None for the initial plan)."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["round_kind"] = self.round_kind.value
-        return out
+        return {
+            "step": self.step,
+            "group_size": self.group_size,
+            "round_kind": self.round_kind.value,
+            "lambda_": self.lambda_,
+            "straggler_rate": self.straggler_rate,
+            "straggler": self.straggler,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ControlPlan:

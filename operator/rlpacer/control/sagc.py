@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -172,7 +172,9 @@ class SAGCConfig:
         return self.prior_strength * (1.0 - mean)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        # What asdict() gives (every field is a scalar but the candidates), without its deep
+        # copy of each value: a job's state is serialised on every step report.
+        out = {f: getattr(self, f) for f in _SAGC_CONFIG_FIELDS}
         out["candidates"] = list(self.candidates)
         return out
 
@@ -185,6 +187,9 @@ class SAGCConfig:
             return cls(**kwargs)
         except TypeError as exc:  # unknown or missing keys
             raise ConfigError("config", str(exc)) from exc
+
+
+_SAGC_CONFIG_FIELDS = tuple(f.name for f in fields(SAGCConfig))
 
 
 @runtime_checkable

@@ -407,70 +407,106 @@ async def _baseline(kube: Any, ns: str, names: list[str], rate: float,
     return lat
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    from rlpacer.testing.cluster import LocalCluster
+@dataclass
+class OperatorProcess:
+    """``rlpacer operator`` started by a bench: its process, endpoint and metrics port."""
 
+    proc: subprocess.Popen[bytes]
+    base_url: str
+    metrics_port: int
+    ca_file: str
+    log: Path
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def start_cluster(etcd_fsync: bool, nodes: Any = None) -> tuple[Any, str]:
+    """The local control plane (etcd on disk, fsync as asked) and the etcd flags, printed."""
+    from rlpacer.testing.cluster import DEFAULT_NODES, LocalCluster
+
+    data = Path(tempfile.mkdtemp(prefix="rlpacer-bench-", dir=os.environ.get("TMPDIR")))
+    no_fsync = "false" if etcd_fsync else "true"
+    cluster = LocalCluster(data, nodes=DEFAULT_NODES if nodes is None else nodes,
+                           extra_args={"etcd": [f"--unsafe-no-fsync={no_fsync}"]})
+    print(f"starting the local control plane in {data} ...", file=sys.stderr, flush=True)
+    cluster.start()
+    flags = (f"--data-dir={data / 'etcd'} (disk), --unsafe-no-fsync={no_fsync},"
+             " --auto-compaction-mode=periodic --auto-compaction-retention=5m,"
+             " --quota-backend-bytes=4294967296")
+    return cluster, flags
+
+
+def install(kubeconfig: str, namespace: str) -> None:
+    """The CRDs from crds/ (Established), the bench namespace and the operator's."""
+    kubectl = ["kubectl", "--kubeconfig", kubeconfig]
+    subprocess.run([*kubectl, "apply", "--server-side", "-f", str(ROOT / "crds")],
+                   check=True, capture_output=True)
+    subprocess.run([*kubectl, "wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/rltrainingjobs.rlpacer.io"], check=True, capture_output=True)
+    subprocess.run([*kubectl, "create", "namespace", namespace], capture_output=True)
+    subprocess.run([*kubectl, "create", "namespace", "rlpacer-system"], capture_output=True)
+
+
+def start_operator(kubeconfig: str, namespace: str,
+                   extra: list[str] | None = None) -> OperatorProcess:
+    """``rlpacer operator`` as its own process (the load generator does not share its event
+    loop), serving reports over TLS; ``RLPACER_BENCH_PROFILE=FILE`` runs it under cProfile.
+    ``extra``: more of its flags (e.g. ``--resync-seconds 3``)."""
+    from rlpacer.operator import tls
+
+    port = _free_port()
+    metrics_port = _free_port()
+    certs = tls.generate(Path(tempfile.mkdtemp(prefix="rlpacer-bench-tls-")),
+                         ["127.0.0.1"], days=1)
+    log = Path(tempfile.mkstemp(prefix="rlpacer-bench-operator-", suffix=".log")[1])
+    proc = subprocess.Popen(
+        [sys.executable,
+         *(["-m", "cProfile", "-o", os.environ["RLPACER_BENCH_PROFILE"]]
+           if os.environ.get("RLPACER_BENCH_PROFILE") else []),
+         "-m", "rlpacer.cli", "operator", "--report-port", str(port),
+         "--metrics-port", str(metrics_port), "--namespaces", namespace,
+         "--report-cert-dir", str(certs),
+         "--operator-namespace", "rlpacer-system", "--log-level", "WARNING", *(extra or [])],
+        env={**os.environ, "KUBECONFIG": kubeconfig}, stdout=log.open("w"),
+        stderr=subprocess.STDOUT)
+    return OperatorProcess(proc, f"https://127.0.0.1:{port}", metrics_port,
+                           str(certs / "ca.crt"), log)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     cluster = None
     etcd_flags = "(external cluster: see its etcd)"
     if args.kubeconfig:
         kubeconfig = args.kubeconfig
     else:
-        data = Path(tempfile.mkdtemp(prefix="rlpacer-bench-", dir=os.environ.get("TMPDIR")))
-        no_fsync = "false" if args.etcd_fsync else "true"
-        cluster = LocalCluster(data, extra_args={"etcd": [f"--unsafe-no-fsync={no_fsync}"]})
-        print(f"starting the local control plane in {data} ...", file=sys.stderr, flush=True)
-        cluster.start()
+        cluster, etcd_flags = start_cluster(args.etcd_fsync)
         kubeconfig = str(cluster.kubeconfig)
-        etcd_flags = (f"--data-dir={data / 'etcd'} (disk), --unsafe-no-fsync={no_fsync},"
-                      " --auto-compaction-mode=periodic --auto-compaction-retention=5m,"
-                      " --quota-backend-bytes=4294967296")
-    env = {**os.environ, "KUBECONFIG": kubeconfig}
-    kubectl = ["kubectl", "--kubeconfig", kubeconfig]
     op = None
     try:
-        subprocess.run([*kubectl, "apply", "--server-side", "-f", str(ROOT / "crds")],
-                       check=True, capture_output=True)
-        subprocess.run([*kubectl, "wait", "--for=condition=Established", "--timeout=60s",
-                        "crd/rltrainingjobs.rlpacer.io"], check=True, capture_output=True)
-        subprocess.run([*kubectl, "create", "namespace", args.namespace], capture_output=True)
-        subprocess.run([*kubectl, "create", "namespace", "rlpacer-system"], capture_output=True)
+        install(kubeconfig, args.namespace)
         names = [f"bench-{i:03d}" for i in range(args.jobs)]
         docs = "\n---\n".join(json.dumps(bench_job(n, args.namespace)) for n in names)
-        subprocess.run([*kubectl, "apply", "-f", "-"], input=docs.encode(), check=True,
-                       capture_output=True)
-        port = _free_port()
-        metrics_port = _free_port()
-        from rlpacer.operator import tls
-
-        certs = tls.generate(Path(tempfile.mkdtemp(prefix="rlpacer-bench-tls-")),
-                             ["127.0.0.1"], days=1)
-        log = Path(tempfile.mkstemp(prefix="rlpacer-bench-operator-", suffix=".log")[1])
-        op = subprocess.Popen(
-            [sys.executable,
-             *(["-m", "cProfile", "-o", os.environ["RLPACER_BENCH_PROFILE"]]
-               if os.environ.get("RLPACER_BENCH_PROFILE") else []),
-             "-m", "rlpacer.cli", "operator", "--report-port", str(port),
-             "--metrics-port", str(metrics_port), "--namespaces", args.namespace,
-             "--report-cert-dir", str(certs),
-             "--operator-namespace", "rlpacer-system", "--log-level", "WARNING"],
-            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        base = f"https://127.0.0.1:{port}"
-        print(f"{args.jobs} jobs, {args.rate}/s each, {args.seconds:.0f}s; operator log {log}",
-              file=sys.stderr, flush=True)
+        subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "apply", "-f", "-"],
+                       input=docs.encode(), check=True, capture_output=True)
+        op = start_operator(kubeconfig, args.namespace)
+        print(f"{args.jobs} jobs, {args.rate}/s each, {args.seconds:.0f}s; operator log"
+              f" {op.log}", file=sys.stderr, flush=True)
         trace: list[Sample] | None = [] if args.trace else None
-        pids = {"operator": op.pid, **(cluster.pids() if cluster is not None else {})}
-        res = asyncio.run(_load(kubeconfig, base, args.namespace, names, args.rate,
+        pids = {"operator": op.proc.pid, **(cluster.pids() if cluster is not None else {})}
+        res = asyncio.run(_load(kubeconfig, op.base_url, args.namespace, names, args.rate,
                                 args.seconds, args.warmup, args.settle, args.rounds, trace,
-                                pids, metrics_port, str(certs / "ca.crt")))
+                                pids, op.metrics_port, op.ca_file))
         if args.trace and trace is not None:
             write_trace(args.trace, trace)
     finally:
         if op is not None:
-            op.terminate()
-            try:
-                op.wait(20)
-            except subprocess.TimeoutExpired:
-                op.kill()
+            op.stop()
         if cluster is not None:
             cluster.stop()
     lat = res["latencies"]
@@ -497,6 +533,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         "baseline_status_put_p99_ms": round(_pct(base_lat, 99) * 1000, 2),
         "p99_ms_per_round": [r["p99_ms"] for r in res["rounds"]],
         "baseline_p99_ms_per_round": [r["baseline_p99_ms"] for r in res["rounds"]],
+        # The operator's report over the bare status write of the same API server, in the
+        # same run (the floor is 1.0: a report is answered after its status is persisted).
+        "ratio_p50": _ratio(_pct(lat, 50), _pct(base_lat, 50)),
+        "ratio_p99": _ratio(_pct(lat, 99), _pct(base_lat, 99)),
+        "ratio_target": f"p50 <= {RATIO_TARGET_P50}x, p99 <= {RATIO_TARGET_P99}x",
+        "ratio_met": _ratio_met(lat, base_lat),
         "load_average": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
         "persisted_mismatches": len(res["mismatched"]),
@@ -509,7 +551,27 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         for k, v in out.items():
-            print(f"{k:>22}: {v}")
+            print(f"{k:>26}: {v}")
         for e in (res["errors"] + res["mismatched"])[:10]:
             print("  ", e)
+    print(f"report / bare status write: p50 {out['p50_ms']} / {out['baseline_status_put_p50_ms']}"
+          f" ms = {out['ratio_p50']}x (target <= {RATIO_TARGET_P50}x), p99 {out['p99_ms']} /"
+          f" {out['baseline_status_put_p99_ms']} ms = {out['ratio_p99']}x (target <="
+          f" {RATIO_TARGET_P99}x): {'met' if out['ratio_met'] else 'NOT met'}; load average"
+          f" {out['load_average']} on {out['cpus']} CPUs", file=sys.stderr, flush=True)
     return 0 if out["met"] else 1
+
+
+#: Targets of the report round trip over the bare status write (issue 17).
+RATIO_TARGET_P50 = 1.2
+RATIO_TARGET_P99 = 1.3
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 2) if a == a and b == b and b > 0 else None  # NaN: no samples
+
+
+def _ratio_met(lat: list[float], base: list[float]) -> bool:
+    r50, r99 = _ratio(_pct(lat, 50), _pct(base, 50)), _ratio(_pct(lat, 99), _pct(base, 99))
+    return r50 is not None and r99 is not None and r50 <= RATIO_TARGET_P50 \
+        and r99 <= RATIO_TARGET_P99

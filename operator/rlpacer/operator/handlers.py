@@ -7,7 +7,11 @@ serves admission webhooks; the jobs themselves are list+watched by :func:`watch_
 *level-based* reconcile loop (an asyncio task owned by :class:`JobLoops`): it reconciles on
 start, whenever something relevant changes (the job's spec, its pods or StatefulSets, a step
 report that changed the desired rollout replicas), when a deadline or timeout falls due, and
-at least every ``resync_seconds``.
+at least every ``resync_seconds``. The watches also say what a pass must read again: the job
+when its watch saw a resourceVersion other than the one in memory (:meth:`Jobs.saw`), the
+children after one of their events (``JobRuntime.children_changed``); so the periodic pass of
+an idle job makes no request (``Jobs.reconcile``), and a full pass every ``reapply_seconds``
+is the safety net.
 
 Why not ``@kopf.daemon``: Kopf puts a finalizer on every object with a daemon, so deleting a
 job would hang while the operator is down. Nothing outside the API needs flushing on delete
@@ -161,6 +165,9 @@ async def on_job_event(jobs: Jobs, loops: JobLoops, type_: str, obj: dict[str, A
     if type_ == "DELETED":
         await loops.stop(namespace, name)
         return
+    rv = meta.get("resourceVersion")
+    if rv:
+        jobs.saw(namespace, name, rv)
     rt = jobs.peek(namespace, name)
     # Status writes (one per step report) change nothing here; a spec change (generation)
     # pokes the loop. A step report may have loaded the job before its first watch event (a
@@ -276,27 +283,25 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
 
     def child_event(kind: str) -> Callable[..., Any]:
         async def handler(
-            type: str | None, labels: kopf.Labels, namespace: str, **_: Any
+            type: str | None, labels: kopf.Labels, namespace: str, name: str = "",
+            meta: kopf.Meta | None = None, **_: Any
         ) -> None:
             job = labels.get(contract.LABEL_JOB)
-            if not job:
-                return
-            rt = jobs.peek(namespace, job)
-            if rt is not None and type == "DELETED":
-                rt.applied.clear()  # re-apply on the next pass
-            jobs.poke(namespace, job)
+            if job:
+                jobs.child_event(namespace, job, kind, name, type, dict(meta or {}))
 
-        handler.__name__ = f"{kind}_event"
+        handler.__name__ = f"{kind.lower()}_event"
         return handler
 
-    kopf.on.event("v1", "pods", labels=managed, registry=registry)(child_event("pod"))
+    kopf.on.event("v1", "pods", labels=managed, registry=registry)(child_event("Pod"))
     kopf.on.event("apps", "v1", "statefulsets", labels=managed, registry=registry)(
-        child_event("statefulset"))
+        child_event("StatefulSet"))
     # Every other child too: a deleted ConfigMap, Service or token Secret is re-created on
-    # the next pass, not after reapply_seconds (the Secret with the same token).
-    for plural in ("configmaps", "services", "secrets"):
-        kopf.on.event("v1", plural, labels=managed, registry=registry)(
-            child_event(plural[:-1]))
+    # the next pass, not after reapply_seconds (the Secret with the same token); a changed
+    # ConfigMap or Service is applied again.
+    for plural, kind in (("configmaps", "ConfigMap"), ("services", "Service"),
+                         ("secrets", "Secret")):
+        kopf.on.event("v1", plural, labels=managed, registry=registry)(child_event(kind))
 
     if ctx.settings.webhook_enabled:
         from rlpacer.operator.policies import policy_admission

@@ -13,7 +13,7 @@ import json
 import re
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,8 +111,11 @@ class Credentials:
 class KubeClient:
     """Just the calls the operator needs. Paths are API paths (``/api/v1/...``)."""
 
-    def __init__(self, creds: Credentials, timeout: float = 30.0) -> None:
+    def __init__(self, creds: Credentials, timeout: float = 30.0,
+                 counted: Callable[[str, str], None] | None = None) -> None:
         self.creds = creds
+        #: Called with (verb, resource) before each request (the operator's request counter).
+        self._counted = counted
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._token_read = 0.0
@@ -150,6 +153,8 @@ class KubeClient:
         content_type: str = "application/json",
         accept: str = "application/json",
     ) -> Obj:
+        if self._counted is not None:
+            self._counted(_verb(method, path, params), resource_of(path))
         headers = {**self._headers(), "Accept": accept}
         data = None
         if body is not None:
@@ -188,6 +193,8 @@ class KubeClient:
             "timeoutSeconds": str(timeout_seconds),
         }
         timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_seconds + 30)
+        if self._counted is not None:
+            self._counted("WATCH", resource_of(path))
         async with self._get_session().get(
             self.creds.server + path, params=params,
             headers={**self._headers(), "Accept": accept}, timeout=timeout,
@@ -245,6 +252,30 @@ _PLURALS = {
     "Lease": "leases",
     "RLTrainingJob": "rltrainingjobs",
 }
+
+
+def resource_of(path: str) -> str:
+    """The resource an API path names: its plural, with the subresource if any
+    (``/apis/g/v/namespaces/ns/rltrainingjobs/x/status`` -> ``rltrainingjobs/status``)."""
+    parts = path.split("?", 1)[0].strip("/").split("/")
+    # /api/v1/... or /apis/group/version/...
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:] if parts[:1] == ["apis"] else []
+    if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) > 2:
+        rest = rest[2:]
+    if not rest:
+        return "other"
+    return rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
+
+
+def _verb(method: str, path: str, params: dict[str, str] | None) -> str:
+    """Verbs as the API server counts them: a GET of a collection is a LIST."""
+    if method != "GET":
+        return method
+    parts = path.split("?", 1)[0].strip("/").split("/")
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:] if parts[:1] == ["apis"] else []
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        rest = rest[2:]
+    return "LIST" if len(rest) == 1 else "GET"
 
 
 def plural_of(kind: str) -> str:

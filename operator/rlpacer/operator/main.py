@@ -44,8 +44,9 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
             loop.add_signal_handler(sig, stop.set)
 
     creds = Credentials.load(settings.kubeconfig)
-    kube = KubeClient(creds)
     metrics = Metrics()
+    kube = KubeClient(creds, counted=lambda verb, resource: metrics.kube_requests.labels(
+        verb, resource).inc())
     leader = LeaderState(leader=False)
     policy_cache = PolicyCache(policy_admission(kube, settings).policies,
                                settings.policy_cache_seconds)

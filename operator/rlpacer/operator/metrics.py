@@ -83,6 +83,12 @@ class Metrics:
             " (ok, conflict, error). Compare with rlpacer_step_report_duration_seconds: the"
             " difference is the operator's own time.", ("result",),
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.kube_requests = Counter(
+            "rlpacer_kube_requests_total",
+            "Requests this operator's own client made to the API server (not Kopf's watches"
+            " of the children), by verb (GET, LIST, WATCH, PUT, PATCH, POST, DELETE) and"
+            " resource (plural, with the subresource: rltrainingjobs/status).",
+            ("verb", "resource"), registry=r)
         self.reconcile_errors = Counter("rlpacer_reconcile_errors_total",
                                         "Reconciles that raised.", JOB_LABELS, registry=r)
         self.reconciles = Counter("rlpacer_reconciles_total", "Reconciles run.", JOB_LABELS,

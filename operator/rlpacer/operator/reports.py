@@ -102,7 +102,10 @@ def accept_report(
     # A live ``ctl`` was taken from the job's runtime: if this raises, it is dropped, so an
     # in-memory controller that observed a rejected report is never used again.
     new_state, cp, ctl = hosting.apply_report(state, report, ctl)
-    st = status.model_copy(deep=True)
+    # A shallow copy: below, fields of ``st`` are only ever replaced, never changed in place
+    # (statuses are values throughout the operator), so ``status`` is left as it was, and an
+    # unchanged field is the very object of ``status``.
+    st = status.model_copy()
     if new_state == state and status.controller_state is not None:
         # an idempotent repeat (checked first: a replay of an accepted step always gets the
         # same answer, even when the spec's bounds changed since)
@@ -154,7 +157,13 @@ def accept_report(
             steps=ctl.steps_observed, now=t, generation=gen)
         events = [*events, *enforce.record_notes(st, lim.notes), *slo_events]
     st.summary = summarize(st.conditions)
-    bad = schema_violations(status_schema(), st.to_wire())
+    # Only the fields this report replaced: the rest is ``status`` as the API server stored
+    # it (so within its schema), and checking the whole status on every report cost more
+    # than the rest of this function.
+    changed = {name for name in type(st).model_fields
+               if getattr(st, name) is not getattr(status, name)}
+    bad = schema_violations(status_schema(), st.model_dump(
+        mode="json", by_alias=True, exclude_none=True, include=changed))
     if bad:
         # The API server would refuse this status on every retry: answer 422, not 503.
         raise ReportRejected(

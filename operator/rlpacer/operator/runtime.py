@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import json
 import logging
+import random
 import secrets
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from rlpacer.api.job import (
     read_spec,
 )
 from rlpacer.api.policy import RLTrainingPolicy
+from rlpacer.api.protocol import RolloutState
 from rlpacer.api.status import (
     MAX_TOKEN_HASHES,
     ConditionType,
@@ -118,8 +120,11 @@ class JobRuntime:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     #: name -> canonical JSON of the child last applied (skip unchanged applies; cleared on
-    #: a child's deletion and every resync so drift is repaired).
+    #: a child's deletion and every reapply_seconds so drift is repaired).
     applied: dict[str, str] = field(default_factory=dict)
+    #: name -> :func:`child_version` of the child as the last apply left it: a watch event
+    #: with another version is someone else's change, re-applied on the next pass.
+    applied_version: dict[str, str] = field(default_factory=dict)
     applied_at: float = 0.0
     #: (controllerState, the live controller in exactly that state): saves restoring the
     #: controller from JSON on every report. Taken (removed) by the writer that uses it, so
@@ -139,6 +144,12 @@ class JobRuntime:
     refused: str | None = None
     #: What of the stored status this operator could not read (logged when it changes).
     status_left_out: list[str] = field(default_factory=list)
+    #: What the last pass saw of the children (:meth:`Jobs.observe`: the observation and the
+    #: driver pod), reused by a pass that no event of a child preceded: the children are
+    #: watched (Kopf's events set ``children_changed``), so an idle job's periodic pass makes
+    #: no request. None: look.
+    observation: tuple[Observed, dict[str, Any] | None] | None = None
+    children_changed: bool = True
 
     def take_controller(self, state: str | None) -> JobController | None:
         live, self.live = self.live, None
@@ -153,7 +164,9 @@ class JobRuntime:
         state = self.status.controller_state
         self.live = (state, ctl) if ctl is not None and state is not None else None
 
-    def absorb(self, obj: dict[str, Any]) -> None:
+    def absorb(self, obj: dict[str, Any], status: RLTrainingJobStatus | None = None) -> None:
+        """Take the job as read from the API server. ``status``: the model of
+        ``obj["status"]`` when the caller has it (saves validating it again)."""
         meta = obj.get("metadata", {})
         uid = meta.get("uid", "")
         if self.uid and uid != self.uid:
@@ -172,6 +185,9 @@ class JobRuntime:
             if ignored:  # written under a newer schema (this operator is older than the CRD)
                 log.warning("%s/%s: spec fields this operator does not know, ignored: %s",
                             self.namespace, self.name, ", ".join(ignored))
+        if status is not None:
+            self.status = status
+            return
         try:
             self.status, left_out = read_status(obj.get("status") or {})
         except ValueError:
@@ -197,6 +213,9 @@ class Jobs:
         self.policies = policies
         self._jobs: dict[tuple[str, str], JobRuntime] = {}
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
+        #: The resourceVersion of each job last seen on the operator's job watch: a pass
+        #: re-reads the job only when it differs from the one in memory (someone else wrote).
+        self._seen_rv: dict[tuple[str, str], str] = {}
         #: The CA (PEM) of the step-report endpoint's certificate, for the jobs' ConfigMaps
         #: (None: plain HTTP). ``main.serve`` points it at the served certificate, which
         #: follows renewals.
@@ -236,9 +255,31 @@ class Jobs:
         if rt is not None:
             rt.wake.set()
 
+    def saw(self, namespace: str, name: str, resource_version: str) -> None:
+        """The job watch saw this resourceVersion of the job."""
+        self._seen_rv[(namespace, name)] = resource_version
+
+    def child_event(self, namespace: str, job: str, kind: str, name: str,
+                    event: str | None, meta: dict[str, Any]) -> None:
+        """A watch event of one of the job's children (Kopf's handlers): the next pass looks
+        at the children again; a deleted child, or one someone else changed (another
+        :func:`child_version` than the operator's last apply left), is applied again."""
+        rt = self._jobs.get((namespace, job))
+        if rt is not None:
+            rt.children_changed = True
+            key = f"{kind}/{name}"
+            if event == "DELETED":
+                rt.applied.clear()  # re-apply everything on the next pass
+            elif key in rt.applied_version and child_version(kind, meta) not in (
+                    None, rt.applied_version[key]):
+                rt.applied.pop(key, None)
+                rt.applied_version.pop(key, None)
+            rt.wake.set()
+
     def forget(self, namespace: str, name: str) -> None:
         self._jobs.pop((namespace, name), None)
         self._loading.pop((namespace, name), None)
+        self._seen_rv.pop((namespace, name), None)
         self.metrics.forget(namespace, name)
 
     async def refresh(self, rt: JobRuntime) -> None:
@@ -262,12 +303,13 @@ class Jobs:
             if new_status == rt.status:
                 self.metrics.observe_status(rt.namespace, rt.name, rt.status)
                 return result
+            wire = new_status.to_wire()
             body = {
                 "apiVersion": API_VERSION,
                 "kind": KIND,
                 "metadata": {"name": rt.name, "namespace": rt.namespace,
                              "resourceVersion": rt.rv},
-                "status": new_status.to_wire(),
+                "status": wire,
             }
             t0 = time.perf_counter()
             try:
@@ -284,7 +326,8 @@ class Jobs:
                     raise JobGone(f"{rt.namespace}/{rt.name}") from e
                 raise
             self.metrics.status_write.labels("ok").observe(time.perf_counter() - t0)
-            rt.absorb(obj)
+            # stored as sent (nothing pruned or defaulted): the model written is the status
+            rt.absorb(obj, new_status if obj.get("status") == wire else None)
             self.metrics.observe_status(rt.namespace, rt.name, rt.status)
             return result
         raise ConflictLoop(f"{rt.namespace}/{rt.name}: {MAX_CAS_RETRIES} write conflicts")
@@ -541,13 +584,31 @@ class Jobs:
         job), so the applies, made from the status just written, are never stale.
         """
         self.metrics.reconciles.labels(rt.namespace, rt.name).inc()
+        # Every reapply_seconds a full pass (everything read and re-applied: drift repair and
+        # the safety net of the watches); otherwise the pass reads only what the watches say
+        # changed, so an idle job costs no request.
+        full = time.monotonic() - rt.applied_at > self.settings.reapply_seconds
         async with rt.lock:
-            await self.refresh(rt)
+            if full or not rt.rv or self._seen_rv.get((rt.namespace, rt.name)) != rt.rv:
+                await self.refresh(rt)
         if rt.spec is None:
             async with rt.lock:
                 await self._invalid(rt)
             return None
-        observed, driver = await self.observe(rt)
+        seen = rt.observation
+        # While a scale-up pends, every pass looks: its deadline is decided on the replicas
+        # ready now, not on the last event's view (a short, rare state: no cost at rest).
+        pending = rt.status.rollout.state == RolloutState.SCALING_UP.value
+        if (full or pending or rt.children_changed or seen is None
+                or seen[0].attempt != rt.status.attempt):
+            rt.children_changed = False  # an event from now on is seen by the next pass
+            try:
+                seen = await self.observe(rt)
+            except BaseException:
+                rt.children_changed = True
+                raise
+            rt.observation = seen
+        observed, driver = seen
         now = utcnow()
 
         if rt.ordinals_pruned:
@@ -586,9 +647,12 @@ class Jobs:
             log.info("%s/%s: ttlSecondsAfterFinished passed; deleting", rt.namespace, rt.name)
             await self.kube.delete(job_path(rt.namespace, rt.name))
             return None
-        if time.monotonic() - rt.applied_at > self.settings.reapply_seconds:
+        if full:
             rt.applied.clear()
-            rt.applied_at = time.monotonic()
+            # jittered: jobs created (or loaded by a new leader) together do not make their
+            # full passes together ever after
+            rt.applied_at = time.monotonic() - random.uniform(0.0, 0.2) * (
+                self.settings.reapply_seconds)
         await self._ensure_token(rt, inputs)
         ray_token = await self._ensure_ray_token(rt, inputs)
         if ray_token is not None:
@@ -605,7 +669,7 @@ class Jobs:
             if rt.applied.get(key) == text:
                 continue
             try:
-                await self.kube.apply(obj, self.settings.field_manager)
+                out = await self.kube.apply(obj, self.settings.field_manager)
             except ApiError as e:
                 if (e.status == 422 and obj["kind"] == "Pod" and driver is not None
                         and driver["metadata"]["name"] == obj["metadata"]["name"]):
@@ -613,11 +677,17 @@ class Jobs:
                     # changed): it keeps what it has; the next attempt gets the new spec.
                     log.warning("%s/%s: pod %s not updated: %s", rt.namespace, rt.name,
                                 obj["metadata"]["name"], e.message)
+                    out = None
                 elif e.status in (400, 403, 422) and not namespace_terminating(e):
                     raise ChildRefused(obj["kind"], obj["metadata"]["name"], e) from None
                 else:
                     raise
             rt.applied[key] = text
+            version = child_version(obj["kind"], (out or {}).get("metadata") or {})
+            if version is not None:
+                rt.applied_version[key] = version
+            else:
+                rt.applied_version.pop(key, None)
         rt.refused = None
         if not dec.workloads:
             for api, plural, child in builders.workload_names(rt.name, inputs.attempt):
@@ -662,6 +732,20 @@ def namespace_terminating(e: ApiError) -> bool:
     """The API server's refusal to create anything in a namespace being deleted (403, cause
     ``NamespaceTerminating``; its message is stable across releases)."""
     return e.status == 403 and "because it is being terminated" in (e.message or "")
+
+
+def child_version(kind: str, meta: dict[str, Any]) -> str | None:
+    """What says a child was changed by someone: a StatefulSet's generation (its spec; the
+    controller's status updates leave it), the resourceVersion of a ConfigMap or Service
+    (nothing else writes them). None for pods (their status changes all the time; their spec
+    hardly can) and Secrets (written once): the full pass of reapply_seconds covers those."""
+    if kind == "StatefulSet":
+        gen = meta.get("generation")
+        return None if gen is None else f"generation {gen}"
+    if kind in ("ConfigMap", "Service"):
+        rv = meta.get("resourceVersion")
+        return None if not rv else f"resourceVersion {rv}"
+    return None
 
 
 def token_hash(token: str) -> str:

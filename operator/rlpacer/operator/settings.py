@@ -99,13 +99,18 @@ class OperatorSettings(BaseModel):
     )
     resync_seconds: float = Field(
         default=30.0, gt=0,
-        description="Each job is reconciled at least this often (and on every child event).",
+        description=(
+            "Each job is reconciled at least this often (and on every child event); such a"
+            " pass reads from the API server only what the watches say changed."
+        ),
     )
     reapply_seconds: float = Field(
-        default=300.0, gt=0,
+        default=3600.0, gt=0,
         description=(
-            "Unchanged children are re-applied (drift repair) at most this often; a changed"
-            " or deleted child is applied on the next pass."
+            "About this often (jittered by up to a fifth) a job's pass is a full one: it reads"
+            " the job and its children again and re-applies every child (the safety net of"
+            " the watches). A child deleted, or a ConfigMap, Service or StatefulSet spec"
+            " changed by someone else, is applied again on the next pass (its watch event)."
         ),
     )
     finished_grace_seconds: float = Field(

@@ -34,6 +34,7 @@ def test_a_data_invalid_exit_fails_the_job_without_a_retry(code: int) -> None:
             fk.objects[driver]["status"] = {"phase": "Failed", "containerStatuses": [{
                 "name": "main", "state": {"terminated": {
                     "exitCode": code, "reason": "Error", "message": LOG_TAIL}}}]}
+            rt.children_changed = True  # the driver pod's watch event (Kopf's handler sets it)
             await env.jobs.reconcile(rt)
             st = env.status("job")
             reasons = [e.get("reason") for e in fk.of_kind("events")]

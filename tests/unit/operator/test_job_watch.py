@@ -40,6 +40,9 @@ class _Jobs:
     def peek(self, namespace: str, name: str) -> None:
         return None
 
+    def saw(self, namespace: str, name: str, resource_version: str) -> None:
+        self.seen = (namespace, name, resource_version)
+
 
 class _Loops(JobLoops):
     def __init__(self) -> None:

@@ -323,6 +323,7 @@ def test_plan_names_the_ready_rollout_ordinals_to_trainers_that_ask() -> None:
             _rollout_pod(env.fk, 0, True)
             _rollout_pod(env.fk, 1, False)  # still pending
             _rollout_pod(env.fk, 2, True)  # came up first
+            rt.children_changed = True  # the pods' watch events (Kopf's handler sets it)
             await env.jobs.reconcile(rt)
             plan = await env.plan("job", fields="usableReplicas")
             assert plan["rollout"]["usableReplicas"] == [0, 2]
@@ -354,6 +355,7 @@ def test_long_round_plan_scales_and_reports_ready() -> None:
             )
             assert env.fk.objects[sts_path]["spec"]["replicas"] == 3
             env.fk.objects[sts_path]["status"] = {"readyReplicas": 3}
+            rt.children_changed = True  # the StatefulSet's watch event (Kopf's handler)
             await env.jobs.reconcile(rt)
             plan = await env.plan("job")
             assert plan["rollout"] == {"desiredReplicas": 3, "readyReplicas": 3, "state": "Ready"}
@@ -387,5 +389,93 @@ def test_standby_answers_503() -> None:
             assert r.status == 503 and (await r.json())["reason"] == "NotLeader"
         finally:
             await client.close()
+
+    run(body)
+
+
+def test_an_idle_jobs_pass_makes_no_request_until_the_watches_say_something_changed() -> None:
+    """The periodic pass of a job nothing happened to reads nothing: the job is re-read only
+    when the job watch saw a resourceVersion other than the one in memory, the children only
+    after one of their watch events; a full pass every reapply_seconds reads everything."""
+
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            await env.jobs.reconcile(rt)  # settles: the children exist, the status written
+            env.jobs.saw(NS, "job", rt.rv)  # the job watch is up to date
+            rt.children_changed = False
+            before = len(env.fk.calls)
+            for _ in range(3):
+                await env.jobs.reconcile(rt)
+            assert env.fk.calls[before:] == []
+            # someone else wrote the job: re-read (one GET), children untouched
+            env.fk.objects[job_path(NS, "job")]["metadata"]["resourceVersion"] = "999"
+            env.jobs.saw(NS, "job", "999")
+            before = len(env.fk.calls)
+            await env.jobs.reconcile(rt)
+            assert env.fk.calls[before:] == [("GET", job_path(NS, "job"))]
+            # a child's event: the children are looked at again
+            rt.children_changed = True
+            before = len(env.fk.calls)
+            await env.jobs.reconcile(rt)
+            driver = object_path("v1", "pods", NS, names.driver_pod("job", 0))
+            assert ("GET", driver) in env.fk.calls[before:]
+            # the full pass of reapply_seconds: everything read and applied again
+            rt.applied_at = 0.0
+            before = len(env.fk.calls)
+            await env.jobs.reconcile(rt)
+            calls = env.fk.calls[before:]
+            assert ("GET", job_path(NS, "job")) in calls and ("GET", driver) in calls
+            assert sum(m == "PATCH" for m, _ in calls) >= 3  # children re-applied
+        finally:
+            await close()
+
+    run(body)
+
+
+def test_a_child_someone_else_changed_is_applied_again_on_its_event_not_on_a_timer() -> None:
+    """Drift repair without polling: a StatefulSet whose spec someone changed (its watch event
+    carries another generation than the operator's apply left) or a changed ConfigMap (another
+    resourceVersion) is applied again on the next pass; an event of the operator's own apply,
+    or of a status update (same generation), makes no request."""
+
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            await env.jobs.reconcile(rt)
+            env.jobs.saw(NS, "job", rt.rv)
+            sts = names.statefulset("job", contract.Role.ROLLOUT)
+            sts_path = object_path("apps/v1", "statefulsets", NS, sts)
+            mine = env.fk.objects[sts_path]["metadata"]
+            # the StatefulSet controller's status update: same generation
+            env.jobs.child_event(NS, "job", "StatefulSet", sts, "MODIFIED",
+                                 {**mine, "resourceVersion": "900"})
+            before = len(env.fk.calls)
+            await env.jobs.reconcile(rt)
+            assert [c for c in env.fk.calls[before:] if c[0] == "PATCH"] == []
+            # someone scaled it by hand: a new generation, applied again
+            env.jobs.child_event(NS, "job", "StatefulSet", sts, "MODIFIED",
+                                 {**mine, "generation": int(mine["generation"]) + 1})
+            cm = names.config_map("job")
+            env.jobs.child_event(NS, "job", "ConfigMap", cm, "MODIFIED",
+                                 {"name": cm, "resourceVersion": "901"})
+            before = len(env.fk.calls)
+            await env.jobs.reconcile(rt)
+            patched = {p for m, p in env.fk.calls[before:] if m == "PATCH"}
+            assert patched == {sts_path, object_path("v1", "configmaps", NS, cm)}
+            # the operator's own applies' events: nothing more
+            for path, kind, name in ((sts_path, "StatefulSet", sts),
+                                     (object_path("v1", "configmaps", NS, cm), "ConfigMap", cm)):
+                env.jobs.child_event(NS, "job", kind, name, "MODIFIED",
+                                     env.fk.objects[path]["metadata"])
+            before = len(env.fk.calls)
+            await env.jobs.reconcile(rt)
+            assert [c for c in env.fk.calls[before:] if c[0] == "PATCH"] == []
+        finally:
+            await close()
 
     run(body)
