@@ -246,6 +246,22 @@ class Driver:
                     self.tok if tok is None else tok, body)
 
 
+def bound_claim(cluster: LocalCluster, ns: str, claim: str) -> None:
+    """A PersistentVolumeClaim bound to a hostPath PersistentVolume made for it."""
+    pv_name = f"{ns}-{claim}"[:63]
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
+          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                   "storageClassName": "manual",
+                   "hostPath": {"path": f"/tmp/rlpacer-pv/{pv_name}"},
+                   "claimRef": {"namespace": ns, "name": claim}}}
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+           "metadata": {"name": claim, "namespace": ns},
+           "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual",
+                    "volumeName": pv_name, "resources": {"requests": {"storage": "1Gi"}}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "List", "items": [pv, pvc]}))
+
+
 def kube_events(cluster: LocalCluster, ns: str, name: str) -> list[dict[str, Any]]:
     body = get(cluster, f"/api/v1/namespaces/{ns}/events?fieldSelector=involvedObject.name={name}")
     return (body or {}).get("items", [])
@@ -296,6 +312,11 @@ def test_example_job_children_owners_and_status(
 ) -> None:
     doc = yaml.safe_load((ROOT / "examples" / "rltrainingjob.yaml").read_text())
     doc["metadata"]["namespace"] = namespace
+    # the claims its model and data come from: the pods mount them, so they wait for them
+    claims = [doc["spec"][k]["source"].removeprefix("pvc://").split("/")[0]
+              for k in ("model", "data")]
+    for claim in claims:
+        bound_claim(cluster, namespace, claim)
     apply(cluster, doc)
     name = doc["metadata"]["name"]
     uid = job(cluster, namespace, name)["metadata"]["uid"]
@@ -845,7 +866,9 @@ def test_step_reports_are_tls_only_and_a_played_driver_verifies_the_operator(
     CA it fails at once, exit 3, with a message naming the CA file."""
     # a job the trainer can load (the played driver reads its run config before reporting)
     apply(cluster, small_job("tls", namespace, model={"source": "builtin://tiny-chain"},
-                             data={"source": "builtin://chain"}))
+                             data={"source": "builtin://chain"},
+                             rollout={"replicas": 1, "gpusPerReplica": 0,
+                                      "maxResponseTokens": 192}))
     tok = token(cluster, namespace, "tls")
     plain = f"http://127.0.0.1:{operator.report_port}" + plan_path(namespace, "tls")
     req = urllib.request.Request(plain, headers={"Authorization": f"Bearer {tok}"})
