@@ -190,3 +190,11 @@ def test_a_reward_the_workers_cannot_import_is_a_config_error(
         RewardPool("rlpacer_test_broken:f", timeout_s=1)
     with pytest.raises(ConfigError, match=r"spec\.reward\.type: .*no callable 'f'"):
         RewardPool("rlpacer_test_ok:f", timeout_s=1)
+
+
+def test_reward_bench_runs_and_the_hung_arm_is_cut_at_the_timeout() -> None:
+    from rlpacer_trainer import reward_bench
+
+    row = reward_bench.run(100, 2, hung=True, timeout_s=1.0)
+    assert row["timeouts"] == 1 and row["calls_per_s"] > 0
+    assert 1.0 <= row["wall_s"] < 2.5
