@@ -449,11 +449,20 @@ class RewardPool:
                         cid, call = self._queue.popleft()
                         w.call, w.started = cid, time.monotonic()
                         sends.append((w, cid, call))
+            freed = False
             for w, cid, call in sends:
-                with suppress(OSError, ValueError):  # a dead worker is seen by its sentinel below
+                try:
                     w.conn.send((cid, call))
+                except (OSError, ValueError):
+                    pass  # a dead worker: seen below
+                except Exception as err:  # e.g. meta that does not pickle: this call only
+                    self._finish(w, None, "error", f"cannot send the call: {err}")
+                    freed = True
+            if freed:
+                continue  # the worker is idle again: hand it the next call
             now = time.monotonic()
             deadlines = [w.started + self.timeout_s for w in self._workers if w.call is not None]
+            deadlines += [w.born + self.start_timeout_s for w in self._workers if not w.ready]
             timeout = max(0.0, min(deadlines) - now) if deadlines else None
             objs: list[Any] = [self._wake_r]
             for w in self._workers:
@@ -480,6 +489,10 @@ class RewardPool:
                     self._finish(w, None, "crash", f"worker exit code {code}")
             now = time.monotonic()
             for w in list(self._workers):
+                if not w.ready and now - w.born >= self.start_timeout_s:
+                    self._break(f"spec.reward.type: {self.type!r}: a replacement reward worker"
+                                f" did not start in {self.start_timeout_s:.0f} s")
+                    return
                 if w.call is not None and now - w.started >= self.timeout_s:
                     self._replace(w)
                     self._finish(w, None, "timeout", f"over {self.timeout_s:g} s")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,22 @@ class ScriptedEngine:
             for f in self.poll():
                 done[f.request_id] = f
         return done
+
+
+@pytest.fixture(autouse=True)
+def _close_drivers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each driver's reward workers stop with its test, not with the session."""
+    made: list[Any] = []
+    real = runtime.build_driver
+
+    def build(*args: Any, **kw: Any) -> Any:
+        made.append(real(*args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(runtime, "build_driver", build)
+    yield
+    for drv in made:
+        drv.close()
 
 
 def _cfg(**kw: object) -> RunConfig:
@@ -447,8 +463,11 @@ def test_rewards_run_in_the_pool_failures_scored_and_counted_per_step(
 
         def score(response, answer, prompt, **meta):
             assert prompt.endswith(":") and answer.endswith(",")
-            if not os.path.exists(MARK):
-                open(MARK, "w").close()
+            try:
+                os.close(os.open(MARK, os.O_CREAT | os.O_EXCL))  # the first call, once
+            except FileExistsError:
+                pass
+            else:
                 time.sleep(1e9)
             if response != answer:
                 os._exit(1)

@@ -18,7 +18,7 @@ import pytest
 from rlpacer_trainer.errors import ConfigError
 from rlpacer_trainer.rewards import RewardCall, RewardPool
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]  # a pool that hangs fails
 
 BAD = textwrap.dedent('''
     import ctypes, os, signal, time
@@ -198,3 +198,11 @@ def test_reward_bench_runs_and_the_hung_arm_is_cut_at_the_timeout() -> None:
     row = reward_bench.run(100, 2, hung=True, timeout_s=1.0)
     assert row["timeouts"] == 1 and row["calls_per_s"] > 0
     assert 1.0 <= row["wall_s"] < 2.5
+
+
+def test_a_call_that_cannot_be_sent_is_an_error_not_a_dead_pool() -> None:
+    with RewardPool("ExactMatch", timeout_s=5, workers=1) as pool:
+        pool.submit("bad", RewardCall("x", "x", meta={"f": lambda: 0}))  # does not pickle
+        pool.submit("ok", RewardCall("x", "x"))
+        out, _ = pool.collect()
+        assert out == {"bad": 0.0, "ok": 1.0} and pool.stats.errors == 1
