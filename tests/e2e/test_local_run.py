@@ -41,22 +41,35 @@ def _env() -> dict[str, str]:
 
 def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
     """Two rollout replicas: two engine actors, each bound to its own core, both generating
-    at the learner's weights (from their own reports in the metrics)."""
+    at the learner's weights (from their own reports in the metrics). The reward is a user
+    module:function on the Python path (ExactMatch under another name), which the reward
+    pool's worker processes import."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["rollout"]["replicas"] = 2
     doc["spec"]["tailBatching"]["longRound"]["rolloutReplicas"] = 2
+    doc["spec"]["reward"] = {"type": "rlpacer_e2e_reward:score", "timeoutSeconds": 10,
+                             "workers": 3}
     manifest = tmp_path / "tiny-local-2.yaml"
     manifest.write_text(yaml.safe_dump(doc))
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "rlpacer_e2e_reward.py").write_text(
+        "from rlpacer_trainer.reward_fns import exact_match as score  # noqa: F401\n")
+    env = {**_env(), "PYTHONPATH": str(mods)}
     out = tmp_path / "run"
     proc = subprocess.run(
         [str(BIN / "rlpacer"), "run", str(manifest), "--steps", "4", "--out", str(out),
          "--eval-prompts", "64"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    assert sum(r["accuracy"] for r in recs) > 0  # the user reward scored some chains right
     held = None
     for r in recs:
+        # every response that stopped was scored in the pool, none failed
+        assert r["reward_calls"] > 0 and r["reward_busy_s"] > 0, r
+        assert r["reward_timeouts"] == r["reward_crashes"] == r["reward_errors"] == 0, r
         assert r["group_size"] in (4, 8, 16) and r["len_max"] >= r["len_median"] > 0
         assert r["seconds_rollout"] > 0 and r["seconds_sync"] > 0
         engines = r["engines"]

@@ -291,6 +291,12 @@ def test_invalid_manifests_are_rejected_with_field_messages(
         "spec.algorithm.overlongPenalty.bufferTokens": {
             "algorithm": {"name": "DAPO", "overlongPenalty": {"bufferTokens": 1024}}},
         "spec.steps": {"steps": 0},
+        "spec.reward.type": {"reward": {"type": "Exactmatch"}},
+        "spec.reward.type ": {"reward": {"type": "my rewards:score"}},
+        "spec.reward.pattern": {"reward": {"type": "Regex"}},
+        "spec.reward.pattern ": {"reward": {"type": "MathAnswer", "pattern": "x"}},
+        "spec.reward.failureScore": {"reward": {"failureScore": "zero"}},
+        "spec.reward.workers": {"reward": {"workers": 0}},
     }
     for field, patch in bad.items():
         obj = small_job("bad", namespace)
@@ -298,6 +304,15 @@ def test_invalid_manifests_are_rejected_with_field_messages(
         r = cluster.kubectl("apply", "-f", "-", input=json.dumps(obj), check=False)
         assert r.returncode != 0, f"{field} accepted"
         assert field.strip() in r.stderr, (field, r.stderr)
+    # the reward rules pass what the model passes: a user reward, a Regex with its pattern
+    for name, reward in [
+        ("reward-user", {"type": "my_rewards.math:score", "workers": 4, "failureScore": "-1"}),
+        ("reward-regex", {"type": "Regex", "pattern": r"answer is (?P<answer>\d+)\.\Z"}),
+    ]:
+        obj = small_job(name, namespace)
+        obj["spec"]["reward"] = reward
+        r = cluster.kubectl("apply", "-f", "-", input=json.dumps(obj), check=False)
+        assert r.returncode == 0, (name, r.stderr)
     long_name = "a" * 64
     r = cluster.kubectl("apply", "-f", "-", input=json.dumps(small_job(long_name, namespace)),
                         check=False)

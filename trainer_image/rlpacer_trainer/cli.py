@@ -66,7 +66,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {err}")
         return 2
     cfg.out_dir = args.out or Path("runs") / cfg.job.metadata.name
-    return run_local(cfg, resume=args.resume, evaluate=not args.no_eval)
+    try:
+        return run_local(cfg, resume=args.resume, evaluate=not args.no_eval)
+    except ConfigError as err:  # found at start, e.g. a user reward the workers cannot import
+        print(f"error: {err}")
+        return 2
 
 
 def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
@@ -110,6 +114,7 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
     if evaluate:
         extra["eval_accuracy_end"] = drv.evaluate(evalset)
     metrics.close()
+    drv.close()
     path = report.write_report(out, drv.records, extra)
     print(json.dumps(extra, indent=1))
     print(f"report: {path}")
@@ -154,6 +159,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 "group_sizes": sorted({r["group_size"] for r in drv.records}),
                 "steps": len(drv.records),
             }
+            drv.close()
             rows.append(row)
             print(json.dumps(row), flush=True)
     (args.out / "bench-train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -23,14 +23,13 @@ from rlpacer.api.job import (
 from rlpacer.control.plan import JobControllerConfig
 from rlpacer.control.sagc import GroupControlMode
 from rlpacer.control.tail_batching import TailBatchingConfig
-from rlpacer_trainer import algos, data, models, task
+from rlpacer_trainer import algos, data, models, rewards, task
+from rlpacer_trainer.errors import ConfigError
 from rlpacer_trainer.learner import LearnerConfig
 
 BUILTIN_TASKS = ("chain",)
 
-
-class ConfigError(ValueError):
-    """A run config that cannot work; the message names the field."""
+__all__ = ["ConfigError", "RunConfig"]
 
 
 class DataInvalid(ConfigError):
@@ -73,10 +72,7 @@ class RunConfig:
                 self._files = data.load(spec.data)  # every record read and checked now
             except data.DataError as e:
                 raise DataInvalid(str(e)) from e
-        if spec.reward.type not in task.REWARDS:
-            raise ConfigError(
-                f"spec.reward.type: {spec.reward.type!r} is not built in ({sorted(task.REWARDS)})"
-            )
+        rewards.check_spec(spec.reward)  # names spec.reward.<field>
         if self.fixed_group_size is not None and self.fixed_group_size < 1:
             raise ConfigError("--fixed-group-size must be >= 1")
         try:

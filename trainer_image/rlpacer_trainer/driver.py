@@ -42,11 +42,11 @@ import torch
 
 from rlpacer.api.protocol import LengthSummary, Plan, RoundKind, StepReport, StepSeconds
 from rlpacer.control.tail_batching import TailBatchingPlanner
-from rlpacer_trainer import algos, task
+from rlpacer_trainer import algos
 from rlpacer_trainer.engine import EngineInfo, EngineStats, Finished, GenRequest, total_stats
 from rlpacer_trainer.learner import Sample
 from rlpacer_trainer.learners import driver_rng_state, set_driver_rng_state
-from rlpacer_trainer.rewards import RewardScorer
+from rlpacer_trainer.rewards import RewardCall, RewardPool, RewardStats
 
 
 def sample_seed(seed: int, round_index: int, prompt: int, idx: int) -> int:
@@ -61,6 +61,14 @@ def length_summary(lengths: Sequence[int], aborted: int) -> LengthSummary:
     p90 = s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
     return LengthSummary(max=s[-1], median=float(statistics.median(s)), p90=float(p90),
                          count=len(s), aborted=aborted)
+
+
+def reward_metrics(d: RewardStats) -> dict[str, Any]:
+    """A step's reward-pool fields of the metrics record (README "The per-step metrics
+    record")."""
+    return {"reward_calls": d.calls, "reward_timeouts": d.timeouts,
+            "reward_crashes": d.crashes, "reward_errors": d.errors,
+            "reward_busy_s": d.busy_s, "reward_worker_restarts": d.restarts}
 
 
 @dataclasses.dataclass
@@ -140,8 +148,8 @@ class Driver:
         self.tok = cfg.tokenizer()  # the model's: prompts in, responses out
         self.step = 0
         self.records: list[dict[str, Any]] = []
-        self._reward_fn = task.REWARDS[cfg.spec.reward.type]
-        self.scorer = RewardScorer(self._score, timeout_s=float(cfg.spec.reward.timeout_seconds))
+        #: reward worker processes, started once (spec.reward; rewards.py)
+        self.scorer = RewardPool.from_spec(cfg.spec.reward)
         self.rollout_wall = 0.0  # wall time inside rollouts (engine busy fraction's base)
         self._pending: dict[str, tuple[int, int, int]] = {}  # request id -> replica, prompt, idx
         self._served: dict[int, int] = {}  # responses each replica's engine finished this step
@@ -151,15 +159,23 @@ class Driver:
         self.weight_transport = "store"
 
     # --- rewards -----------------------------------------------------------------------------
-    def _score(self, tokens: tuple[int, ...], finish_reason: str, pid: int) -> float:
-        r = 0.0
-        if finish_reason == "stop":
-            r = self._reward_fn(self.tok.decode(tokens), self.problems[pid])
+    def _submit_reward(self, key: tuple[int, int, int], f: Finished, pid: int) -> None:
+        """Scores a finished response in the pool (a truncated one is not scored: 0.0)."""
+        if f.finish_reason == "stop":
+            self.scorer.submit(key, RewardCall.of(self.tok.decode(f.token_ids),
+                                                  self.problems[pid]))
+
+    def _shaped(self, score: float, k: Kept) -> float:
+        """The reward a kept response trains with: its score plus overlong shaping."""
         if self.cfg.overlong_buffer:
-            r += self.cfg.overlong_scale * algos.overlong_penalty(
-                len(tokens), max_tokens=self.cfg.max_tokens,
+            score += self.cfg.overlong_scale * algos.overlong_penalty(
+                len(k.tokens), max_tokens=self.cfg.max_tokens,
                 buffer_tokens=self.cfg.overlong_buffer)
-        return r
+        return score
+
+    def close(self) -> None:
+        """Stops the reward workers (they also exit with this process)."""
+        self.scorer.close()
 
     # --- one round ----------------------------------------------------------------------------
     def run_round(self, group_size: int) -> RoundOutcome:
@@ -195,7 +211,7 @@ class Driver:
                 if d.keep:
                     k = Kept(p, i, f.token_ids, f.finish_reason)
                     kept.setdefault(p, []).append(k)
-                    self.scorer.submit((plan.index, p, i), f.token_ids, f.finish_reason, p)
+                    self._submit_reward((plan.index, p, i), f, p)
                 to_abort = [(q, j) for q in d.abort_prompts for j in
                             range(plan.responses_per_prompt)] + list(d.abort_responses)
                 if d.round_complete:
@@ -336,6 +352,7 @@ class Driver:
         self._served = {}
         self._died_served = []
         self._stats_before = stats_before = self._engine_stats()
+        reward_before = self.scorer.stats
         while True:
             rnd = self.run_round(g)
             rollout_s += rnd.rollout_s
@@ -344,7 +361,8 @@ class Driver:
             reward_s += waited
             for p, ks in rnd.kept.items():
                 for k in ks:
-                    k.reward = scores.get((self.planner.rounds - 1, p, k.idx), 0.0)
+                    k.reward = self._shaped(
+                        scores.get((self.planner.rounds - 1, p, k.idx), 0.0), k)
                     lengths.append(len(k.tokens))
                     rewards_all.append(k.reward)
                 groups[(self.planner.rounds - 1, p)] = ks
@@ -405,7 +423,7 @@ class Driver:
             "tau": float(self.cfg.spec.group_control.straggler_ratio),
             "engine_tokens": est.tokens, "engine_busy_s": est.busy_seconds,
             "rollout_wall_s": self.rollout_wall, "dropped_groups": dropped, "refills": refills,
-            "reward_timeouts": self.scorer.timeouts,
+            **reward_metrics(self.scorer.stats.minus(reward_before)),
             "policy_version": self.policy_version, "engines": served, "replicas": used,
             **{f"learner_{k}": v for k, v in stats.items()},
         }
@@ -656,7 +674,6 @@ class Driver:
                 f"eval{self.step}.{self._evals}-{j}", tuple(self.tok.prompt_ids(p.prompt)),
                 self.cfg.max_tokens, temperature,
                 None if temperature == 0 else sample_seed(seed, -1, j, 0)))
-        hits = 0
         for e, reqs in enumerate(per_engine):
             if not reqs:
                 continue
@@ -664,8 +681,11 @@ class Driver:
             for r in reqs:
                 j = int(r.request_id.rsplit("-", 1)[1])
                 f = done[r.request_id]
-                if f.finish_reason == "stop":
-                    hits += int(task.reward(self.tok.decode(f.token_ids), problems[j]) >= 1.0)
+                if f.finish_reason == "stop":  # scored by the job's own reward (spec.reward)
+                    self.scorer.submit(("eval", j), RewardCall.of(
+                        self.tok.decode(f.token_ids), problems[j]))
+        scores, _ = self.scorer.collect()
+        hits = sum(int(v >= 1.0) for v in scores.values())
         return hits / max(1, len(problems))
 
     # --- checkpoints --------------------------------------------------------------------------

@@ -116,6 +116,7 @@ def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
     drv.run()
     drv.save_checkpoint()
     metrics.close()
+    drv.close()
     print(f"done: {drv.step} steps", flush=True)
     return 0
 

@@ -14,6 +14,8 @@ stays hard, and that is what RL improves.
 Example: prompt ``47-9:``; response ``38,29,20,11,2,`` then EOS; the answer is 2 = 47 mod 9.
 
 Reward: 1.0 when the response is exactly the reference chain, else 0.0 (a pure function).
+The scored rewards (``ExactMatch``, ``ChainPrefix``) see a problem as text: the prompt and
+:attr:`Problem.reference`, the chain (:mod:`rlpacer_trainer.reward_fns`).
 """
 
 from __future__ import annotations
@@ -63,14 +65,18 @@ def reward(response: str, problem: Problem) -> float:
 
 
 def prefix_reward(response: str, problem: Problem) -> float:
-    """Partial credit (built-in reward ``ChainPrefix``): 1.0 for the exact chain, else half the
-    fraction of leading terms that are right. A full solution always beats any partial one,
-    and a long chain that goes wrong late still tells the policy which prefix was good (exact
-    match alone gives almost every long-chain group all-zero rewards, i.e. no signal)."""
-    ref = problem.reference
-    if response == ref:
+    """Partial credit (built-in reward ``ChainPrefix``): see :func:`chain_prefix`."""
+    return chain_prefix(response, problem.reference)
+
+
+def chain_prefix(response: str, reference: str) -> float:
+    """1.0 for exactly the reference chain, else half the fraction of leading terms that are
+    right. A full solution always beats any partial one, and a long chain that goes wrong late
+    still tells the policy which prefix was good (exact match alone gives almost every
+    long-chain group all-zero rewards, i.e. no signal)."""
+    if response == reference:
         return 1.0
-    want = ref.split(",")[:-1]
+    want = reference.split(",")[:-1]
     got = response.split(",")
     ok = 0
     for w, g in zip(want, got, strict=False):
@@ -78,9 +84,6 @@ def prefix_reward(response: str, problem: Problem) -> float:
             break
         ok += 1
     return 0.5 * ok / max(1, len(want))
-
-
-REWARDS = {"ExactMatch": reward, "ChainPrefix": prefix_reward}
 
 
 def sample_terms(rng: random.Random, alpha: float, t_min: int, t_max: int) -> int:

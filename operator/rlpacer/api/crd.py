@@ -113,6 +113,25 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
         _dec("dualStepSize", ">=", "0.0", "must be >= 0"),
         _dec("lambdaMax", ">", "0.0", "must be > 0"),
     ],
+    "RewardSpec": [
+        _rule(
+            f"self.type in {list(job_api.BUILTIN_REWARDS)}"
+            f" || self.type.matches('{job_api.REWARD_ENTRY_POINT}')",
+            f"type must be a built-in reward ({', '.join(job_api.BUILTIN_REWARDS)}) or a user"
+            " reward module:function",
+            "type",
+        ),
+        _rule(
+            "self.type != 'Regex' || has(self.pattern)",
+            "pattern is required when type is Regex",
+            "pattern",
+        ),
+        _rule(
+            "!has(self.pattern) || self.type == 'Regex'",
+            "pattern is read only when type is Regex",
+            "pattern",
+        ),
+    ],
     "TailBatchingSpec": [_dec("promptOverprovision", ">=", "1.0", "must be >= 1")],
     "RLTrainingJobSpec": [
         _rule(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
@@ -281,14 +282,78 @@ class EffectiveAlgorithm(APIModel):
     learning_rate: Decimal = Field(description="Learner learning rate.")
 
 
+#: The built-in rewards (``spec.reward.type``); the trainer's registry has exactly these.
+BUILTIN_REWARDS = ("ExactMatch", "ChainPrefix", "MathAnswer", "Regex")
+#: A user reward: ``package.module:function``, importable in the trainer image.
+REWARD_ENTRY_POINT = r"^[A-Za-z_][A-Za-z0-9_]*([.][A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
 class RewardSpec(APIModel):
     type: str = Field(
         default="ExactMatch",
         min_length=1,
         max_length=128,
-        description="Built-in reward (ExactMatch) or an entry point module:function in the image.",
+        description=(
+            "A built-in reward (ExactMatch, ChainPrefix, MathAnswer, Regex) or a user reward"
+            " module:function importable in the trainer image, called as"
+            " fn(response, answer, prompt, **meta) -> float (README \"Rewards\")."
+        ),
     )
-    timeout_seconds: int = Field(default=30, ge=1, le=3600, description="Per reward call.")
+    timeout_seconds: int = Field(
+        default=30, ge=1, le=3600,
+        description=("Hard limit per reward call: an overrunning call's worker process is"
+                     " killed and replaced, and the call scores failureScore."),
+    )
+    workers: int = Field(
+        default=2, ge=1, le=64,
+        description="Reward worker processes (started once, reused; a killed one is replaced).",
+    )
+    failure_score: Decimal = Field(
+        default="0",
+        description=("The score of a call that times out, whose worker dies (crash, exit,"
+                     " signal) or that raises or returns no finite number; each is counted"
+                     " in the step's metrics."),
+    )
+    pattern: str | None = Field(
+        default=None, min_length=1, max_length=1024,
+        description=("Regex only (required there): a Python regular expression searched for in"
+                     " the response; 1.0 when it matches, else 0.0. With a named group"
+                     " (?P<answer>...), 1.0 only when the group of the last match equals the"
+                     " problem's answer (stripped). Anchor with \\A...\\Z for a full match."),
+    )
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        if v in BUILTIN_REWARDS or re.fullmatch(REWARD_ENTRY_POINT, v):
+            return v
+        if ":" in v:
+            raise ValueError(
+                f"{v!r} is not an entry point: write module:function with Python identifiers,"
+                " e.g. my_rewards.math:score")
+        raise ValueError(
+            f"{v!r} is not a built-in reward ({', '.join(BUILTIN_REWARDS)}); a user reward is"
+            " written module:function, e.g. my_rewards:score")
+
+    @model_validator(mode="after")
+    def _pattern_and_score(self) -> RewardSpec:
+        if self.type == "Regex":
+            if self.pattern is None:
+                raise ValueError("pattern is required when type is Regex, e.g. pattern: '\\d+'")
+            try:
+                re.compile(self.pattern)
+            except re.error as err:
+                raise ValueError(f"pattern {self.pattern!r} is not a valid regular expression:"
+                                 f" {err}") from None
+        elif self.pattern is not None:
+            raise ValueError(f"pattern is read only when type is Regex (type is {self.type});"
+                             " remove it or set type: Regex")
+        try:
+            decimal(self.failure_score)
+        except ValueError:
+            raise ValueError(f"failureScore {self.failure_score!r} must be a finite number,"
+                             " e.g. \"0\" or \"-1\"") from None
+        return self
 
 
 #: Kubernetes resource quantities ("500m", "2", "8Gi", "1.5G").

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from rlpacer.api import crd
+from rlpacer.api import crd, job
 
 pytestmark = pytest.mark.unit
 
@@ -113,3 +114,25 @@ def test_float_field_is_rejected() -> None:
 
     with pytest.raises(crd.SchemaError, match="floats"):
         crd.model_schema(Bad, {}, "bad")
+
+
+def test_reward_rules_mirror_the_model() -> None:
+    """The API server's copy of RewardSpec's validators: the type rule's regex is the model's
+    (no backslash escapes, which a CEL string literal would refuse), pattern goes with Regex."""
+    reward = _schema()["properties"]["spec"]["properties"]["reward"]
+    props = reward["properties"]
+    assert props["workers"]["default"] == 2 and props["workers"]["minimum"] == 1
+    assert props["failureScore"]["default"] == "0" and "pattern" in props["failureScore"]
+    assert "default" not in props["pattern"]
+    rules = {r["fieldPath"]: r for r in reward["x-kubernetes-validations"][:1]}
+    type_rule = rules[".type"]["rule"]
+    assert job.REWARD_ENTRY_POINT in type_rule and "\\" not in type_rule
+    for name in job.BUILTIN_REWARDS:
+        assert f"'{name}'" in type_rule
+    for ok in ("my_rewards:score", "a.b_c.d:f2"):
+        assert re.fullmatch(job.REWARD_ENTRY_POINT, ok)
+    for bad in ("my rewards:score", "a:", ":f", "a:b:c", "1a:f", "a..b:f"):
+        assert not re.fullmatch(job.REWARD_ENTRY_POINT, bad)
+    pattern_rules = [r["rule"] for r in reward["x-kubernetes-validations"][1:]]
+    assert pattern_rules == ["self.type != 'Regex' || has(self.pattern)",
+                             "!has(self.pattern) || self.type == 'Regex'"]

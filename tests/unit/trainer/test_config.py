@@ -58,3 +58,39 @@ def test_unsupported_sources_fail_at_load(tmp_path: Path) -> None:
     p = _write(tmp_path, lambda d: d["spec"]["model"].update(source="builtin://nope"))
     with pytest.raises(ValueError, match=r"model\.source"):
         RunConfig.load(p)
+
+
+@pytest.mark.parametrize(("reward", "message"), [
+    ({"type": "Exactmatch"}, r"spec\.reward\.type: .*'Exactmatch' is not a built-in reward"
+                             r" \(ExactMatch, ChainPrefix, MathAnswer, Regex\)"),
+    ({"type": "my rewards:score"}, r"spec\.reward\.type: .*not an entry point: write"
+                                   r" module:function"),
+    ({"type": "my_rewards:"}, r"spec\.reward\.type: .*not an entry point"),
+    ({"type": "Regex"}, r"spec\.reward: .*pattern is required when type is Regex"),
+    ({"type": "Regex", "pattern": "(unclosed"}, r"spec\.reward: .*pattern '\(unclosed' is not a"
+                                                r" valid regular expression"),
+    ({"type": "MathAnswer", "pattern": "x"}, r"spec\.reward: .*pattern is read only when type"
+                                             r" is Regex"),
+    ({"failureScore": "1e999"}, r"spec\.reward: .*failureScore '1e999' must be a finite"),
+    ({"failureScore": "zero"}, r"spec\.reward\.failureScore"),
+    ({"workers": 0}, r"spec\.reward\.workers"),
+])
+def test_bad_reward_config_fails_at_load_naming_the_field(
+        tmp_path: Path, reward: dict[str, object], message: str) -> None:
+    p = _write(tmp_path, lambda d: d["spec"]["reward"].update(reward))
+    with pytest.raises(ManifestError, match=message):
+        RunConfig.load(p)
+
+
+def test_a_user_reward_must_be_importable(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _write(tmp_path, lambda d: d["spec"]["reward"].update(type="rlpacer_no_such:score"))
+    with pytest.raises(ConfigError, match=r"spec\.reward\.type: 'rlpacer_no_such:score': no"
+                                          r" module 'rlpacer_no_such'"):
+        RunConfig.load(p)
+    (tmp_path / "rlpacer_cfg_reward.py").write_text("def score(r, a, p, **m):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    p = _write(tmp_path, lambda d: d["spec"]["reward"].update(type="rlpacer_cfg_reward:score"))
+    assert RunConfig.load(p).spec.reward.type == "rlpacer_cfg_reward:score"
+    p = _write(tmp_path, lambda d: d["spec"]["reward"].update(type="Regex", pattern=r"\d+,\Z"))
+    assert RunConfig.load(p).spec.reward.pattern == r"\d+,\Z"

@@ -4,7 +4,8 @@ tail-batching planner, aborts, dynamic sampling, reports, checkpoints and resume
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,22 @@ class ScriptedEngine:
             for f in self.poll():
                 done[f.request_id] = f
         return done
+
+
+@pytest.fixture(autouse=True)
+def _close_drivers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each driver's reward workers stop with its test, not with the session."""
+    made: list[Any] = []
+    real = runtime.build_driver
+
+    def build(*args: Any, **kw: Any) -> Any:
+        made.append(real(*args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(runtime, "build_driver", build)
+    yield
+    for drv in made:
+        drv.close()
 
 
 def _cfg(**kw: object) -> RunConfig:
@@ -433,3 +450,47 @@ def test_an_engine_dying_at_the_weight_sync_is_started_again() -> None:
     assert [w for w, _ in drv.events] == ["died", "joined"] and len(made) == 1
     assert [r["replicas"] for r in drv.records] == [[0, 1]] * 3
     assert all(e.version == drv.policy_version for e in (drv.pool[0], drv.pool[1]))
+
+
+def test_rewards_run_in_the_pool_failures_scored_and_counted_per_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user reward through the driver: the first call hangs (killed at the 1 s timeout),
+    wrong chains kill their worker; both score failureScore and are counted in the step's
+    record, and right chains score 1.0."""
+    (tmp_path / "rlpacer_drv_reward.py").write_text(textwrap.dedent(f'''
+        import os, time
+        MARK = {str(tmp_path / "hung-once")!r}
+
+        def score(response, answer, prompt, **meta):
+            assert prompt.endswith(":") and answer.endswith(",")
+            try:
+                os.close(os.open(MARK, os.O_CREAT | os.O_EXCL))  # the first call, once
+            except FileExistsError:
+                pass
+            else:
+                time.sleep(1e9)
+            if response != answer:
+                os._exit(1)
+            return 1.0
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = _cfg(steps=2, tail_batching=False, fixed_group_size=4)
+    cfg.job.spec.algorithm.dynamic_sampling = False
+    cfg.job.spec.reward.type = "rlpacer_drv_reward:score"
+    cfg.job.spec.reward.timeout_seconds = 1
+    cfg.job.spec.reward.failure_score = "-1"
+    drv = runtime.build_driver(cfg, [ScriptedEngine()])
+    try:
+        recs = drv.run()
+    finally:
+        drv.close()
+    assert [r["reward_timeouts"] for r in recs] == [1, 0]
+    assert 1.0 <= recs[0]["seconds_reward"] < 3.0
+    for r in recs:
+        assert r["reward_calls"] == r["kept"] == 16
+        assert r["reward_errors"] == 0 and r["reward_busy_s"] > 0
+        right = r["accuracy"] * r["kept"]
+        assert r["reward_crashes"] + r["reward_timeouts"] == r["kept"] - right
+        assert r["reward_worker_restarts"] == r["reward_crashes"] + r["reward_timeouts"]
+        assert r["reward"] == pytest.approx((right - (r["kept"] - right)) / r["kept"])
+    assert 0 < sum(r["reward_crashes"] for r in recs) < 32
