@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Sets up what this checkout needs, reusing whatever is already there (a warm run takes seconds).
 #
-#   bash scripts/setup.sh            everything the tests need: the Python environment and the
-#                                    local Kubernetes control plane's binaries
+#   bash scripts/setup.sh            everything the tests need: the Python environment, the
+#                                    local Kubernetes control plane's binaries and the container
+#                                    images (scripts/build-images.sh: podman, no registry)
+#   bash scripts/setup.sh --no-images  all but the container images (RLPACER_NO_IMAGES=1 too);
+#                                    the container test tier then fails, naming the command
 #   bash scripts/setup.sh --python   the Python environment alone (what `rlpacer run` needs)
 #
 # The Python environment has two layers:
@@ -27,11 +30,14 @@ PY="${PYTHON:-python3.11}"
 LOCAL="$ROOT/.venv"
 
 WHAT=all
+IMAGES=1
+[[ "${RLPACER_NO_IMAGES:-0}" == 1 ]] && IMAGES=0
 for a in "$@"; do
   case "$a" in
     --python) WHAT=python ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "error: unknown argument '$a' (use --python, or nothing for everything)" >&2; exit 2 ;;
+    --no-images) IMAGES=0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    *) echo "error: unknown argument '$a' (use --python, --no-images, or nothing for everything)" >&2; exit 2 ;;
   esac
 done
 
@@ -175,5 +181,26 @@ if [[ $WHAT == all ]]; then
     done_step
   fi
 fi
+# --- Container images (podman, no registry) -----------------------------------------------
+if [[ $WHAT == all && $IMAGES == 1 ]]; then
+  missing=()
+  for tool in podman:podman buildah:buildah debootstrap:debootstrap runc:runc; do
+    command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
+  done
+  if (( ${#missing[@]} )); then
+    step "apt-get install ${missing[*]} (cold: about a minute)"
+    command -v apt-get >/dev/null 2>&1 || die "missing ${missing[*]} and no apt-get to install them: install podman, buildah, debootstrap and runc, or run set-up with --no-images"
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" fuse-overlayfs uidmap; } \
+      || die "apt-get could not install ${missing[*]}: check access to the Debian mirror, or run set-up with --no-images"
+    done_step
+  fi
+  if bash scripts/build-images.sh --check >/dev/null 2>&1; then
+    step "container images: built from these sources"
+  else
+    step "container images (cold: ~10 minutes on 2 cores; after a source change: ~1 minute)"
+    bash scripts/build-images.sh || die "building the container images failed (see above); set-up with --no-images skips them"
+    done_step
+  fi
+fi
 printf '\n==> set-up complete in %s s (%s)\n' "$(( $(date +%s) - T0 ))" \
-  "$([[ $WHAT == all ]] && echo 'Python environment and control plane' || echo 'Python environment')"
+  "$([[ $WHAT == all ]] && echo "Python environment, control plane$( (( IMAGES )) && echo ', container images')" || echo 'Python environment')"

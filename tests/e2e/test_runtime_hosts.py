@@ -1,7 +1,7 @@
 """The data plane across played hosts: every pod of a job on a host of its own.
 
 A Ray head, two learner pods, two rollout pods and a driver pod run the pod entrypoint
-(``python -m rlpacer_trainer.pod``), each in its own network, UTS and PID namespace
+(``python3 -m rlpacer_trainer.pod``), each in its own network, UTS and PID namespace
 (:class:`rlpacer.testing.netns.TestHosts`), reaching each other only through the job's Service
 name and their own addresses, with the job's Ray token. The driver trains a few steps of the
 tiny job with its in-process controller. From what the engines and learners report about

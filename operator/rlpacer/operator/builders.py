@@ -46,7 +46,10 @@ from rlpacer.operator import names
 Obj = dict[str, Any]
 
 #: The module the trainer image runs in every pod (it reads the env of rlpacer.api.contract).
-POD_COMMAND = ["python", "-m", contract.POD_ENTRYPOINT_MODULE]
+#: ``python3``: the one name every Python image has (PEP 394; a bare ``python`` is absent from
+#: Debian's and Ubuntu's python3 packages). The trainer image's ENTRYPOINT is this same list
+#: (trainer_image/Dockerfile; tests/unit/test_dockerfiles.py and tests/container run it).
+POD_COMMAND = ["python3", "-m", contract.POD_ENTRYPOINT_MODULE]
 GPU_TOLERATION = {"key": contract.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 #: File mode of the mounted Ray token: read-only, owner and group (0440; group for an fsGroup).

@@ -1,7 +1,7 @@
 """A job's pods on played hosts with a played operator: one long round, elastic or not.
 
 Each pod of the job (a Ray head, a learner, rollout-0, rollout-1 when the long round scales
-up, the driver) runs ``python -m rlpacer_trainer.pod`` on a host of its own
+up, the driver) runs ``python3 -m rlpacer_trainer.pod`` on a host of its own
 (:class:`rlpacer.testing.netns.TestHosts`: its own network namespace, address, hostname and
 PID namespace), and a played operator (:mod:`rlpacer.testing.plan_server`) answers the
 step-report protocol with the real plan logic and a rollout capacity of 1 replica, scaled to
@@ -120,7 +120,7 @@ class PlayedJob:
             env={**self.base_env, "HOME": str(self.tmp)}, stdout=out, stderr=subprocess.STDOUT)
 
     def start(self, name: str, temp: str | None = None) -> subprocess.Popen[bytes]:
-        """Starts pod ``name`` (``python -m rlpacer_trainer.pod``) on its played host."""
+        """Starts pod ``name`` (``python3 -m rlpacer_trainer.pod``) on its played host."""
         role = PODS[name]
         ray_temp = self.temp_root / (temp or name)
         home = self.tmp / "home" / ray_temp.name

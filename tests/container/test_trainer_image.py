@@ -1,0 +1,216 @@
+"""The trainer image (CPU flavour) as the operator's pods run it: a sample job's children from
+``rlpacer.operator.builders``, and for each workload (Ray head, rollout, learner StatefulSets
+and the driver Pod) a podman container with exactly the pod's image, command, env (fieldRefs
+resolved as the kubelet would), user and groups, read-only root file system, dropped
+capabilities, emptyDirs, ConfigMap and Secrets at their paths. Each container gets its own
+address on a podman network (its ``status.podIP``) and the job's Service names resolve to the
+head's address and to this machine (the operator). All four start; the driver joins the
+head's Ray cluster, places its engine on the rollout container and its learner on the learner
+container, runs one step of the tiny job reporting to a stand-in of the operator's
+step-report endpoint (the real JobController), checkpoints, and exits 0."""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlpacer.api import contract
+from rlpacer.api.job import load_manifest
+from rlpacer.api.protocol import Plan, RolloutCapacity, StepReport
+from rlpacer.control.plan import JobController, ReportRejected
+from rlpacer.operator import builders, names
+from rlpacer.testing.containers import (
+    ROOT,
+    ULIMITS,
+    entrypoint_args,
+    env_args,
+    mount_args,
+    podman,
+    security_args,
+)
+from rlpacer.testing.jsonhttp import JSONHandler
+from rlpacer_trainer.config import RunConfig
+from rlpacer_trainer.controller_client import to_data
+
+pytestmark = [pytest.mark.container, pytest.mark.slow]
+EXAMPLE = ROOT / "examples" / "tiny-local.yaml"
+JOB, NAMESPACE, TOKEN = "tiny", "team-a", "s3cret"
+OPERATOR_HOST = "rel-rlpacer.rlpacer-system.svc"
+CLAIM = "tiny-checkpoints"
+
+
+class _Operator(JSONHandler):
+    """The step-report protocol over the real JobController (token checked, 422 on reject)."""
+
+    server: Any
+
+    def _plan(self) -> dict[str, Any]:
+        cp = self.server.jc.plan()
+        return Plan(step=cp.step, group_size=cp.group_size, round_kind=cp.round_kind,
+                    rollout=RolloutCapacity(desired_replicas=1, ready_replicas=1),
+                    lambda_=cp.lambda_, straggler_rate=cp.straggler_rate).to_wire()
+
+    def do_GET(self) -> None:
+        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return self.send_json(401, {"code": 401, "reason": "BadToken", "message": "no"})
+        self.send_json(200, self._plan())
+
+    def do_POST(self) -> None:
+        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return self.send_json(401, {"code": 401, "reason": "BadToken", "message": "no"})
+        body = self.read_json()
+        self.server.reports.append(body)
+        try:
+            self.server.jc.observe(to_data(StepReport.model_validate(body)))
+        except ReportRejected as err:
+            return self.send_json(422, {"code": 422, "reason": err.reason, "message": err.message})
+        self.send_json(200, self._plan())
+
+
+@pytest.fixture
+def network() -> Iterator[tuple[str, str]]:
+    """A podman network of its own: (name, the /24 prefix of its addresses)."""
+    name = f"rlpacer-test-{uuid.uuid4().hex[:6]}"
+    for _ in range(20):
+        prefix = f"10.{random.randint(90, 250)}.{random.randint(0, 255)}"
+        if podman("network", "create", "--subnet", f"{prefix}.0/24", name,
+                  check=False).returncode == 0:
+            break
+    else:
+        raise AssertionError("could not create a podman network")
+    yield name, prefix
+    podman("network", "rm", "-f", name, check=False)
+
+
+def _workloads(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """role -> pod spec (a StatefulSet's template, or the driver Pod's)."""
+    out = {}
+    for obj in children:
+        if obj["kind"] == "StatefulSet":
+            spec = obj["spec"]["template"]["spec"]
+            role = obj["spec"]["template"]["metadata"]["labels"][contract.LABEL_ROLE]
+        elif obj["kind"] == "Pod":
+            spec, role = obj["spec"], obj["metadata"]["labels"][contract.LABEL_ROLE]
+        else:
+            continue
+        out[role] = spec
+    return out
+
+
+def _wait_port(host: str, port: int, timeout: float, alive: Any) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError:
+            alive()
+            assert time.monotonic() < deadline, f"{host}:{port} not open in {timeout} s"
+            time.sleep(1)
+
+
+def test_every_role_runs_in_the_trainer_image_and_the_driver_makes_a_step(
+    images: dict[str, str], containers: list[str], network: tuple[str, str], tmp_path: Path
+) -> None:
+    net, prefix = network
+    gateway = f"{prefix}.1"
+    # Checkpoints on a claim: the driver and the learner write one checkpoint together, so
+    # they must share its volume (with the default emptyDir each pod has its own, and the
+    # learner's save into the driver's folder fails).
+    spec = load_manifest(EXAMPLE).spec
+    spec = spec.model_copy(update={"steps": 1, "checkpoint": spec.checkpoint.model_copy(
+        update={"volume_claim": CLAIM})})
+    assert spec.trainer.image == spec.rollout.image == images["trainer"]  # the spec's default
+    # the stand-in operator, on this machine (the network's gateway)
+    srv = ThreadingHTTPServer(("0.0.0.0", 0), _Operator)
+    srv.jc = JobController(RunConfig.load(EXAMPLE).controller_config())  # type: ignore[attr-defined]
+    srv.reports = []  # type: ignore[attr-defined]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ray_token = secrets.token_hex(32)
+    inputs = builders.BuildInputs(
+        name=JOB, namespace=NAMESPACE, uid="u1", spec=spec, attempt=0, rollout_replicas=1,
+        report_url=f"http://{OPERATOR_HOST}:{srv.server_address[1]}")
+    children = builders.build_children(inputs)
+    config = next(o for o in children if o["kind"] == "ConfigMap")
+    files = {
+        names.config_map(JOB): config["data"],
+        names.secret(JOB): {contract.TOKEN_KEY: TOKEN},
+        names.ray_secret(JOB): {contract.RAY_TOKEN_KEY: ray_token},
+    }
+    pods = _workloads(children)
+    assert sorted(pods) == sorted(r.value for r in contract.Role)
+    ips = {"head": f"{prefix}.10", "rollout": f"{prefix}.11", "learner": f"{prefix}.12",
+           "driver": f"{prefix}.13"}
+    hosts = ["--add-host", f"{names.head_service(JOB)}.{NAMESPACE}.svc:{ips['head']}",
+             "--add-host", f"{OPERATOR_HOST}:{gateway}"]
+    suffix = uuid.uuid4().hex[:6]
+
+    def start(role: str) -> str:
+        pod = pods[role]
+        (c,) = pod["containers"]
+        assert c["image"] == images["trainer"] and c["command"] == builders.POD_COMMAND
+        env_flags, _ = env_args(c, {
+            "status.podIP": ips[role],
+            f"metadata.labels['{builders.POD_INDEX_LABEL}']": "0",
+        })
+        name = f"rlpacer-test-{suffix}-{role}"
+        containers.append(name)
+        podman(
+            "run", "--detach", "--name", name, "--network", net, "--ip", ips[role],
+            "--hostname", pod.get("hostname", name), *hosts, *ULIMITS,
+            *security_args(pod, c),
+            *mount_args(pod, c, tmp_path / role, files, claims=tmp_path / "claims"),
+            *env_flags, *entrypoint_args(c), c["image"],
+        )
+        return name
+
+    def logs(name: str) -> str:
+        p = podman("logs", name, check=False)
+        return (p.stdout + p.stderr)[-3000:]
+
+    def running(*names_: str) -> None:
+        for n in names_:
+            state = podman("inspect", "--format", "{{.State.Status}}", n).stdout.strip()
+            assert state == "running", f"{n} {state}:\n{logs(n)}"
+
+    try:
+        head = start("head")
+        _wait_port(ips["head"], contract.RAY_GCS_PORT, 120, lambda: running(head))
+        workers = [start("rollout"), start("learner")]
+        driver = start("driver")
+        deadline = time.monotonic() + 600
+        while podman("inspect", "--format", "{{.State.Status}}", driver).stdout.strip() in (
+                "running", "created", "configured"):
+            running(head, *workers)
+            assert time.monotonic() < deadline, f"the driver did not finish:\n{logs(driver)}"
+            time.sleep(2)
+        code = podman("inspect", "--format", "{{.State.ExitCode}}", driver).stdout.strip()
+        assert code == "0", f"driver exit {code}:\n{logs(driver)}\n--- head:\n{logs(head)}"
+        running(head, *workers)  # the Ray nodes stayed up through the run
+        reports = srv.reports  # type: ignore[attr-defined]
+        assert [(r["attempt"], r["step"]) for r in reports] == [(0, 0)], reports
+        assert reports[0]["lengths"]["count"] > 0
+        ckpt = tmp_path / "claims" / CLAIM
+        assert (ckpt / "latest").read_text().strip() == "step-000001"
+        topo = json.loads((ckpt / "topology-attempt0.json").read_text())
+        # the engine ran on the rollout container, the learner on the learner container
+        assert [e["address"] for e in topo["engines"]] == [ips["rollout"]], topo
+        assert ips["learner"] in json.dumps(topo["learners"]), topo
+        # SIGTERM (the kubelet stopping a pod) ends a Ray node's container promptly
+        for n in (*workers, head):
+            podman("stop", "-t", "30", n, timeout=90)
+            code = podman("inspect", "--format", "{{.State.ExitCode}}", n).stdout.strip()
+            assert code in ("0", "143"), f"{n} exit {code}:\n{logs(n)}"
+    finally:
+        srv.shutdown()
