@@ -47,7 +47,6 @@ pytestmark = [pytest.mark.container, pytest.mark.slow]
 EXAMPLE = ROOT / "examples" / "tiny-local.yaml"
 JOB, NAMESPACE, TOKEN = "tiny", "team-a", "s3cret"
 OPERATOR_HOST = "rel-rlpacer.rlpacer-system.svc"
-CLAIM = "tiny-checkpoints"
 
 
 class _Operator(JSONHandler):
@@ -125,12 +124,12 @@ def test_every_role_runs_in_the_trainer_image_and_the_driver_makes_a_step(
 ) -> None:
     net, prefix = network
     gateway = f"{prefix}.1"
-    # Checkpoints on a claim: the driver and the learner write one checkpoint together, so
-    # they must share its volume (with the default emptyDir each pod has its own, and the
-    # learner's save into the driver's folder fails).
+    # Checkpoints as a job gets them by default: no claim, so each pod's checkpoint folder is
+    # its own emptyDir and the learner's part of a checkpoint reaches the driver's folder
+    # through Ray (the learner cannot see that folder).
     spec = load_manifest(EXAMPLE).spec
-    spec = spec.model_copy(update={"steps": 1, "checkpoint": spec.checkpoint.model_copy(
-        update={"volume_claim": CLAIM})})
+    spec = spec.model_copy(update={"steps": 1})
+    assert spec.checkpoint.volume_claim is None
     assert spec.trainer.image == spec.rollout.image == images["trainer"]  # the spec's default
     # the stand-in operator, on this machine (the network's gateway)
     srv = ThreadingHTTPServer(("0.0.0.0", 0), _Operator)
@@ -201,8 +200,12 @@ def test_every_role_runs_in_the_trainer_image_and_the_driver_makes_a_step(
         reports = srv.reports  # type: ignore[attr-defined]
         assert [(r["attempt"], r["step"]) for r in reports] == [(0, 0)], reports
         assert reports[0]["lengths"]["count"] > 0
-        ckpt = tmp_path / "claims" / CLAIM
+        ckpt = tmp_path / "driver" / "checkpoints"  # the driver pod's emptyDir
         assert (ckpt / "latest").read_text().strip() == "step-000001"
+        step = ckpt / "step-000001"
+        assert (step / "learner.pt").is_file() and (step / "model" / "config.json").is_file()
+        theirs = tmp_path / "learner" / "checkpoints"  # the learner pod's own emptyDir
+        assert not theirs.exists() or not any(theirs.iterdir())
         topo = json.loads((ckpt / "topology-attempt0.json").read_text())
         # the engine ran on the rollout container, the learner on the learner container
         assert [e["address"] for e in topo["engines"]] == [ips["rollout"]], topo

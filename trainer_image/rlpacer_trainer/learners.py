@@ -111,14 +111,31 @@ class LearnerWorker:
         return weights.fingerprint(self.learner.model.state_dict().items())
 
     # --- checkpoints ------------------------------------------------------------------------
-    def save(self, path: str) -> None:
+    def save(self, path: str) -> dict[str, bytes] | None:
         """Writes the learner's part of a checkpoint (model, optimizer, RNG) to ``path``, and
-        the policy in Hugging Face format beside it (:func:`models.save_hf`: ``model/``)."""
-        tmp = Path(path).with_name(Path(path).name + ".tmp")
+        the policy in Hugging Face format beside it (:func:`models.save_hf`: ``model/``).
+
+        ``path``'s folder is the driver's. When it is not on this host (a job without a
+        shared checkpoint claim: each pod's checkpoint folder is its own emptyDir), the files
+        are returned instead, by path relative to that folder, for the driver to write."""
+        target = Path(path)
+        if target.parent.is_dir():
+            self._write(target)
+            return None
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="rlpacer-ckpt-") as d:
+            local = Path(d) / target.name
+            self._write(local)
+            return {str(f.relative_to(d)): f.read_bytes()
+                    for f in sorted(Path(d).rglob("*")) if f.is_file()}
+
+    def _write(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp")
         torch.save({"learner": self.learner.state_dict(), "torch_rng": torch.get_rng_state()},
                    tmp)
         tmp.replace(path)
-        models.save_hf(self.learner.model, Path(self.model_path), Path(path).parent / "model")
+        models.save_hf(self.learner.model, Path(self.model_path), path.parent / "model")
 
     def load(self, path: str) -> None:
         blob = torch.load(path, map_location=self.device, weights_only=False)
@@ -213,7 +230,11 @@ class RayLearners:
         return blob_ref, str(self._ray.get(version_ref))
 
     def save(self, path: Path) -> None:
-        self._ray.get(self.actors[0].save.remote(str(path)))
+        files = self._ray.get(self.actors[0].save.remote(str(path)))
+        for rel, blob in (files or {}).items():  # rank 0 has no access to this folder
+            out = path.parent / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(blob)
 
     def load(self, path: Path) -> None:
         self._ray.get([a.load.remote(str(path)) for a in self.actors])

@@ -603,7 +603,10 @@ class TailBatchingSpec(APIModel):
 
 class CheckpointSpec(APIModel):
     volume_claim: str | None = Field(
-        default=None, max_length=253, description="PVC for checkpoints (a local folder in tests)."
+        default=None, max_length=253,
+        description=("PVC (ReadWriteMany) for checkpoints, shared by the driver and learner"
+                     " pods. Unset: each pod's emptyDir; the checkpoints then go with the"
+                     " driver pod (no resume across attempts, the trained model lost with it)."),
     )
     every_steps: int = Field(default=20, ge=1, le=1_000_000, description="Checkpoint interval.")
 

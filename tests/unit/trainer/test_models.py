@@ -194,3 +194,29 @@ def test_checkpoints_hold_the_policy_in_hugging_face_format(user_model: Path, tm
     assert again.prompt_ids("12-3:") == prompt  # same tokenizer (and chat template)
     assert AutoTokenizer.from_pretrained(str(hf), local_files_only=True).chat_template == (
         hfrecipe.CHAT_TEMPLATE if which == "user" else None)
+
+
+def test_a_learner_without_the_drivers_folder_returns_its_checkpoint_files(
+        tmp_path: Path) -> None:
+    """No shared checkpoint claim: the driver's checkpoint folder is on the driver pod's own
+    volume, not on the learner's. The learner hands its files back (the Ray learner group
+    writes them into the driver's folder) instead of failing on a folder it cannot see."""
+    src = models.resolve("builtin://tiny-chain")
+    w = LearnerWorker(str(src), LearnerConfig(learning_rate=1e-2, mini_batches=1))
+    missing = tmp_path / "drivers-volume" / ".tmp-step-000001" / "learner.pt"
+    files = w.save(str(missing))
+    assert files is not None and not missing.parent.exists()
+    assert "learner.pt" in files and "model/config.json" in files
+    assert any(n.startswith("model/") and n.endswith(".safetensors") for n in files)
+    # written where the driver wants them, they load like a local save
+    for rel, blob in files.items():
+        out = missing.parent / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(blob)
+    w2 = LearnerWorker(str(src), LearnerConfig(learning_rate=1e-2, mini_batches=1))
+    w2.load(str(missing))
+    assert models.resolve(str(missing.parent / "model")) == missing.parent / "model"
+    # with the folder present (a shared claim) it writes there and returns nothing
+    here = tmp_path / "shared" / "learner.pt"
+    here.parent.mkdir()
+    assert w.save(str(here)) is None and here.is_file()
