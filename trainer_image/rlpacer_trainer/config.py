@@ -123,6 +123,10 @@ class RunConfig:
         return decimal(self.spec.rollout.temperature)
 
     @property
+    def top_p(self) -> float:
+        return decimal(self.spec.rollout.top_p)
+
+    @property
     def model_path(self) -> Path:
         return self._model_path
 

@@ -191,7 +191,8 @@ class Driver:
             for i in range(plan.responses_per_prompt):
                 reqs.append((GenRequest(
                     rid(p, i), ids, self.cfg.max_tokens, self.cfg.temperature,
-                    sample_seed(self.cfg.data_seed, plan.index, p, i)), p, i))
+                    sample_seed(self.cfg.data_seed, plan.index, p, i),
+                    top_p=self.cfg.top_p), p, i))
         t0 = time.perf_counter()
         self._dispatch(reqs)
         kept: dict[int, list[Kept]] = {}

@@ -43,6 +43,7 @@ class GenRequest:
     max_tokens: int
     temperature: float = 1.0
     seed: int | None = None
+    top_p: float = 1.0  # nucleus sampling mass (spec.rollout.topP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +246,7 @@ class VLLMEngine:
             params = SamplingParams(
                 max_tokens=r.max_tokens,
                 temperature=r.temperature,
+                top_p=r.top_p,
                 seed=r.seed,
                 skip_special_tokens=False,
                 detokenize=False,

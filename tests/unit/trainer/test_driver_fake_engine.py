@@ -138,6 +138,22 @@ def test_tail_batching_round_trip_with_aborts_and_reports() -> None:
     assert drv.controller.jc.next_step == 6
 
 
+def test_sampling_follows_the_spec_temperature_and_top_p() -> None:
+    """spec.rollout.temperature and topP reach every training request the engines get."""
+    seen: list[GenRequest] = []
+
+    class Recording(ScriptedEngine):
+        def submit(self, requests: Sequence[GenRequest]) -> None:
+            seen.extend(requests)
+            super().submit(requests)
+
+    cfg = _cfg(steps=1, tail_batching=False, fixed_group_size=4)
+    cfg.job.spec.rollout.top_p = "0.85"
+    cfg.job.spec.rollout.temperature = "0.7"
+    runtime.build_driver(cfg, [Recording()]).run()
+    assert seen and {(r.top_p, r.temperature) for r in seen} == {(0.85, 0.7)}
+
+
 def test_no_tail_batching_never_aborts() -> None:
     eng = ScriptedEngine()
     drv = runtime.build_driver(_cfg(steps=3, tail_batching=False, fixed_group_size=4), [eng])
