@@ -165,7 +165,8 @@ def write_trace(path: str, samples: list[Sample]) -> None:
             f.write(f"{x.start:.4f},{x.seconds * 1000:.2f},{x.phase},{x.job}\n")
 
 
-def bench_job(name: str, namespace: str) -> dict[str, Any]:
+def bench_job(name: str, namespace: str, gpus: int = 0) -> dict[str, Any]:
+    """A long-running job for the benches (``gpus`` per rollout and learner replica)."""
     return {
         "apiVersion": "rlpacer.io/v1alpha1",
         "kind": "RLTrainingJob",
@@ -175,8 +176,8 @@ def bench_job(name: str, namespace: str) -> dict[str, Any]:
             "data": {"source": "builtin://adder"},
             "steps": 1_000_000,
             "promptsPerStep": 16,
-            "rollout": {"replicas": 1, "gpusPerReplica": 0, "maxResponseTokens": 1024},
-            "trainer": {"replicas": 1, "gpusPerReplica": 0},
+            "rollout": {"replicas": 1, "gpusPerReplica": gpus, "maxResponseTokens": 1024},
+            "trainer": {"replicas": 1, "gpusPerReplica": gpus},
             "groupControl": {"stragglerRatio": "4"},
             "tailBatching": {"enabled": False},
         },

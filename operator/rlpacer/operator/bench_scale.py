@@ -57,7 +57,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlpacer.operator.bench import _cpu_seconds, _pct, _request_counts, start_cluster
+from rlpacer.operator.bench import (
+    _cpu_seconds,
+    _pct,
+    _request_counts,
+    bench_job,
+    start_cluster,
+)
 
 #: Children the operator makes for each job, as (plural, name) from the job's name.
 GPU_NODE_GPUS = 8
@@ -75,21 +81,7 @@ SATURATED = 0.8
 def scale_job(name: str, namespace: str) -> dict[str, Any]:
     """A job whose rollout and learner pods each want one GPU (they land on the KWOK GPU
     nodes, tolerating their taint); head and driver on the CPU nodes."""
-    return {
-        "apiVersion": "rlpacer.io/v1alpha1",
-        "kind": "RLTrainingJob",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "model": {"source": "builtin://tiny-adder"},
-            "data": {"source": "builtin://adder"},
-            "steps": 1_000_000,
-            "promptsPerStep": 16,
-            "rollout": {"replicas": 1, "gpusPerReplica": 1, "maxResponseTokens": 1024},
-            "trainer": {"replicas": 1, "gpusPerReplica": 1},
-            "groupControl": {"stragglerRatio": "4"},
-            "tailBatching": {"enabled": False},
-        },
-    }
+    return bench_job(name, namespace, gpus=1)
 
 
 def children_of(job: str) -> list[tuple[str, str]]:
