@@ -152,19 +152,25 @@ def test_a_rollout_pod_dying_mid_round_loses_and_doubles_nothing(tmp_path: Path)
     assert 1 in {e["replica"] for e in recs[-1]["engines"] if not e.get("died")}, recs[-1]
 
 
-def test_a_timed_out_scale_up_with_a_higher_ordinal_ready_uses_only_what_the_plan_names(
+def test_a_timed_out_scale_up_with_a_higher_ordinal_ready_uses_what_is_ready(
         tmp_path: Path) -> None:
     """A long round asks for 3 replicas; only ordinal 2 comes up (its pod joins Ray), ordinal
-    1 stays pending, and the scale-up times out: the operator scales back to 2, which removes
-    ordinal 2, so the plan names only [0] usable. The driver must not start an engine on
-    rollout-2's pod though it is in Ray: the long round runs on rollout-0, the job ends."""
+    1 stays pending, and the scale-up times out. The operator keeps ordinal 2 (scaling back to
+    2 would remove it: a StatefulSet drops its highest ordinal first), so the plan names [0, 2]
+    usable: the driver starts an engine on rollout-2's pod, which generates part of the long
+    round; the pending replica 1 is never tried; the short rounds run on rollout-0."""
     run = run_long_round(tmp_path, "timeout-gap", steps=STEPS)
     recs, driver_log = run.records, run.driver_log
     longs = [r for r in recs if r["round_kind"] == "Long"]
     assert longs and [r["step"] for r in recs] == list(range(STEPS))
     for r in recs:
-        assert r["replicas"] == [0], r
-        assert {e["replica"] for e in r["engines"]} == {0}, r["engines"]
-    # nothing was tried on replica 2 (in Ray, beyond the scaled-back count) nor on replica 1
-    # (pending): the plan's usableReplicas, not the ready count, decided
-    assert "replica 2" not in driver_log and "replica 1" not in driver_log, driver_log[-3000:]
+        if r["round_kind"] == "Long":
+            assert r["replicas"] == [0, 2], r
+            by = {e["replica"]: e for e in r["engines"]}
+            assert sorted(by) == [0, 2] and by[2]["responses"] > 0, r["engines"]
+        else:
+            assert r["replicas"] == [0], r
+            assert {e["replica"] for e in r["engines"]} == {0}, r["engines"]
+    # nothing was tried on replica 1 (pending): the plan's usableReplicas, not the ready
+    # count, decided
+    assert "replica 1" not in driver_log, driver_log[-3000:]

@@ -5,8 +5,9 @@ States of ``status.rollout.state`` (also the plan's ``rollout.state``):
 * ``Ready``     desired replicas are what the next round needs (or nothing is pending).
 * ``ScalingUp`` the plan asked for a long round's replicas; the driver polls ``GET plan``.
 * ``TimedOut``  the long round's extra replicas were not all ready within
-  ``tailBatching.longRound.scaleUpTimeoutSeconds``: the pending ones are scaled back (never a
-  deadlock when GPUs are short) and the round runs on what is ready.
+  ``tailBatching.longRound.scaleUpTimeoutSeconds``: the pending ones above the highest ready
+  replica are scaled back (never a deadlock when GPUs are short; never a ready replica lost)
+  and the round runs on what is ready.
 
 Transitions happen in two places: :func:`plan_round` when a step report says which kind of
 round comes next (scale up for Long, back down for Short), and :func:`observe` when the
@@ -123,21 +124,38 @@ def observe(
                                              f" ready after {secs:.0f}s")]
     deadline = _deadline(new, spec, now)
     if now >= deadline:
-        back_to = max(ready, short_replicas(spec))
+        back_to = timed_out_replicas(new, spec, ready)
         t = fmt_time(now)
+        # recorded even when nothing is scaled back (a ready replica above a pending one):
+        # the history says when the round stopped waiting
         action = ScaleAction(time=t, from_replicas=new.desired_replicas, to_replicas=back_to,
                              reason="ScaleUpTimedOut", step=step)
+        kept = ("" if back_to == new.desired_replicas else
+                f"pending replicas scaled back to {back_to}; ")
         ev = Event(
             "Warning", "ScaleUpTimedOut",
             f"only {ready} of {new.desired_replicas} rollout replicas ready after"
-            f" {spec.tail_batching.long_round.scale_up_timeout_seconds}s: pending replicas"
-            f" scaled back to {back_to}; the long round runs on what is ready",
+            f" {spec.tail_batching.long_round.scale_up_timeout_seconds}s: {kept}the long"
+            " round runs on what is ready",
         )
         new = new.model_copy(update={"desired_replicas": back_to,
                                      "state": RolloutState.TIMED_OUT.value,
                                      "scale_up_started_at": None})
         return new, [*actions, action], [*events, ev]
     return new, actions, events
+
+
+def timed_out_replicas(rollout: RolloutStatus, spec: RLTrainingJobSpec, ready: int) -> int:
+    """The replica count a timed-out scale-up falls back to: every ready replica kept.
+
+    A StatefulSet scales down from its highest ordinal, and its Parallel pods come up in any
+    order: with 0 and 2 ready and 1 pending, scaling back to the ready *count* (2) would delete
+    the ready replica 2 and keep the pending 1. So the count keeps the highest ready ordinal
+    (3 here; the pending 1 holds no accelerator and is never used until Ready). Without the
+    ordinals (never observed, or pruned by an older CRD) it is the ready count.
+    """
+    keep = max(rollout.ready_ordinals) + 1 if rollout.ready_ordinals else ready
+    return min(rollout.desired_replicas, max(keep, short_replicas(spec)))
 
 
 def _deadline(rollout: RolloutStatus, spec: RLTrainingJobSpec, now: datetime) -> datetime:

@@ -14,8 +14,9 @@ two replicas throughout; after step 0's report it writes ``paused`` and says Sca
 driver waits) until ``go`` exists (the test meanwhile replaces rollout-1's pod). MODE
 ``timeout-gap``: a long round asks for 3 replicas and writes ``scale-up`` (the test starts
 only rollout-2's pod, rollout-1 stays pending, then writes ``rollout-2-ready``); the plan then
-says TimedOut scaled back to 2 replicas with ``usableReplicas`` [0], as the operator does when
-a higher ordinal is ready and a lower one pending (the StatefulSet removes ordinal 2 first).
+says TimedOut with 3 replicas desired and ``usableReplicas`` [0, 2], as the operator does when
+a higher ordinal is ready and a lower one pending (scaling back to 2 would remove the ready
+ordinal 2, since a StatefulSet removes its highest ordinal first).
 ``requests.log`` lists what it answered.
 """
 
@@ -63,8 +64,10 @@ class Elastic:
             if not (self.state / "rollout-2-ready").exists():
                 return RolloutCapacity(desired_replicas=3, ready_replicas=1,
                                        state=RolloutState.SCALING_UP, usable_replicas=[0])
-            return RolloutCapacity(desired_replicas=2, ready_replicas=2,
-                                   state=RolloutState.TIMED_OUT, usable_replicas=[0])
+            # what the operator's scaler answers (scaler.timed_out_replicas): every ready
+            # replica kept, so 3 stay desired; the pending 1 is not usable
+            return RolloutCapacity(desired_replicas=3, ready_replicas=2,
+                                   state=RolloutState.TIMED_OUT, usable_replicas=[0, 2])
         ready = (self.state / "rollout-1-ready").exists()
         return RolloutCapacity(
             desired_replicas=2, ready_replicas=2 if ready else 1,

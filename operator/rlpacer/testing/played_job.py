@@ -248,7 +248,7 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
     """Runs the tiny job (:func:`write_manifest`) on played hosts to its end. ``elastic``:
     rollout-1's pod is created when the operator scales up for the long round and deleted
     when it scales down; ``single``: the long round runs on rollout-0 alone; ``timeout-gap``:
-    the scale-up to 3 brings up only rollout-2 and times out (usable [0])."""
+    the scale-up to 3 brings up only rollout-2 and times out (usable [0, 2])."""
     if mode not in ("elastic", "single", "timeout-gap"):
         raise ValueError(f"mode {mode!r}: expected elastic, single or timeout-gap")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -268,7 +268,7 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
             (job.state / "rollout-1-ready").write_text("1")
         elif mode == "timeout-gap":
             # a scale-up to 3 where only ordinal 2 comes up: once its Ray node has joined,
-            # the operator times out and scales back to 2 (ordinal 2 goes first)
+            # the operator times out and keeps it (1 stays pending, never used)
             if not job.wait_file("scale-up"):
                 raise PlayedJobFailed("no long round:\n" + job.logs_text())
             job.start("rollout-2")

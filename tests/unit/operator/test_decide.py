@@ -133,6 +133,26 @@ def test_scale_up_timeout_scales_back_to_what_is_ready() -> None:
     assert ro.desired_replicas == 1 and ro.state == "Ready"
 
 
+def test_timeout_scales_back_only_above_the_highest_ready_replica() -> None:
+    spec = _spec()  # long round: 3 replicas
+    ro = RLTrainingJobStatus().rollout.model_copy(
+        update={"desired_replicas": 1, "ready_replicas": 1})
+    ro, _, _ = scaler.observe(ro, spec, 1, 5, T0, ordinals=[0])
+    ro, _, _ = scaler.plan_round(ro, spec, RoundKind.LONG, 5, T0)
+    late = T0 + timedelta(seconds=61)
+    # in order: 0 and 1 ready, 2 pending -> back to 2, the pending 2 goes
+    done, acts, _ = scaler.observe(ro, spec, 2, 5, late, ordinals=[0, 1])
+    assert done.desired_replicas == 2 and acts[0].to_replicas == 2
+    assert scaler.capacity(done).usable_replicas == [0, 1]
+    # only 0 ready -> back to the short round's 1
+    done, acts, _ = scaler.observe(ro, spec, 1, 5, late, ordinals=[0])
+    assert done.desired_replicas == 1 and acts[0].to_replicas == 1
+    # ordinals unknown (an older CRD pruned them): the ready count
+    ro_no = ro.model_copy(update={"ready_ordinals": None})
+    done, _, _ = scaler.observe(ro_no, spec, 2, 5, late)
+    assert done.desired_replicas == 2
+
+
 def test_decide_times_out_a_pending_scale_up() -> None:
     spec = _spec()
     st = _run(spec, RLTrainingJobStatus(), Observed(driver_phase="Running", rollout_ready=1)).status
@@ -173,11 +193,14 @@ def test_ready_ordinals_and_usable_replicas_with_a_gap() -> None:
     # 2 came up before 1: both 0 and 2 may serve while the scale-up waits for 1
     ro, _, _ = scaler.observe(ro, spec, 2, 5, T0 + timedelta(seconds=10), ordinals=[2, 0])
     assert ro.state == "ScalingUp" and scaler.capacity(ro).usable_replicas == [0, 2]
-    # timed out: scaled back to 2 replicas, so ordinal 2 (ready) goes and 1 (pending) stays:
-    # only what is ready within the desired count is usable
-    ro, _, _ = scaler.observe(ro, spec, 2, 5, T0 + timedelta(seconds=61), ordinals=[0, 2])
+    # timed out: a StatefulSet scales down from its highest ordinal, so scaling back to the
+    # ready count (2) would delete the ready 2 and keep the pending 1. The count keeps every
+    # ready replica (3: the pending 1 stays, unused); both ready ones serve the round.
+    ro, acts, ev = scaler.observe(ro, spec, 2, 5, T0 + timedelta(seconds=61), ordinals=[0, 2])
     cap = scaler.capacity(ro)
-    assert ro.state == "TimedOut" and cap.desired_replicas == 2 and cap.usable_replicas == [0]
+    assert ro.state == "TimedOut" and cap.desired_replicas == 3 and cap.usable_replicas == [0, 2]
+    assert (acts[0].from_replicas, acts[0].to_replicas) == (3, 3)
+    assert ev[0].reason == "ScaleUpTimedOut" and "scaled back" not in ev[0].message
     # the long round done: back to short capacity, the extra replicas are not usable
     ro, _, _ = scaler.observe(ro, spec, 3, 6, T0 + timedelta(seconds=70), ordinals=[0, 1, 2])
     ro, _, _ = scaler.plan_round(ro, spec, RoundKind.SHORT, 6, T0 + timedelta(seconds=90))
