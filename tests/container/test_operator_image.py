@@ -37,6 +37,8 @@ from rlpacer.testing.containers import (
 pytestmark = pytest.mark.container
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+#: The operator image's size bound (measured: see README "Container images").
+MAX_OPERATOR_IMAGE_MIB = 260
 
 
 def _get(url: str) -> int:
@@ -125,6 +127,14 @@ def test_operator_image_runs_the_charts_deployment(
                                            "-n", system, "-o", "json").stdout)
         assert lease["spec"]["holderIdentity"] == env["RLPACER_OPERATOR_IDENTITY"] == pod_name
         assert "Traceback" not in logs(), logs()
+        # small: no Kubernetes client library (the operator reads its credentials itself, as
+        # above), no documentation or apt caches
+        spec = podman("exec", name, "python3", "-c",
+                      "import importlib.util as u; print(u.find_spec('kubernetes'))").stdout
+        assert spec.strip() == "None", spec
+        size = int(podman("image", "inspect", "--format", "{{.Size}}", c["image"]).stdout)
+        print(f"operator image: {size / 2**20:.0f} MiB")
+        assert size < MAX_OPERATOR_IMAGE_MIB * 2**20, size
     finally:
         for n in containers:
             podman("rm", "-f", "-t", "5", n, check=False)

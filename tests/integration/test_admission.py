@@ -14,7 +14,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +23,13 @@ import kopf
 import pytest
 import yaml
 
+from rlpacer.api import policy as policy_api
 from rlpacer.operator.admission import (
     DEFAULTED_BY,
+    ClusterPolicyLister,
     PolicyAdmission,
+    PolicyLister,
     configure,
-    kubernetes_cluster_lister,
-    kubernetes_lister,
 )
 from rlpacer.testing import LocalCluster
 from rlpacer.testing.cluster import free_ports, repo_root
@@ -36,6 +37,50 @@ from rlpacer.testing.cluster import free_ports, repo_root
 pytestmark = pytest.mark.integration
 
 CHART = repo_root() / "charts" / "rlpacer"
+
+
+# The webhook here reads policies through the official client (the operator reads them
+# with its own): the admission logic, not the listing, is under test.
+def kubernetes_lister(api_client: Any) -> PolicyLister:
+    """A :data:`PolicyLister` over the ``kubernetes`` client (blocking calls in a thread)."""
+    from kubernetes import client as k8s
+
+    api = k8s.CustomObjectsApi(api_client)
+
+    def _list(namespace: str) -> list[Mapping[str, Any]]:
+        out: Any = api.list_namespaced_custom_object(
+            policy_api.GROUP, policy_api.VERSION, namespace, policy_api.PLURAL
+        )
+        return list(out.get("items", []))
+
+    async def lister(namespace: str) -> Sequence[Mapping[str, Any]]:
+        return await asyncio.to_thread(_list, namespace)
+
+    return lister
+
+
+def kubernetes_cluster_lister(api_client: Any) -> ClusterPolicyLister:
+    """A :data:`ClusterPolicyLister` over the ``kubernetes`` client (needs list
+    clusterrltrainingpolicies and get namespaces: the chart's cluster-scope RBAC)."""
+    from kubernetes import client as k8s
+
+    custom = k8s.CustomObjectsApi(api_client)
+    core = k8s.CoreV1Api(api_client)
+
+    def _list(namespace: str) -> tuple[list[Mapping[str, Any]], dict[str, str]]:
+        out: Any = custom.list_cluster_custom_object(
+            policy_api.GROUP, policy_api.VERSION, policy_api.CLUSTER_PLURAL
+        )
+        items = list(out.get("items", []))
+        if not items:
+            return [], {}
+        ns: Any = core.read_namespace(namespace)
+        return items, dict(ns.metadata.labels or {})
+
+    async def lister(namespace: str) -> tuple[Sequence[Mapping[str, Any]], Mapping[str, str]]:
+        return await asyncio.to_thread(_list, namespace)
+
+    return lister
 
 
 @dataclass

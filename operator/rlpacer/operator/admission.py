@@ -38,7 +38,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -85,48 +84,6 @@ class PolicyLookupError(RuntimeError):
 
 class InvalidStoredPolicyError(RuntimeError):
     """A stored policy does not validate (e.g. created before a stricter operator version)."""
-
-
-def kubernetes_lister(api_client: Any) -> PolicyLister:
-    """A :data:`PolicyLister` over the ``kubernetes`` client (blocking calls in a thread)."""
-    from kubernetes import client as k8s
-
-    api = k8s.CustomObjectsApi(api_client)
-
-    def _list(namespace: str) -> list[Mapping[str, Any]]:
-        out: Any = api.list_namespaced_custom_object(
-            policy_api.GROUP, policy_api.VERSION, namespace, policy_api.PLURAL
-        )
-        return list(out.get("items", []))
-
-    async def lister(namespace: str) -> Sequence[Mapping[str, Any]]:
-        return await asyncio.to_thread(_list, namespace)
-
-    return lister
-
-
-def kubernetes_cluster_lister(api_client: Any) -> ClusterPolicyLister:
-    """A :data:`ClusterPolicyLister` over the ``kubernetes`` client (needs list
-    clusterrltrainingpolicies and get namespaces: the chart's cluster-scope RBAC)."""
-    from kubernetes import client as k8s
-
-    custom = k8s.CustomObjectsApi(api_client)
-    core = k8s.CoreV1Api(api_client)
-
-    def _list(namespace: str) -> tuple[list[Mapping[str, Any]], dict[str, str]]:
-        out: Any = custom.list_cluster_custom_object(
-            policy_api.GROUP, policy_api.VERSION, policy_api.CLUSTER_PLURAL
-        )
-        items = list(out.get("items", []))
-        if not items:
-            return [], {}
-        ns: Any = core.read_namespace(namespace)
-        return items, dict(ns.metadata.labels or {})
-
-    async def lister(namespace: str) -> tuple[Sequence[Mapping[str, Any]], Mapping[str, str]]:
-        return await asyncio.to_thread(_list, namespace)
-
-    return lister
 
 
 def parse_policies(

@@ -274,6 +274,7 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
         c = ctx.creds
+        c.refresh()  # an exec credential about to expire (Kopf logs in again on a 401)
         return kopf.ConnectionInfo(
             server=c.server, ca_path=c.ca_path, insecure=c.insecure or None,
             scheme="Bearer" if c.token else None, token=c.token,

@@ -9,6 +9,7 @@ or the in-cluster service account; Kopf is given the same ones (``kopf.on.login`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import ssl
@@ -20,13 +21,14 @@ from typing import Any
 
 import aiohttp
 
+from rlpacer.operator import kubeconfig
+
 Obj = dict[str, Any]
 
 #: ``Accept`` for metadata-only lists and watches (PartialObjectMetadata[List], what
 #: controller-runtime's metadata informers use): the API server sends no spec or status.
 METADATA_ONLY_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
-IN_CLUSTER_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 #: An apply patch is YAML (``application/apply-patch+yaml``).
 APPLY_PATCH = "application/apply-patch+yaml"
 
@@ -66,35 +68,21 @@ class Credentials:
     token: str | None = None
     token_path: str | None = None  # re-read (bound tokens rotate)
     insecure: bool = False
+    #: An exec credential plugin (kubeconfig ``users[].user.exec``): run again before
+    #: ``token_expiry`` (epoch seconds; None: the credential does not expire).
+    exec_plugin: kubeconfig.ExecPlugin | None = None
+    token_expiry: float | None = None
 
     @classmethod
-    def load(cls, kubeconfig: str | None = None) -> Credentials:
-        """From ``kubeconfig`` (or $KUBECONFIG / ~/.kube/config), else in-cluster."""
-        from kubernetes import config as kconfig
-        from kubernetes.client import Configuration
+    def load(cls, kubeconfig_path: str | None = None) -> Credentials:
+        """From ``kubeconfig_path`` (or $KUBECONFIG / ~/.kube/config), else in-cluster."""
+        got = kubeconfig.load(kubeconfig_path)
+        return cls(**dataclasses.asdict(got) | {"exec_plugin": got.exec_plugin})
 
-        cfg = Configuration()
-        try:
-            kconfig.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=kubeconfig, client_configuration=cfg, persist_config=False
-            )
-            token_path = None
-        except (kconfig.ConfigException, FileNotFoundError, TypeError):
-            if kubeconfig:
-                raise
-            kconfig.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-            token_path = IN_CLUSTER_TOKEN
-        header = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken")
-        token = header.split(" ", 1)[-1] if header else None
-        return cls(
-            server=cfg.host.rstrip("/"),
-            ca_path=cfg.ssl_ca_cert,
-            cert_path=cfg.cert_file,
-            key_path=cfg.key_file,
-            token=token,
-            token_path=token_path,
-            insecure=not cfg.verify_ssl,
-        )
+    def refresh(self) -> None:
+        """Fetch an exec credential again when it is about to expire (else nothing)."""
+        if kubeconfig.exec_due(self):
+            kubeconfig.refresh_exec(self)
 
     def ssl_context(self) -> ssl.SSLContext | bool:
         if not self.server.startswith("https"):
@@ -133,6 +121,7 @@ class KubeClient:
 
     def _headers(self) -> dict[str, str]:
         c = self.creds
+        c.refresh()
         if c.token_path and time.monotonic() - self._token_read > 60:
             c.token = Path(c.token_path).read_text().strip()
             self._token_read = time.monotonic()

@@ -78,7 +78,8 @@ def lint(path: Path) -> list[str]:
         ref = image.replace("${", "{")
         if used_vars(image):
             assert used_vars(image) <= set(glob), f"FROM {image}: undeclared global ARG"
-        elif image not in names_ and (":" not in image or image.endswith(":latest")):
+        elif image not in names_ and image != "scratch" and (
+                ":" not in image or image.endswith(":latest")):
             problems.append(f"stage {name}: FROM {ref} has no pinned tag")
         declared = {rest.partition("=")[0] for w, rest in body if w == "ARG"}
         env = {m for w, rest in body if w == "ENV" for m in re.findall(r"(\w+)=", rest)}
