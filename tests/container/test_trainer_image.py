@@ -15,11 +15,9 @@ import json
 import random
 import secrets
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +25,6 @@ import pytest
 
 from rlpacer.api import contract
 from rlpacer.api.job import load_manifest
-from rlpacer.api.protocol import Plan, RolloutCapacity, StepReport
-from rlpacer.control.plan import JobController, ReportRejected
 from rlpacer.operator import builders, names
 from rlpacer.testing.containers import (
     ROOT,
@@ -39,42 +35,13 @@ from rlpacer.testing.containers import (
     podman,
     security_args,
 )
-from rlpacer.testing.jsonhttp import JSONHandler
+from rlpacer.testing.report_stub import ReportStub
 from rlpacer_trainer.config import RunConfig
-from rlpacer_trainer.controller_client import to_data
 
 pytestmark = [pytest.mark.container, pytest.mark.slow]
 EXAMPLE = ROOT / "examples" / "tiny-local.yaml"
 JOB, NAMESPACE, TOKEN = "tiny", "team-a", "s3cret"
 OPERATOR_HOST = "rel-rlpacer.rlpacer-system.svc"
-
-
-class _Operator(JSONHandler):
-    """The step-report protocol over the real JobController (token checked, 422 on reject)."""
-
-    server: Any
-
-    def _plan(self) -> dict[str, Any]:
-        cp = self.server.jc.plan()
-        return Plan(step=cp.step, group_size=cp.group_size, round_kind=cp.round_kind,
-                    rollout=RolloutCapacity(desired_replicas=1, ready_replicas=1),
-                    lambda_=cp.lambda_, straggler_rate=cp.straggler_rate).to_wire()
-
-    def do_GET(self) -> None:
-        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-            return self.send_json(401, {"code": 401, "reason": "BadToken", "message": "no"})
-        self.send_json(200, self._plan())
-
-    def do_POST(self) -> None:
-        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-            return self.send_json(401, {"code": 401, "reason": "BadToken", "message": "no"})
-        body = self.read_json()
-        self.server.reports.append(body)
-        try:
-            self.server.jc.observe(to_data(StepReport.model_validate(body)))
-        except ReportRejected as err:
-            return self.send_json(422, {"code": 422, "reason": err.reason, "message": err.message})
-        self.send_json(200, self._plan())
 
 
 @pytest.fixture
@@ -132,14 +99,11 @@ def test_every_role_runs_in_the_trainer_image_and_the_driver_makes_a_step(
     assert spec.checkpoint.volume_claim is None
     assert spec.trainer.image == spec.rollout.image == images["trainer"]  # the spec's default
     # the stand-in operator, on this machine (the network's gateway)
-    srv = ThreadingHTTPServer(("0.0.0.0", 0), _Operator)
-    srv.jc = JobController(RunConfig.load(EXAMPLE).controller_config())  # type: ignore[attr-defined]
-    srv.reports = []  # type: ignore[attr-defined]
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = ReportStub(RunConfig.load(EXAMPLE).controller_config(), TOKEN, host="0.0.0.0").start()
     ray_token = secrets.token_hex(32)
     inputs = builders.BuildInputs(
         name=JOB, namespace=NAMESPACE, uid="u1", spec=spec, attempt=0, rollout_replicas=1,
-        report_url=f"http://{OPERATOR_HOST}:{srv.server_address[1]}")
+        report_url=f"http://{OPERATOR_HOST}:{srv.port}")
     children = builders.build_children(inputs)
     config = next(o for o in children if o["kind"] == "ConfigMap")
     files = {
@@ -197,7 +161,7 @@ def test_every_role_runs_in_the_trainer_image_and_the_driver_makes_a_step(
         code = podman("inspect", "--format", "{{.State.ExitCode}}", driver).stdout.strip()
         assert code == "0", f"driver exit {code}:\n{logs(driver)}\n--- head:\n{logs(head)}"
         running(head, *workers)  # the Ray nodes stayed up through the run
-        reports = srv.reports  # type: ignore[attr-defined]
+        reports = srv.reports
         assert [(r["attempt"], r["step"]) for r in reports] == [(0, 0)], reports
         assert reports[0]["lengths"]["count"] > 0
         ckpt = tmp_path / "driver" / "checkpoints"  # the driver pod's emptyDir

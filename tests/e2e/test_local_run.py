@@ -10,21 +10,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-from rlpacer.api.protocol import Plan, RolloutCapacity, StepReport
-from rlpacer.control.plan import JobController, ReportRejected
-from rlpacer.testing.jsonhttp import JSONHandler
+from rlpacer.testing.report_stub import ReportStub
 from rlpacer_trainer import contract as c
 from rlpacer_trainer.config import RunConfig
-from rlpacer_trainer.controller_client import to_data
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,44 +95,15 @@ def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
     assert "G=" in proc.stderr and "stragglers=" in proc.stderr  # the progress bar
 
 
-class _Operator(JSONHandler):
-    """The step-report protocol over the real JobController (token checked, 422 on reject)."""
-
-    server: Any
-
-    def _plan(self) -> dict[str, Any]:
-        cp = self.server.jc.plan()
-        return Plan(step=cp.step, group_size=cp.group_size, round_kind=cp.round_kind,
-                    rollout=RolloutCapacity(desired_replicas=1, ready_replicas=1),
-                    lambda_=cp.lambda_, straggler_rate=cp.straggler_rate).to_wire()
-
-    def do_GET(self) -> None:
-        self.send_json(200, self._plan())
-
-    def do_POST(self) -> None:
-        if self.headers.get("Authorization") != "Bearer s3cret":
-            return self.send_json(401, {"code": 401, "reason": "BadToken", "message": "no"})
-        body = self.read_json()
-        self.server.reports.append(body)
-        try:
-            self.server.jc.observe(to_data(StepReport.model_validate(body)))
-        except ReportRejected as err:
-            return self.send_json(422, {"code": 422, "reason": err.reason, "message": err.message})
-        self.send_json(200, self._plan())
-
-
 @pytest.fixture
-def operator_stub(tmp_path: Path) -> Iterator[Any]:
-    cfg = RunConfig.load(EXAMPLE)
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Operator)
-    srv.jc, srv.reports = JobController(cfg.controller_config()), []  # type: ignore[attr-defined]
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
+def operator_stub(tmp_path: Path) -> Iterator[ReportStub]:
+    srv = ReportStub(RunConfig.load(EXAMPLE).controller_config(), "s3cret").start()
     yield srv
     srv.shutdown()
 
 
-def test_pod_entrypoint_driver_reports_over_http(tmp_path: Path, operator_stub: Any) -> None:
+def test_pod_entrypoint_driver_reports_over_http(
+        tmp_path: Path, operator_stub: ReportStub) -> None:
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["steps"] = 3
     doc["spec"]["checkpoint"]["everySteps"] = 2
@@ -148,7 +113,7 @@ def test_pod_entrypoint_driver_reports_over_http(tmp_path: Path, operator_stub: 
         c.ENV_ROLE: "driver", c.ENV_JOB: "tiny-local", c.ENV_NAMESPACE: "default",
         c.ENV_RANK: "0", c.ENV_ATTEMPT: "0", c.ENV_CONFIG: str(tmp_path / "job.yaml"),
         c.ENV_TOKEN_FILE: str(tmp_path / "token"), c.ENV_CHECKPOINT_DIR: str(tmp_path / "ckpt"),
-        c.ENV_REPORT_URL: f"http://127.0.0.1:{operator_stub.server_address[1]}",
+        c.ENV_REPORT_URL: f"http://127.0.0.1:{operator_stub.port}",
     }
     proc = subprocess.run([sys.executable, "-m", c.POD_ENTRYPOINT_MODULE], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=480)
