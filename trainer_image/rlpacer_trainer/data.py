@@ -1,4 +1,5 @@
-"""Prompt data from files (``spec.data.source``): JSON Lines, checked when the trainer starts.
+"""Prompt data from files (``spec.data.source``): JSON Lines or Parquet, checked when the
+trainer starts.
 
 Each line of the file is one JSON object; ``spec.data.promptField`` and ``answerField`` name
 the prompt text and the reference answer (dots reach into nested objects: ``meta.question``).
@@ -11,8 +12,10 @@ The pod entrypoint exits with :data:`rlpacer.api.contract.EXIT_DATA_INVALID` on 
 operator fails the job with reason ``DataInvalid`` (no retries: the same data fails the same
 way).
 
-Parquet is not read: this trainer image has no ``pyarrow``; a ``.parquet`` source is refused
-with that said (convert it to JSON Lines).
+A source whose name ends in ``.parquet`` is a Parquet file instead (read with ``pyarrow``, a
+row group at a time): each row is one record, struct columns are nested objects (the same
+dotted names reach into them), and errors name the row (1-based) where JSON Lines name the
+line.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,21 +64,49 @@ def get_field(record: dict[str, Any], dotted: str) -> Any:
 
 def read_jsonl(path: Path, prompt_field: str, answer_field: str, *, spec_field: str,
                start: int = 0) -> list[Example]:
-    """The file's examples, checked; :class:`DataError` at the first bad line."""
+    """The file's examples (JSON Lines, or Parquet for a ``.parquet`` name), checked;
+    :class:`DataError` at the first bad record."""
     at = f"{spec_field}: {path}"
-    if path.suffix == ".parquet":
-        raise DataError(f"{at}: Parquet is not supported by this trainer image (no pyarrow);"
-                        " convert the file to JSON Lines (one JSON object per line)")
     if not path.is_file():
         raise DataError(f"{at}: no such file (a pvc:// source is mounted read-only at"
                         f" {sources.claim_mount('<claim>')}/; check the claim and the path)")
+    parquet = path.suffix == ".parquet"
+    unit = "row" if parquet else "line"
     out: list[Example] = []
+    for n, rec in (_parquet_rows(path, at) if parquet else _jsonl_records(path, at)):
+        vals = []
+        for name, field in (("promptField", prompt_field), ("answerField", answer_field)):
+            try:
+                v = get_field(rec, field)
+            except KeyError as e:
+                raise DataError(
+                    f"{at} {unit} {n}: field {field!r} (spec.data.{name}) missing:"
+                    f" no {e.args[0]}; fix the record or set spec.data.{name}") from e
+            if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+                kind = "null" if v is None else type(v).__name__
+                raise DataError(
+                    f"{at} {unit} {n}: field {field!r} (spec.data.{name}) is a {kind};"
+                    " expected text (or a number for the answer)")
+            if name == "promptField" and not isinstance(v, str):
+                raise DataError(f"{at} {unit} {n}: field {field!r} (spec.data.{name})"
+                                f" is a {type(v).__name__}; the prompt must be text")
+            if not str(v).strip():
+                raise DataError(f"{at} {unit} {n}: field {field!r} (spec.data.{name})"
+                                " is empty")
+            vals.append(str(v))
+        out.append(Example(start + len(out), vals[0], vals[1], f"{path}:{n}"))
+    if not out:
+        what = "no rows" if parquet else "no records (an empty file); give one JSON object per line"
+        raise DataError(f"{at}: {what}")
+    return out
+
+
+def _jsonl_records(path: Path, at: str) -> Iterator[tuple[int, dict[str, Any]]]:
     with path.open(encoding="utf-8", errors="strict") as f:
         try:
             for n, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                where = f"{path}:{n}"
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -83,32 +115,30 @@ def read_jsonl(path: Path, prompt_field: str, answer_field: str, *, spec_field: 
                 if not isinstance(rec, dict):
                     raise DataError(f"{at} line {n}: a JSON {type(rec).__name__}, expected"
                                     " an object with the prompt and answer fields")
-                vals = []
-                for name, field in (("promptField", prompt_field), ("answerField", answer_field)):
-                    try:
-                        v = get_field(rec, field)
-                    except KeyError as e:
-                        raise DataError(
-                            f"{at} line {n}: field {field!r} (spec.data.{name}) missing:"
-                            f" no {e.args[0]}; fix the record or set spec.data.{name}") from e
-                    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-                        raise DataError(
-                            f"{at} line {n}: field {field!r} (spec.data.{name}) is a"
-                            f" {type(v).__name__}; expected text (or a number for the answer)")
-                    if name == "promptField" and not isinstance(v, str):
-                        raise DataError(f"{at} line {n}: field {field!r} (spec.data.{name})"
-                                        f" is a {type(v).__name__}; the prompt must be text")
-                    if not str(v).strip():
-                        raise DataError(f"{at} line {n}: field {field!r} (spec.data.{name})"
-                                        " is empty")
-                    vals.append(str(v))
-                out.append(Example(start + len(out), vals[0], vals[1], where))
+                yield n, rec
         except UnicodeDecodeError as e:
             raise DataError(f"{at}: not UTF-8 text ({e.reason} at byte {e.start} of a"
                             " line); JSON Lines files are UTF-8") from e
-    if not out:
-        raise DataError(f"{at}: no records (an empty file); give one JSON object per line")
-    return out
+
+
+def _parquet_rows(path: Path, at: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:  # an image built without the trainer extra
+        raise DataError(f"{at}: reading Parquet needs pyarrow, which this trainer image lacks;"
+                        " use the project's trainer image or convert the file to JSON"
+                        " Lines") from e
+    try:
+        pf = pq.ParquetFile(path)
+        n = 0
+        for batch in pf.iter_batches(batch_size=4096):
+            for rec in batch.to_pylist():
+                n += 1
+                yield n, rec
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{at}: not a readable Parquet file ({e}); give a Parquet file or"
+                        " JSON Lines (a name not ending in .parquet)") from e
 
 
 def file_path(source: str, spec_field: str) -> Path:

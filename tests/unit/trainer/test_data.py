@@ -106,6 +106,55 @@ def test_held_out_split_by_fraction_and_by_file(user_model: Path, problems: Path
 GOOD = json.dumps({"question": "Mia has 2 apples.", "answer": "2"})
 
 
+def _parquet(path: Path, rows: list[dict[str, object]], row_group_size: int = 64) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+    return path
+
+
+def test_a_parquet_source_reads_like_its_json_lines(user_model: Path, problems: Path,
+                                                    tmp_path: Path) -> None:
+    """The same records as Parquet (several row groups, the nested ``meta`` as a struct
+    column): the same examples, each named by its row; a held-out split by fraction is the
+    same; a Parquet held-out file works beside a JSON Lines source."""
+    recs = [json.loads(ln) for ln in problems.read_text().splitlines()]
+    pq_file = _parquet(tmp_path / "wp.parquet", recs)
+    as_jsonl = RunConfig.load(_manifest(tmp_path, user_model, source=str(problems),
+                                        evalFraction="0.2", seed=5))
+    as_pq = RunConfig.load(_manifest(tmp_path, user_model, source=f"file://{pq_file}",
+                                     evalFraction="0.2", seed=5))
+    for a, b in ((as_jsonl.problems(), as_pq.problems()),
+                 (as_jsonl.eval_problems(), as_pq.eval_problems())):
+        assert [(e.pid, e.prompt, e.answer) for e in a] == [(e.pid, e.prompt, e.answer) for e in b]
+        assert [e.where.replace(str(problems), str(pq_file)) for e in a] == [e.where for e in b]
+    nested = data.read_jsonl(pq_file, "meta.kind", "answer", spec_field="spec.data.source")
+    assert [e.prompt for e in nested] == [r["meta"]["kind"] for r in recs]
+    held = _parquet(tmp_path / "held.parquet", wordproblems.make(20, seed=99))
+    mixed = RunConfig.load(_manifest(tmp_path, user_model, source=str(problems),
+                                     evalSource=str(held)))
+    assert len(mixed.eval_problems()) == 20 and mixed.eval_problems()[0].where == f"{held}:1"
+
+
+@pytest.mark.parametrize(("rows", "row", "why"), [
+    ([{"question": "a", "answer": "1"}] * 70 + [{"question": None, "answer": "1"}], 71,
+     r"field 'question' \(spec.data.promptField\) is a null"),
+    ([{"question": "a", "answer": "1"}, {"question": "", "answer": "1"}], 2, "is empty"),
+])
+def test_bad_parquet_rows_name_the_file_row_and_field(
+        user_model: Path, tmp_path: Path, rows: list[dict[str, object]], row: int,
+        why: str) -> None:
+    bad = _parquet(tmp_path / "bad.parquet", rows)
+    with pytest.raises(DataInvalid, match=rf"spec\.data\.source: {bad} row {row}: .*{why}"):
+        RunConfig.load(_manifest(tmp_path, user_model, source=str(bad)))
+    # a column the spec names that the file lacks
+    other = _parquet(tmp_path / "other.parquet", [{"q": "a", "answer": "1"}])
+    with pytest.raises(DataInvalid,
+                       match=r"row 1: field 'question' .*missing.*found: \['answer', 'q'\]"):
+        RunConfig.load(_manifest(tmp_path, user_model, source=str(other)))
+
+
 @pytest.mark.parametrize(("lines", "line", "why"), [
     ([GOOD, "{not json"], 2, "not valid JSON"),
     ([GOOD, GOOD, json.dumps([1, 2])], 3, "a JSON list, expected an object"),
@@ -113,7 +162,7 @@ GOOD = json.dumps({"question": "Mia has 2 apples.", "answer": "2"})
      r"field 'question' \(spec.data.promptField\) missing: no question"
      r" \(found: \['answer', 'q'\]\)"),
     ([GOOD, json.dumps({"question": "x"})], 2, r"field 'answer' \(spec.data.answerField\) missing"),
-    ([json.dumps({"question": "x", "answer": None})], 1, "is a NoneType"),
+    ([json.dumps({"question": "x", "answer": None})], 1, "is a null"),
     ([json.dumps({"question": 7, "answer": "1"})], 1, "the prompt must be text"),
     ([json.dumps({"question": "  ", "answer": "1"})], 1, "is empty"),
 ])
@@ -129,7 +178,7 @@ def test_bad_files_and_long_prompts_are_data_errors(user_model: Path, problems: 
     cases = {
         str(tmp_path / "nope.jsonl"): "no such file",
         str(_lines(tmp_path, name="empty.jsonl")): "no records",
-        str(_lines(tmp_path, GOOD, name="x.parquet")): "Parquet is not supported.*no pyarrow",
+        str(_lines(tmp_path, GOOD, name="x.parquet")): "not a readable Parquet file",
     }
     (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "caf\xe9", "answer": "1"}\n')
     cases[str(tmp_path / "latin1.jsonl")] = "not UTF-8"
