@@ -185,6 +185,11 @@ class RunConfig:
         return n
 
     @property
+    def checkpoint_every(self) -> int:
+        """``spec.checkpoint.everySteps``: the driver checkpoints after every this many steps."""
+        return int(self.spec.checkpoint.every_steps)
+
+    @property
     def tail_batching_enabled(self) -> bool:
         if self.tail_batching is not None:
             return self.tail_batching

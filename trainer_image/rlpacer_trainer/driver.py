@@ -652,7 +652,7 @@ class Driver:
         end = self.cfg.total_steps if steps is None else min(self.cfg.total_steps,
                                                              self.step + steps)
         plan = self.controller.wait_ready(self.controller.plan())
-        every = int(self.cfg.spec.checkpoint.every_steps)
+        every = self.cfg.checkpoint_every
         while self.step < end and not self.planner.done and not plan.done:
             rec = self.run_step(plan)
             if self.on_step is not None:

@@ -92,16 +92,24 @@ def start_engines(cfg: RunConfig, count: int, use_ray: bool = True) -> list[Any]
     return [start_engine(cfg, i, pinned=pinned) for i in range(count)]
 
 
-def start_engine(cfg: RunConfig, replica: int, *, pinned: bool = True) -> Any:
-    """The Ray engine of rollout replica ``replica``; ``pinned``: on that replica's pod (its
-    ``rlpacer.io/rollout-<i>`` resource), the way a long round's added replica joins."""
+def replica_engine_config(cfg: RunConfig, replica: int) -> EngineConfig:
+    """The engine config of rollout replica ``replica`` on its own pod: on GPUs it spans
+    ``tensorParallelSize`` of them, with vLLM's worker processes."""
     rollout = cfg.spec.rollout
     ecfg = engine_config(cfg, replica=replica, slot=replica)
     if int(rollout.gpus_per_replica) > 0:
         ecfg = dataclasses.replace(ecfg, tensor_parallel_size=int(rollout.tensor_parallel_size),
                                    single_process=False)
+    return ecfg
+
+
+def start_engine(cfg: RunConfig, replica: int, *, pinned: bool = True) -> Any:
+    """The Ray engine of rollout replica ``replica``; ``pinned``: on that replica's pod (its
+    ``rlpacer.io/rollout-<i>`` resource), the way a long round's added replica joins."""
+    rollout = cfg.spec.rollout
     return RayEngine(
-        ecfg, num_cpus=cfg.engine_cpus, num_gpus=int(rollout.gpus_per_replica),
+        replica_engine_config(cfg, replica), num_cpus=cfg.engine_cpus,
+        num_gpus=int(rollout.gpus_per_replica),
         resources={topology.pod_resource("rollout", replica): 0.01} if pinned else None)
 
 
