@@ -51,6 +51,7 @@ CHART = repo_root() / "charts" / "rlpacer"
 EXAMPLE = repo_root() / "examples" / "tiny-cluster.yaml"
 JOB = "tiny-cluster"
 RESUME = "resume"  # the second job: a learner pod dies mid-job
+USER_MODEL = "user-model"  # the third: a user's model and data on claims
 RUN_TIMEOUT = float(os.environ.get("RLPACER_E2E_TIMEOUT", "1200"))
 ALL_ROLES = [r.value for r in contract.Role]
 # The namespace's policy (the example job fits it; see the file's comments).
@@ -99,7 +100,7 @@ def release(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
     svc = f"{name}-rlpacer.{system}.svc"
     harness = PodHarness(cluster, jobs, tmp / "harness", roles=ALL_ROLES, hosts=hosts,
                          names={svc: hosts.gateway, f"{svc}.cluster.local": hosts.gateway},
-                         label_selector=f"{contract.LABEL_JOB} in ({JOB},{RESUME})")
+                         label_selector=f"{contract.LABEL_JOB} in ({JOB},{RESUME},{USER_MODEL})")
     rel = Release(cluster, name, system, jobs, values, op, harness, tmp)
     try:
         # helm install rlpacer charts/rlpacer -n rlpacer-system --create-namespace, plus the
@@ -507,6 +508,118 @@ def test_dead_learner_then_dead_driver_each_attempt_resumes_from_the_last_checkp
     prompts = [p for r in kept for p in r["prompts"]]
     assert len(prompts) == len(set(prompts)), prompts
     assert (ckpt / "latest").read_text().strip() == f"step-{STEPS:06d}"
+
+
+def _bound_claim(rel: Release, claim: str) -> None:
+    """A PersistentVolumeClaim bound to a PersistentVolume of its own (no provisioner here):
+    the pods mounting it schedule; the harness plays it with its claim folder."""
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume",
+          "metadata": {"name": f"{rel.jobs}-{claim}"},
+          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                   "storageClassName": "manual", "hostPath": {"path": str(rel.tmp / claim)},
+                   "claimRef": {"namespace": rel.jobs, "name": claim}}}
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+           "metadata": {"name": claim, "namespace": rel.jobs},
+           "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "manual",
+                    "volumeName": pv["metadata"]["name"],
+                    "resources": {"requests": {"storage": "1Gi"}}}}
+    rel.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                      "items": [pv, pvc]}))
+
+
+def test_a_users_model_and_parquet_data_from_claims(release: Release) -> None:
+    """A third job names its model and data on claims, as a user's job does: a Hugging
+    Face-format model (the project's recipe: a small Qwen2 with its own BPE tokenizer and
+    chat template) at pvc://models/user-model and word problems as Parquet at
+    pvc://datasets/wp.parquet. The operator mounts both claims read-only into the pods that
+    read them; the played pods (each on a host of its own) load the model through the claim
+    (engine and learner), train on the file's prompts with a held-out split and the math
+    reward, and checkpoint the trained model in Hugging Face format, which has the user
+    model's architecture and tokenizer; the job Succeeds."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlpacer.api import sources
+    from rlpacer.testing.harness import claim_dir
+    from rlpacer_trainer import hfrecipe, wordproblems
+
+    rel, job = release, USER_MODEL
+    root = rel.harness.root
+    for claim in ("models", "datasets"):
+        _bound_claim(rel, claim)
+    model = hfrecipe.make(claim_dir(root, rel.jobs, "models") / "user-model")
+    rows = wordproblems.make(160, seed=11)
+    data = claim_dir(root, rel.jobs, "datasets") / "wp.parquet"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), data, row_group_size=50)
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = job
+    spec = doc["spec"]
+    spec["model"] = {"source": "pvc://models/user-model"}
+    spec["data"] = {"source": "pvc://datasets/wp.parquet", "promptField": "question",
+                    "answerField": "answer", "evalFraction": "0.125", "seed": 0,
+                    "systemPrompt": "Solve the problem. Put the final answer in \\boxed{}."}
+    # GRPO, as examples/user-model-local.yaml: the untrained recipe model rarely answers
+    # right, and DAPO's dynamic sampling (the example's) would drop every all-wrong group
+    spec["algorithm"] = {"name": "GRPO"}
+    spec["reward"] = {"type": "MathAnswer", "timeoutSeconds": 10}
+    spec["rollout"].update({"maxPromptTokens": 128, "maxResponseTokens": 64})
+    spec["steps"] = 2
+    spec["groupControl"] = {"mode": "SAGC", "candidates": [4, 8], "initial": 4}
+    spec["tailBatching"] = {"enabled": False}
+    spec["checkpoint"] = {"everySteps": 2}
+    rel.kubectl("apply", "-n", rel.jobs, "-f", "-", input=json.dumps(doc))
+    h, t0 = rel.harness, time.monotonic()
+    pods: dict[contract.Role, dict[str, Any]] = {}  # the pod specs, read while they exist
+    while True:
+        st = (rel.get("rltj", job, "-n", rel.jobs) or {}).get("status") or {}
+        if st.get("summary") in ("Succeeded", "Failed"):
+            break
+        for role in (contract.Role.DRIVER, contract.Role.LEARNER, contract.Role.ROLLOUT):
+            if role in pods:
+                continue
+            obj = (rel.get("pod", names.driver_pod(job, 0), "-n", rel.jobs)
+                   if role is contract.Role.DRIVER
+                   else rel.get("statefulset", names.statefulset(job, role), "-n", rel.jobs))
+            if obj is not None:
+                pods[role] = (obj["spec"] if role is contract.Role.DRIVER
+                              else obj["spec"]["template"]["spec"])
+        assert not h.errors, h.describe()
+        assert time.monotonic() - t0 < RUN_TIMEOUT, f"{st}\n{h.describe()}"
+        time.sleep(0.5)
+    assert st["summary"] == "Succeeded", f"{st}\n{h.describe()}\n{rel.operator.tail()}"
+    # each claim mounted read-only, at the claims' root, into the pods that read it: the
+    # model's into the driver (tokenizer), learner and rollout pods, the data's into the
+    # driver's alone
+    assert len(pods) == 3, pods.keys()
+    for role, pod in pods.items():
+        (c,) = pod["containers"]
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        if role is not contract.Role.DRIVER:
+            assert sources.claim_mount("datasets") not in mounts, role
+        for claim in ("models", "datasets") if role is contract.Role.DRIVER else ("models",):
+            m = mounts[sources.claim_mount(claim)]
+            assert m.get("readOnly") is True, (role, m)
+            vol = next(v for v in pod["volumes"] if v["name"] == m["name"])
+            assert vol["persistentVolumeClaim"] == {"claimName": claim, "readOnly": True}
+    (driver,) = [p for p in h.played(names.driver_pod(job, 0))]
+    assert driver.exit_code == 0, h.describe()
+    ckpt = driver.mount(contract.CHECKPOINT_DIR)
+    recs = [json.loads(x) for x in (ckpt / "metrics-attempt0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1]
+    for r in recs:  # the file's 140 training prompts (160 less 1/8 held out)
+        assert r["kept"] > 0 and r["learner_samples"] > 0, r
+        assert all(0 <= p < 140 for p in r["prompts"]), r["prompts"]
+    # the learner trained the user's model: the checkpoint is it, in Hugging Face format
+    hf = ckpt / (ckpt / "latest").read_text().strip() / "model"
+    got, want = (json.loads((d / "config.json").read_text()) for d in (hf, model))
+    for key in ("architectures", "vocab_size", "hidden_size", "num_hidden_layers"):
+        assert got[key] == want[key], key
+    assert (hf / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+    # the engine ran on the rollout pod's host and served the user's model from its claim
+    log = driver.log_tail(200000)
+    assert "Traceback" not in log, log[-3000:]
+    print(f"user-model job: {time.monotonic() - t0:.0f} s")
 
 
 def test_helm_uninstall_leaves_no_orphans(release: Release, run: Run) -> None:

@@ -19,7 +19,10 @@ The translation from pod spec to process is one pure function, :func:`local_comm
   ConfigMap/Secret keys, downward-API fields and a real ServiceAccount token; an
   ``emptyDir`` (``medium: Memory`` too: the builders' ``/dev/shm``) a fresh folder of the pod; a
   ``persistentVolumeClaim`` a folder of the claim shared by every pod that mounts it (it
-  outlives pods, as a volume does). Every
+  outlives pods, as a volume does); a pod that mounts claims where model and data sources
+  are read (``rlpacer.api.sources.CLAIMS_DIR``) gets ``RLPACER_CLAIMS_DIR`` pointing at the
+  namespace's claim folders, since a ``pvc://`` source is named in the job's spec file, which
+  no rewriting reaches. Every
   ``mountPath`` (with ``subPath``) maps to that folder; env values and args that name a path
   under a mount are rewritten to the local folder. Other volume kinds are errors.
 * **Security settings.** ``securityContext`` and ``automountServiceAccountToken`` are not
@@ -73,7 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlpacer.api import contract
+from rlpacer.api import contract, sources
 from rlpacer.testing.cluster import ApiError
 
 if TYPE_CHECKING:
@@ -367,6 +370,12 @@ def local_command(
         return text if pod_ip else rewrite_addresses(text, services)
 
     env = {k: addresses(_rewrite_paths(v, mounts)) for k, v in env.items()}
+    # A model or data source pvc://CLAIM/PATH is named in the job's spec (a file the trainer
+    # reads), not in an env value, so no rewriting reaches it: the trainer's documented
+    # override of the claims' root points at this namespace's claim folders instead.
+    claims = sources.CLAIMS_DIR.rstrip("/") + "/"
+    if any(mp.startswith(claims) for mp in mounts):
+        env[sources.ENV_CLAIMS_DIR] = str(claim_dir(root, ns, "-").parent)
 
     argv = [*c["command"], *(c.get("args") or [])]
     argv = [addresses(_rewrite_paths(_expand(a, env), mounts)) for a in argv]

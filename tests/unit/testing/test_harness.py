@@ -3,13 +3,14 @@ builders (so a change of the pod contract that the harness cannot play fails her
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-from rlpacer.api import contract
+from rlpacer.api import contract, sources
 from rlpacer.api.job import load_manifest
 from rlpacer.operator import builders, names
 from rlpacer.testing.harness import (
@@ -109,6 +110,26 @@ def test_claims_are_shared_folders_and_ray_address_is_kept_when_the_head_is_play
     assert cmd.env[contract.ENV_REPORT_URL] == "http://127.0.0.1:18080"
     assert cmd.env[contract.ENV_RAY_ADDRESS] == f"127.0.0.1:{contract.RAY_GCS_PORT}"
     assert cmd.argv[0] == sys.executable
+
+
+def test_model_and_data_claims_resolve_to_the_claim_folders(tmp_path: Path) -> None:
+    """pvc:// sources are named in the job's spec file, not in env: the played pod gets the
+    trainer's claims-root override, so the trainer resolves them to the harness's claim
+    folders (the ones every pod mounting the claim shares); a pod without such claims does
+    not get it."""
+    inputs = _inputs()
+    plain = local_command(_pod(builders.driver_pod(inputs)), _lookup(inputs), root=tmp_path)
+    assert sources.ENV_CLAIMS_DIR not in plain.env
+    spec = inputs.spec.model_copy(update={
+        "model": inputs.spec.model.model_copy(update={"source": "pvc://models/m1"}),
+        "data": inputs.spec.data.model_copy(update={"source": "pvc://datasets/d/x.parquet"})})
+    inputs = dataclasses.replace(inputs, spec=spec)
+    cmd = local_command(_pod(builders.driver_pod(inputs)), _lookup(inputs), root=tmp_path)
+    model = sources.local_path("pvc://models/m1", "spec.model.source", cmd.env)
+    data = sources.local_path("pvc://datasets/d/x.parquet", "spec.data.source", cmd.env)
+    assert model == str(claim_dir(tmp_path, "team-a", "models") / "m1")
+    assert data == str(claim_dir(tmp_path, "team-a", "datasets") / "d" / "x.parquet")
+    assert cmd.mounts[sources.claim_mount("models")] == claim_dir(tmp_path, "team-a", "models")
 
 
 def test_statefulset_pod_resolves_field_refs(tmp_path: Path) -> None:
