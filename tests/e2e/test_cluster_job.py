@@ -426,17 +426,7 @@ def test_dead_learner_then_dead_driver_each_attempt_resumes_from_the_last_checkp
     weights, no prompt of a checkpointed step is drawn again, and the job Succeeds."""
     rel = release
     claim = f"{RESUME}-checkpoints"
-    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{rel.jobs}-pv"},
-          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
-                   "storageClassName": "manual", "hostPath": {"path": str(rel.tmp / "pv")},
-                   "claimRef": {"namespace": rel.jobs, "name": claim}}}
-    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-           "metadata": {"name": claim, "namespace": rel.jobs},
-           "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual",
-                    "volumeName": pv["metadata"]["name"],
-                    "resources": {"requests": {"storage": "1Gi"}}}}
-    rel.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
-                                                      "items": [pv, pvc]}))
+    _bound_claim(rel, claim, "ReadWriteMany")
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = RESUME
     spec = doc["spec"]
@@ -510,17 +500,17 @@ def test_dead_learner_then_dead_driver_each_attempt_resumes_from_the_last_checkp
     assert (ckpt / "latest").read_text().strip() == f"step-{STEPS:06d}"
 
 
-def _bound_claim(rel: Release, claim: str) -> None:
+def _bound_claim(rel: Release, claim: str, mode: str = "ReadOnlyMany") -> None:
     """A PersistentVolumeClaim bound to a PersistentVolume of its own (no provisioner here):
     the pods mounting it schedule; the harness plays it with its claim folder."""
     pv = {"apiVersion": "v1", "kind": "PersistentVolume",
           "metadata": {"name": f"{rel.jobs}-{claim}"},
-          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [mode],
                    "storageClassName": "manual", "hostPath": {"path": str(rel.tmp / claim)},
                    "claimRef": {"namespace": rel.jobs, "name": claim}}}
     pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
            "metadata": {"name": claim, "namespace": rel.jobs},
-           "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "manual",
+           "spec": {"accessModes": [mode], "storageClassName": "manual",
                     "volumeName": pv["metadata"]["name"],
                     "resources": {"requests": {"storage": "1Gi"}}}}
     rel.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
