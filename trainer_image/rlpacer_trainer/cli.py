@@ -82,7 +82,9 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
     algorithm = cfg.algorithm.to_wire()  # the preset with the manifest's overrides
     print("algorithm: " + ", ".join(f"{k} {v}" for k, v in algorithm.items()))
     runtime.init_ray()
+    t_start = time.perf_counter()
     engines = runtime.start_engines(cfg, count=int(cfg.spec.rollout.replicas))
+    engine_start_s = time.perf_counter() - t_start  # engine start with the model's load
     metrics = report.MetricsWriter(out / "metrics.jsonl")
     bar = None
 
@@ -93,13 +95,17 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
         bar.set_postfix(reward=f"{rec['reward']:.2f}", G=rec["group_size"],
                         round=rec["round_kind"], stragglers=f"{rec['straggler_rate']:.2f}")
 
+    t_start = time.perf_counter()
     learners = runtime.start_learners(cfg)
     drv = runtime.build_driver(cfg, engines, checkpoint_dir=out / "checkpoints", on_step=on_step,
                                learners=learners)
+    learner_start_s = time.perf_counter() - t_start  # learner and driver, the model's load
     if resume and drv.load_checkpoint():
         print(f"resumed at step {drv.step}")
     (out / "topology.json").write_text(json.dumps(drv.topology(), indent=1))
-    extra: dict[str, Any] = {"algorithm": algorithm}
+    extra: dict[str, Any] = {"algorithm": algorithm,
+                             "seconds_engine_start": round(engine_start_s, 2),
+                             "seconds_learner_start": round(learner_start_s, 2)}
     evalset = cfg.eval_problems()
     evaluate = evaluate and bool(evalset)  # a file run without a held-out set: no evaluation
     if evaluate:

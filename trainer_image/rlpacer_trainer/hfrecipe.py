@@ -6,7 +6,14 @@ tokenizer_config.json with a chat template), loadable by transformers' Auto clas
 through a path. The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on
 the project's task text (arithmetic word problems and the chain task); the chat template is
 ChatML (``<|im_start|>role ... <|im_end|>``), as Qwen2's. The weights are freshly initialised
-(seeded): the point is the loading path, not what the model knows. About 0.3M parameters.
+(seeded): the point is the loading path, not what the model knows. About 0.1M parameters.
+
+``python -m rlpacer_trainer.hfrecipe OUT_DIR --warm-start-steps N`` then trains it by supervised
+fine-tuning on worked word-problem solutions (seeded, disjoint from the examples' RL data: loss
+on the response tokens after the chat template, with the examples' system prompt) and stops
+early, so it is sometimes right and RL has room to improve: the warm start of
+``rlpacer bench-accuracy``. The shipped copy (``assets/wordproblems-qwen2``, 0.5 MB) was made
+with the defaults in a few minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -75,12 +82,79 @@ def make(out: Path, seed: int = 0) -> Path:
     return out
 
 
+#: the system prompt of the word-problem examples (and of the warm start's training prompts)
+SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
+#: the warm start's problems come from this seed on: disjoint from the examples' data seeds
+WARM_START_DATA_SEED = 1000
+
+
+def warm_start(out: Path, steps: int = 600, batch: int = 64, lr: float = 3e-3, seed: int = 0,
+               examples: int = 16384, log: Any = print) -> dict[str, Any]:
+    """Supervised fine-tuning of the model in ``out`` (in place) on worked solutions: the
+    response is ``solution<|im_end|>`` after the chat-formatted question. Returns its log."""
+    import random
+    import time
+
+    import torch
+
+    from rlpacer_trainer import models
+    from rlpacer_trainer.learner import pack
+
+    torch.manual_seed(seed)
+    tok = models.HFTokenizer(out, SYSTEM_PROMPT)
+    model = models.load_causal_lm(out)
+    eos = tok.tok.convert_tokens_to_ids("<|im_end|>")
+    recs = wordproblems.make(examples, WARM_START_DATA_SEED + seed)
+    texts = [tok.tok.apply_chat_template(
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}],
+        tokenize=False, add_generation_prompt=True) for r in recs]
+    prompts = tok.tok(texts, add_special_tokens=False)["input_ids"]
+    answers = tok.tok([r["solution"] for r in recs], add_special_tokens=False)["input_ids"]
+    data = [(p, [*a, eos]) for p, a in zip(prompts, answers, strict=True)]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    t0 = time.time()
+    history: list[dict[str, Any]] = []
+    model.train()
+    for step in range(steps):
+        idx = rng.sample(range(len(data)), batch)
+        ids, attn, pos, tgt, mask = pack([data[i][0] for i in idx], [data[i][1] for i in idx])
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none"
+        ).view_as(mask)
+        loss = (nll * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            history.append({"step": step + 1, "loss": round(loss.item(), 4),
+                            "seconds": round(time.time() - t0, 1)})
+            log(json.dumps(history[-1]))
+    model.save_pretrained(str(out), safe_serialization=True)
+    meta = {"warm_start": {"steps": steps, "batch": batch, "lr": lr, "seed": seed,
+                           "examples": examples, "data_seed": WARM_START_DATA_SEED + seed,
+                           "system_prompt": SYSTEM_PROMPT, "log": history}}
+    (out / "rlpacer_recipe.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warm-start-steps", type=int, default=0, metavar="N",
+                    help="then fine-tune it on worked word problems for N steps (0: untrained)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     a = ap.parse_args(argv)
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     make(a.out, a.seed)
+    if a.warm_start_steps:
+        warm_start(a.out, steps=a.warm_start_steps, seed=a.seed)
     return 0
 
 

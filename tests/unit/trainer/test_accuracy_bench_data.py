@@ -1,0 +1,60 @@
+"""The accuracy bench's data: the same held-out problems for every seed, none seen in training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlpacer_trainer import bench_accuracy, hfrecipe, wordproblems
+
+
+def _questions(p: Path) -> list[str]:
+    return [json.loads(x)["question"] for x in p.read_text().splitlines()]
+
+
+def test_heldout_problems_are_unseen_and_the_same_every_time(tmp_path: Path) -> None:
+    warm = {"examples": 2048, "data_seed": hfrecipe.WARM_START_DATA_SEED}
+    train, held, dropped = bench_accuracy.write_data(tmp_path / "a", 2048, 300, 0, warm)
+    tq, hq = _questions(train), _questions(held)
+    assert len(tq) == 2048 and len(hq) == 300 == len(set(hq))
+    seen = set(tq) | {r["question"] for r in wordproblems.make(2048, warm["data_seed"])}
+    assert not seen & set(hq)
+    # the small "boxes" template repeats: some candidates were dropped, and counted
+    assert dropped > 0
+    again = bench_accuracy.write_data(tmp_path / "b", 2048, 300, 0, warm)
+    assert again[1].read_text() == held.read_text() and again[2] == dropped
+    # without the warm start's data only the training file is excluded: fewer drops
+    assert bench_accuracy.write_data(tmp_path / "c", 2048, 300, 0, None)[2] < dropped
+
+
+def test_the_shipped_warm_start_names_its_recipe() -> None:
+    shipped = Path(hfrecipe.__file__).parent / "assets" / "wordproblems-qwen2"
+    meta = json.loads((shipped / "rlpacer_recipe.json").read_text())
+    ws = meta["warm_start"]
+    assert ws["data_seed"] == hfrecipe.WARM_START_DATA_SEED + ws["seed"]
+    assert ws["system_prompt"] == hfrecipe.SYSTEM_PROMPT
+    # the example names it, with the system prompt it was fine-tuned with
+    doc = yaml.safe_load((bench_accuracy.EXAMPLE).read_text())
+    assert (bench_accuracy.ROOT / doc["spec"]["model"]["source"]).resolve() == shipped.resolve()
+    assert doc["spec"]["data"]["systemPrompt"] == hfrecipe.SYSTEM_PROMPT
+    cfg = json.loads((shipped / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["vocab_size"] == hfrecipe.VOCAB_SIZE
+
+
+def _row(seed: int, start: float, end: float, same: bool = True) -> dict[str, object]:
+    return {"seed": seed, "start": start, "end": end, "gain": end - start,
+            "checkpoint_scores_the_same": same}
+
+
+def test_met_needs_the_mean_gain_and_every_checkpoint_scoring_the_same() -> None:
+    rows = [_row(0, 0.30, 0.40), _row(1, 0.30, 0.34), _row(2, 0.32, 0.38)]
+    res = bench_accuracy.summarize(rows, 0.05)
+    assert res["gain"]["mean"] == pytest.approx(0.0667, abs=1e-4)
+    assert res["gain"]["min"] == pytest.approx(0.04) and res["gain"]["stdev"] > 0
+    assert res["seeds"] == [0, 1, 2] and res["met"]
+    assert not bench_accuracy.summarize(rows, 0.07)["met"]  # the mean is under the bar
+    rows[1]["checkpoint_scores_the_same"] = False  # a checkpoint that scores differently
+    assert not bench_accuracy.summarize(rows, 0.05)["met"]
