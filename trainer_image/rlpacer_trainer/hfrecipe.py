@@ -99,6 +99,7 @@ def warm_start(out: Path, steps: int = 600, batch: int = 64, lr: float = 3e-3, s
 
     from rlpacer_trainer import models
     from rlpacer_trainer.learner import pack
+    from rlpacer_trainer.warmstart import sft_step
 
     torch.manual_seed(seed)
     tok = models.HFTokenizer(out, SYSTEM_PROMPT)
@@ -118,17 +119,8 @@ def warm_start(out: Path, steps: int = 600, batch: int = 64, lr: float = 3e-3, s
     model.train()
     for step in range(steps):
         idx = rng.sample(range(len(data)), batch)
-        ids, attn, pos, tgt, mask = pack([data[i][0] for i in idx], [data[i][1] for i in idx])
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none"
-        ).view_as(mask)
-        loss = (nll * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if (step + 1) % 100 == 0 or step + 1 == steps:
+        loss = sft_step(model, opt, pack([data[i][0] for i in idx], [data[i][1] for i in idx]))
+        if step == 0 or (step + 1) % 100 == 0 or step + 1 == steps:
             history.append({"step": step + 1, "loss": round(loss.item(), 4),
                             "seconds": round(time.time() - t0, 1)})
             log(json.dumps(history[-1]))

@@ -48,6 +48,23 @@ def batch_for(problems: list[task.Problem]) -> tuple[torch.Tensor, ...]:
     return pack(prompts, responses)
 
 
+def sft_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+             packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """One supervised step on a :func:`rlpacer_trainer.learner.pack` batch: mean next-token
+    loss on the response tokens, gradients clipped at norm 1. Returns the loss."""
+    ids, attn, pos, tgt, mask = packed
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none"
+    ).view_as(mask)
+    loss = (nll * mask).sum() / mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach()
+
+
 @torch.no_grad()
 def exact_match(model: torch.nn.Module, problems: list[task.Problem], bs: int = 256) -> float:
     model.eval()
@@ -85,16 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     log = []
     for step in range(a.steps):
-        ids, attn, pos, tgt, mask = batch_for(train[step * a.batch : (step + 1) * a.batch])
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none"
-        ).view_as(mask)
-        loss = (nll * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_step(model, opt, batch_for(train[step * a.batch : (step + 1) * a.batch]))
         sched.step()
         if (step + 1) % a.eval_every == 0 or step + 1 == a.steps:
             acc = exact_match(model, evalset)

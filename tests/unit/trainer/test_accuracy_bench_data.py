@@ -58,3 +58,16 @@ def test_met_needs_the_mean_gain_and_every_checkpoint_scoring_the_same() -> None
     assert not bench_accuracy.summarize(rows, 0.07)["met"]  # the mean is under the bar
     rows[1]["checkpoint_scores_the_same"] = False  # a checkpoint that scores differently
     assert not bench_accuracy.summarize(rows, 0.05)["met"]
+
+
+def test_warm_start_fine_tunes_the_recipe_model_in_place(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model = hfrecipe.make(tmp_path / "m")
+    before = load_file(model / "model.safetensors")
+    meta = hfrecipe.warm_start(model, steps=40, batch=16, examples=256, log=lambda _: None)
+    log = meta["warm_start"]["log"]
+    assert [e["step"] for e in log] == [1, 40] and log[-1]["loss"] < 0.7 * log[0]["loss"]
+    after = load_file(model / "model.safetensors")
+    assert set(after) == set(before) and any(not (after[k] == before[k]).all() for k in after)
+    assert json.loads((model / "rlpacer_recipe.json").read_text()) == json.loads(json.dumps(meta))
