@@ -25,6 +25,7 @@ from test_operator import (
     small_job,
     status,
     token,
+    wait,
 )
 
 from rlpacer.api.protocol import steps_path
@@ -79,6 +80,14 @@ def test_fuzzed_reports_against_the_real_api_server(
                          auth, "GET")  # type: ignore[arg-type]
     assert code == 200, plan
     g = plan["groupSize"]
+    # the job's own start settles first (Starting -> Running once its rollout pod is ready):
+    # from then on only accepted reports may change the stored status
+    def running() -> bool:
+        st0 = status(cluster, namespace, "fz")
+        return st0.get("summary") == "Running" and (st0.get("rollout") or {}).get(
+            "readyReplicas", 0) >= 1
+
+    wait(cluster, running, "job fz Running with its rollout replica ready", timeout=120)
     nxt: dict[str, Any] = {"step": 0, "g": g, "last": None}
     sent = [1]
 
