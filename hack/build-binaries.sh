@@ -3,7 +3,12 @@
 # from the Go module proxy, into a cache folder outside the repo:
 #
 #   ${RLPACER_CACHE:-~/.cache/rlpacer}/bin/{etcd,kube-apiserver,kube-controller-manager,
-#                                           kube-scheduler,kwok,helm,promtool,prometheus}
+#                                           kube-scheduler,kwok,helm,promtool,prometheus,
+#                                           kubelet,kube-proxy,coredns}
+#
+# kubelet, kube-proxy and coredns run the real node (rlpacer.testing.node). The first two share
+# the control plane's wrapper module and Go build cache; coredns is built from hack/coredns (only
+# the plugins the node needs).
 #
 # Each binary carries a stamp (bin/.<name>.stamp: version, toolchain, recipe); a binary whose stamp
 # matches is skipped, so a warm run costs seconds. Binaries are built one at a time (2-core
@@ -12,7 +17,7 @@
 #
 # Usage: bash hack/build-binaries.sh [--check] [NAME...]
 #   NAME     build only these (etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm
-#            promtool prometheus)
+#            promtool prometheus kubelet kube-proxy coredns)
 #   --check  build nothing; exit 1 and list what is missing or stale
 # Env: RLPACER_CACHE (cache root), GO (go binary), RLPACER_BUILD_FORCE=1 (ignore stamps).
 set -euo pipefail
@@ -40,7 +45,8 @@ export GOFLAGS=-mod=mod
 # Keep the Go build cache small-ish and memory-friendly on small machines.
 export GOMAXPROCS="${GOMAXPROCS:-$(nproc)}"
 
-ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm promtool prometheus)
+ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm promtool prometheus kubelet
+     kube-proxy coredns)
 CHECK=0
 WANT=()
 for a in "$@"; do
@@ -55,12 +61,13 @@ done
 stamp_for() {
   case "$1" in
     etcd) echo "etcd $ETCD_VERSION toolchain=$ETCD_GOTOOLCHAIN rev=$RECIPE_REV" ;;
-    kube-apiserver|kube-controller-manager|kube-scheduler)
+    kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy)
       echo "$1 $KUBERNETES_VERSION toolchain=$KUBERNETES_GOTOOLCHAIN rev=$RECIPE_REV" ;;
     kwok) echo "kwok $KWOK_VERSION toolchain=$KWOK_GOTOOLCHAIN rev=$RECIPE_REV" ;;
     helm) echo "helm $HELM_VERSION toolchain=$HELM_GOTOOLCHAIN rev=$RECIPE_REV.$HELM_RECIPE_REV" ;;
     promtool|prometheus)
       echo "$1 $PROMETHEUS_VERSION toolchain=$PROMETHEUS_GOTOOLCHAIN rev=$RECIPE_REV.$PROMETHEUS_RECIPE_REV" ;;
+    coredns) echo "coredns $COREDNS_VERSION toolchain=$COREDNS_GOTOOLCHAIN rev=$RECIPE_REV.$(sha256sum "$ROOT/hack/coredns/main.go" | cut -c1-12)" ;;
     *) echo "error: unknown binary '$1' (known: ${ALL[*]})" >&2; return 1 ;;
   esac
 }
@@ -129,6 +136,8 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
+	_ "k8s.io/kubernetes/cmd/kubelet"
 )
 EOF
   log "resolving k8s.io/kubernetes $v module graph (staging modules -> $staging_v)"
@@ -215,6 +224,26 @@ EOF
   (cd "$dir" && gotc "$tc" build -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" .)
 }
 
+# CoreDNS with only the plugins hack/coredns/main.go links, from a wrapper module.
+build_coredns() {
+  local dir="$BUILD/coredns" v=$COREDNS_VERSION tc=$COREDNS_GOTOOLCHAIN
+  local want
+  want="$v rev=$RECIPE_REV $(sha256sum "$ROOT/hack/coredns/main.go" | cut -c1-12)"
+  if [[ ! -f "$dir/.ready" || "$(cat "$dir/.ready")" != "$want" ]]; then
+    rm -rf "$dir"; mkdir -p "$dir"
+    local modfile
+    modfile=$(cd "$dir" && gotc "$tc" mod download -json "github.com/coredns/coredns@$v" | jq -r .GoMod)
+    printf 'module rlpacer.local/build/coredns\n\ngo %s\n\nrequire github.com/coredns/coredns %s\n' \
+      "$(grep -E '^go ' "$modfile" | awk '{print $2}')" "$v" > "$dir/go.mod"
+    cp "$ROOT/hack/coredns/main.go" "$dir/main.go"
+    log "resolving github.com/coredns/coredns $v module graph"
+    (cd "$dir" && gotc "$tc" mod tidy)
+    echo "$want" > "$dir/.ready"
+  fi
+  (cd "$dir" && gotc "$tc" build -trimpath \
+      -ldflags "-s -w -X github.com/coredns/coredns/coremain.GitCommit=$v" -o "$BIN/coredns.tmp" .)
+}
+
 # go install-able modules (no replace directives): build in a scratch GOBIN, then move.
 build_install() {
   local name=$1 pkg=$2 v=$3 tc=$4 ldflags=$5 tags=${6:-} gobin="$BUILD/gobin-$1"
@@ -238,7 +267,8 @@ for name in "${WANT[@]}"; do
   rm -f "$BIN/$name.tmp"
   case "$name" in
     etcd) build_etcd ;;
-    kube-apiserver|kube-controller-manager|kube-scheduler) build_k8s "$name" ;;
+    kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy) build_k8s "$name" ;;
+    coredns) build_coredns ;;
     kwok) build_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" "$KWOK_GOTOOLCHAIN" \
             "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$KUBERNETES_VERSION" ;;
     helm) build_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" "$HELM_GOTOOLCHAIN" \

@@ -12,7 +12,9 @@
 #      trainer_image/Dockerfile   -> ghcr.io/rlpacer/trainer:0.1.0 (the spec's default image),
 #      FLAVOUR=cpu                   also tagged ghcr.io/rlpacer/trainer:0.1.0-cpu
 #      built with podman; each carries a label with the hash of its inputs (Dockerfile, sources,
-#      constraints, base image), and an image whose label matches is not rebuilt.
+#      constraints, base image), and an image whose label matches is not rebuilt;
+#   4. hack/pause -> localhost/rlpacer/pause:3.10, the real node's pod sandbox image (no registry
+#      is reachable to pull one; rlpacer.testing.node), labelled likewise.
 #
 # Env: RLPACER_CACHE (cache root), RLPACER_SHARED (folder holding wheels/), DEBIAN_MIRROR (the
 #      mirror debootstrap uses; default: this machine's apt source), RLPACER_IMAGE_VERSION,
@@ -128,6 +130,24 @@ build() {  # NAME DOCKERFILE TAG [EXTRA TAGS AND BUILD ARGS...]
 build operator operator/Dockerfile "$OPERATOR_IMAGE"
 build "trainer (cpu)" trainer_image/Dockerfile "$TRAINER_IMAGE" \
   --build-arg=FLAVOUR=cpu --build-arg=TORCH_INDEX_URL= --tag "$TRAINER_IMAGE-cpu"
+# --- 4. the real node's pod sandbox ("pause") image (rlpacer.testing.node; no registry) -----
+PAUSE_IMAGE=localhost/rlpacer/pause:3.10
+pause_hash=$(cat hack/pause/main.go hack/pause/go.mod hack/pause/Dockerfile | sha256sum | cut -c1-16)
+if [[ "$(image_label "$PAUSE_IMAGE")" == "$pause_hash" ]]; then
+  printf '\n==> pause: %s is up to date (inputs %s)\n' "$PAUSE_IMAGE" "$pause_hash"
+else
+  (( CHECK )) && { echo "$PAUSE_IMAGE is missing or out of date" >&2; exit 1; }
+  step "pause: $PAUSE_IMAGE (inputs $pause_hash)"
+  GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
+  [[ -x "$GO" ]] || die "Go is needed to build the pause image (hack/pause): install Go, or set GO=/path/to/go"
+  ctx=$(mktemp -d)
+  (cd hack/pause && CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS= "$GO" build -trimpath -ldflags "-s -w" -o "$ctx/pause" .) \
+    || die "building hack/pause failed (see above)"
+  "${PODMAN[@]}" build --file hack/pause/Dockerfile --label "$LABEL=$pause_hash" --tag "$PAUSE_IMAGE" "$ctx" \
+    || die "building $PAUSE_IMAGE failed (see above)"
+  rm -rf "$ctx"
+  done_step
+fi
 (( CHECK )) && exit 0
 # Images left untagged by earlier builds (a few GB each for the trainer); the layers of the
 # current ones stay, so the next build reuses them.

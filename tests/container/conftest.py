@@ -9,13 +9,14 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-import yaml
 
-from rlpacer.testing.containers import BUILD, CHART, PodmanMissing, podman, podman_base
-
-
-def chart_app_version() -> str:
-    return str(yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
+from rlpacer.testing.containers import (
+    BUILD,
+    PodmanMissing,
+    podman,
+    podman_base,
+    project_images,
+)
 
 
 @pytest.fixture(scope="session")
@@ -32,8 +33,7 @@ def images() -> dict[str, str]:
             "the container images are missing or older than this checkout's sources: run"
             f" `bash scripts/build-images.sh` (the set-up runs it)\n{check.stdout[-2000:]}"
             f"{check.stderr[-2000:]}", pytrace=False)
-    v = chart_app_version()
-    return {"operator": f"ghcr.io/rlpacer/operator:{v}", "trainer": f"ghcr.io/rlpacer/trainer:{v}"}
+    return project_images()
 
 
 @pytest.fixture

@@ -313,6 +313,7 @@ def test_versions_file_pins_every_binary() -> None:
         "KWOK_VERSION=",
         "HELM_VERSION=v3.",
         "PROMETHEUS_VERSION=v0.3",  # Prometheus 3.x's module versions
+        "COREDNS_VERSION=v1.",  # the real node's DNS (kubelet, kube-proxy: KUBERNETES_VERSION)
     ):
         assert key in text
 

@@ -238,6 +238,14 @@ class VLLMEngine:
         self.engine = self.llm.llm_engine
         self._live: set[str] = set()
         self._stats = EngineStats()
+        self._responses = 0  # finished responses, for the pod's log
+        self._round = [0, 0]  # responses and tokens since the engine was last idle
+        import socket
+
+        from rlpacer_trainer.podlog import pod_log
+
+        pod_log(f"rollout engine replica {cfg.replica} started on {socket.gethostname()}"
+                f" ({host_address()})")
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
         from vllm import SamplingParams
@@ -272,10 +280,25 @@ class VLLMEngine:
                 # (never a PoolingRequestOutput)
                 c = cast("RequestOutput", o).outputs[0]
                 self._stats.tokens += len(c.token_ids)
+                self._responses += 1
+                self._round[0] += 1
+                self._round[1] += len(c.token_ids)
                 out.append(Finished(o.request_id, tuple(c.token_ids), str(c.finish_reason)))
             if out:
                 break
+        self._log_if_idle()
         return out
+
+    def _log_if_idle(self) -> None:
+        """Once the engine has nothing left to run: what it generated since it last was idle
+        (a round's share, for the pod's log)."""
+        if self._live or not self._round[0]:
+            return
+        from rlpacer_trainer.podlog import pod_log
+
+        pod_log(f"rollout engine replica {self.cfg.replica}: generated {self._round[0]}"
+                f" responses ({self._round[1]} tokens); {self._responses} in all")
+        self._round = [0, 0]
 
     def abort(self, request_ids: Sequence[str]) -> None:
         ids = [r for r in request_ids if r in self._live]
@@ -289,14 +312,20 @@ class VLLMEngine:
         self.engine.abort_request(ids)
         self._live.difference_update(ids)
         self._stats.aborted += len(ids)
+        self._log_if_idle()
 
     def pending(self) -> int:
         return len(self._live)
 
     def load_weights(self, blob: bytes) -> float:
+        from rlpacer_trainer.podlog import pod_log
+
         t0 = time.perf_counter()
         self.llm.collective_rpc("rlpacer_load_weights", args=(blob,))
-        return time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        pod_log(f"rollout engine replica {self.cfg.replica}: weights loaded in {dt:.2f} s;"
+                f" generated so far: {self._responses} responses, {self._stats.tokens} tokens")
+        return dt
 
     def policy_version(self) -> str | None:
         """The fingerprint of the weights the worker loaded last (every worker agrees, or

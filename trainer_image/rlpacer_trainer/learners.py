@@ -50,6 +50,7 @@ class LearnerWorker:
             cfg = dataclasses.replace(cfg, autocast="bfloat16")  # float32 master weights
         self.learner = Learner(model, cfg)
         self._group = False
+        self._updates = 0  # train steps taken, for the pod's log
 
     # --- data parallel ----------------------------------------------------------------------
     def rendezvous(self) -> str:
@@ -74,11 +75,18 @@ class LearnerWorker:
     # --- training ---------------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample], positions: Sequence[int] | None = None,
                    total: int | None = None) -> dict[str, float]:
+        from rlpacer_trainer.podlog import pod_log
+
         shard = None
         if self._group:
             assert positions is not None and total is not None
             shard = Shard(list(positions), total)
-        return self.learner.train_step(samples, shard)
+        stats = self.learner.train_step(samples, shard)
+        self._updates += 1
+        pod_log(f"learner rank {self.rank}: update {self._updates} on"
+                f" {len(shard.positions) if shard else len(samples)} samples,"
+                f" loss {stats.get('loss', float('nan')):.4f}")
+        return stats
 
     def publish(self) -> tuple[bytes, str]:
         """The weights as the engines load them, and their fingerprint (policy version)."""

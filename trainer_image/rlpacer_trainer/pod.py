@@ -102,7 +102,7 @@ def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
     def on_step(rec: dict[str, object]) -> None:
         metrics.write(rec)
         print(f"step {rec['step']} G={rec['group_size']} {rec['round_kind']}"
-              f" reward={rec['reward']:.3f}", flush=True)
+              f" reward={rec['reward']:.3f}{served_by(rec)}", flush=True)
 
     learners = runtime.start_learners(cfg)
     drv = runtime.build_driver(cfg, engines, controller=controller, attempt=attempt,
@@ -121,6 +121,17 @@ def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
     return 0
 
 
+def served_by(rec: Mapping[str, object]) -> str:
+    """`` served by replica 0 on <host> (<n> responses), ...``: which engine generated a step's
+    responses, on which host (read inside the engine's process), for the driver's log."""
+    engines = rec.get("engines")
+    if not isinstance(engines, list) or not engines:
+        return ""
+    parts = [f"replica {e.get('replica')} on {e.get('hostname', '?')} ({e.get('responses', 0)}"
+             f" responses{', died' if e.get('died') else ''})" for e in engines]
+    return " served by " + ", ".join(parts)
+
+
 def ray_command(role: str, env: Mapping[str, str]) -> list[str]:
     if role != c.Role.HEAD:
         _need(env, c.ENV_RAY_ADDRESS)
@@ -137,7 +148,11 @@ def _on_sigterm(signum: int, _frame: object) -> None:
 
 def _run_node(role: str, env: Mapping[str, str]) -> int:
     """``ray start --block`` for this pod; SIGTERM stops it (and what it started) first."""
-    proc = subprocess.Popen(ray_command(role, env), env=topology.ray_env(env))
+    from rlpacer_trainer.podlog import ENV_POD_LOG, own_stdout
+
+    # the actors Ray places here write their progress to this pod's log (podlog's docstring)
+    proc = subprocess.Popen(ray_command(role, env),
+                            env=topology.ray_env({**env, ENV_POD_LOG: own_stdout()}))
     try:
         return proc.wait()
     except Terminated:

@@ -73,6 +73,8 @@ SERVICE_CIDR = "10.96.0.0/16"
 POD_CIDR = "10.244.0.1/16"
 NODE_IP = "10.0.0.1"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+#: A real node's address (rlpacer.testing.node.GATEWAY): in the API server's certificate always.
+REAL_NODE_IP = "10.88.0.1"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_TAINT: dict[str, str] = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
 #: A toleration that lets a pod onto the GPU nodes.
@@ -138,7 +140,8 @@ def find_binary(name: str, directory: Path | None = None) -> Path:
         return p
     raise MissingBinaryError(
         f"{name} not found at {p}. The local Kubernetes control plane's binaries (etcd, "
-        f"kube-apiserver, kube-controller-manager, kube-scheduler, kwok, helm) and Prometheus' "
+        f"kube-apiserver, kube-controller-manager, kube-scheduler, kwok, helm; kubelet and "
+        f"kube-proxy for a real node) and Prometheus' "
         f"(promtool, prometheus) are built at the versions pinned in hack/versions.env by "
         f"`{SETUP_COMMAND}` (or only this one: `{BUILD_COMMAND} {name}`; a cold build takes a "
         f"while). Set RLPACER_BIN_DIR or RLPACER_CACHE if they live elsewhere."
@@ -150,6 +153,9 @@ _VERSION_KEYS = {
     "kube-apiserver": "KUBERNETES_VERSION",
     "kube-controller-manager": "KUBERNETES_VERSION",
     "kube-scheduler": "KUBERNETES_VERSION",
+    "kubelet": "KUBERNETES_VERSION",
+    "kube-proxy": "KUBERNETES_VERSION",
+    "coredns": "COREDNS_VERSION",
     "kwok": "KWOK_VERSION",
     "helm": "HELM_VERSION",
     "promtool": "PROMETHEUS_VERSION",
@@ -261,8 +267,10 @@ class _Certs:
         return self.dir / "sa.pub"
 
 
-def _make_certs(d: Path, clients: Mapping[str, tuple[str, str]]) -> _Certs:
-    """CA, apiserver serving cert, client certs {name: (CN, O)}, SA key pair."""
+def _make_certs(d: Path, clients: Mapping[str, tuple[str, str]],
+                servers: Mapping[str, str] | None = None) -> _Certs:
+    """CA, apiserver serving cert, client certs {name: (CN, O)}, other serving certs
+    {name: subjectAltName}, SA key pair."""
     d.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     _openssl(
@@ -311,6 +319,7 @@ def _make_certs(d: Path, clients: Mapping[str, tuple[str, str]]) -> _Certs:
         [
             "IP:127.0.0.1",
             "IP:10.96.0.1",
+            f"IP:{REAL_NODE_IP}",  # a real node's pods reach the API server there
             "DNS:localhost",
             "DNS:kubernetes",
             "DNS:kubernetes.default",
@@ -324,6 +333,9 @@ def _make_certs(d: Path, clients: Mapping[str, tuple[str, str]]) -> _Certs:
         f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\n"
         "keyUsage=critical,digitalSignature,keyEncipherment\n",
     )
+    for name, san in (servers or {}).items():
+        leaf(name, f"/CN={name}", f"subjectAltName={san}\nextendedKeyUsage=serverAuth\n"
+             "keyUsage=critical,digitalSignature,keyEncipherment\n")
     for name, (cn, org) in clients.items():
         subj = (f"/O={org}" if org else "") + f"/CN={cn}"
         leaf(
@@ -617,6 +629,8 @@ class LocalCluster:
         startup_timeout: float = 120.0,
         extra_args: Mapping[str, Sequence[str]] | None = None,
         die_with_parent: bool = True,
+        real_node: bool = False,
+        node_images: Sequence[str] = (),
     ) -> None:
         """
         data_dir: where certs, kubeconfigs, etcd data and logs go (default: a new temp dir,
@@ -626,6 +640,9 @@ class LocalCluster:
             "scheduler"); others are picked free. A fixed port that is taken raises PortInUseError.
         binaries: folder of the built binaries (default $RLPACER_BIN_DIR or ~/.cache/rlpacer/bin).
         extra_args: extra command-line flags by component name (same names as ports, or "kwok").
+        real_node: also run a real node (containerd, CNI, kube-proxy, kubelet: pods run as
+            containers; rlpacer.testing.node), beside the simulated ones.
+        node_images: images (podman refs) the real node gets from podman's store.
         """
         self._own_dir = data_dir is None
         self.data_dir = (
@@ -651,6 +668,11 @@ class LocalCluster:
         self._http: _Http | None = None
         self.startup_seconds: float | None = None
         self._sa_counter = 0
+        self.node: Any = None
+        if real_node:
+            from rlpacer.testing.node import RealNode
+
+            self.node = RealNode(self, node_images)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -720,9 +742,13 @@ class LocalCluster:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def _stop_processes(self) -> None:
+        if self.node is not None:
+            self.node.before_processes_stop()
         for p in reversed(self._procs):
             _stop_group(p.pid, p.exe, p.popen)
         self._procs.clear()
+        if self.node is not None:
+            self.node.after_processes_stop()
 
     def _allocate_ports(self) -> None:
         names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
@@ -809,7 +835,13 @@ class LocalCluster:
             # The aggregation layer's client (kube-apiserver -> aggregated API servers).
             "front-proxy-client": ("front-proxy-client", ""),
         }
-        certs = _make_certs(d / "pki", clients)
+        servers: dict[str, str] = {}
+        if self.node is not None:
+            from rlpacer.testing import node as real
+
+            clients.update(real.node_cert_clients())
+            servers["kubelet-serving"] = f"IP:{real.GATEWAY},IP:127.0.0.1,DNS:{real.NODE_NAME}"
+        certs = _make_certs(d / "pki", clients, servers)
         self.ca_file = certs.ca_crt
         self._admin_cert = (certs.crt("admin"), certs.key("admin"))
         self.server = f"https://127.0.0.1:{ports['apiserver']}"
@@ -830,6 +862,8 @@ class LocalCluster:
         self.kubeconfig = kcs["admin"]
         (d / "kwok.yaml").write_text(stages_yaml())
 
+        if self.node is not None:
+            self.node.prepare_host()
         # etcd
         etcd_url = f"http://127.0.0.1:{ports['etcd']}"
         peer_url = f"http://127.0.0.1:{ports['etcd-peer']}"
@@ -894,6 +928,7 @@ class LocalCluster:
                 f"--profiling={'true' if os.environ.get('RLPACER_CLUSTER_PROFILING') else 'false'}",
                 "--max-requests-inflight=800",
                 "--max-mutating-requests-inflight=400",
+                *([] if self.node is None else real.apiserver_args(d / "pki")),
             ],
         )
         self._http = _Http(self.server, certs.ca_crt, self._admin_cert)
@@ -1009,6 +1044,8 @@ class LocalCluster:
             )
 
         self._wait("nodes to lose their not-ready taints", no_node_taints, deadline)
+        if self.node is not None:
+            self.node.start()
 
     def _create_node(self, spec: NodeSpec) -> None:
         assert self._http is not None
@@ -1036,6 +1073,7 @@ class LocalCluster:
                 {"name": p.name, "pid": p.pid, "exe": p.exe, "log": str(p.log)} for p in self._procs
             ],
             "startup_seconds": self.startup_seconds,
+            "real_node": self.node is not None,
         }
         (self.data_dir / "state.json").write_text(json.dumps(state, indent=2) + "\n")
 
@@ -1293,8 +1331,19 @@ def _down(d: Path) -> int:
     if state is None:
         print(f"no cluster state in {d}")
         return 0
+    node = None
+    if state.get("real_node"):
+        from rlpacer.testing.node import RealNode
+
+        try:
+            node = RealNode.detached(LocalCluster.attach(state["kubeconfig"]), d)
+            node.before_processes_stop()  # the pods' containers, while the API server runs
+        except Exception as e:  # the control plane may be down already: clean up the host anyway
+            print(f"warning: stopping the real node's pods: {e}", file=sys.stderr)
     for p in reversed(state.get("processes", [])):
         _stop_group(int(p["pid"]), str(p["exe"]), None)
+    if node is not None:
+        node.after_processes_stop()
     shutil.rmtree(d, ignore_errors=True)
     print(f"stopped the cluster in {d}")
     return 0
@@ -1319,6 +1368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--foreground", action="store_true", help="up: stay attached; Ctrl-C stops the cluster"
+    )
+    ap.add_argument(
+        "--real-node", action="store_true",
+        help="up: also run a real node (containerd, kube-proxy, kubelet; pods run as containers)"
+        " with the project's images",
     )
     a = ap.parse_args(argv)
     d: Path = a.dir or _default_dir()
@@ -1360,6 +1414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ports={"apiserver": a.port} if a.port else None,
         keep_data=True,
         die_with_parent=a.foreground,
+        real_node=a.real_node,
+        node_images=_project_images() if a.real_node else (),
     )
     try:
         c.start()
@@ -1381,6 +1437,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             c.stop()
             shutil.rmtree(d, ignore_errors=True)
     return 0
+
+
+def _project_images() -> tuple[str, ...]:
+    """The images scripts/build-images.sh builds (the chart's and the spec's defaults)."""
+    from rlpacer.testing.containers import project_images
+
+    return tuple(project_images().values())
 
 
 @contextlib.contextmanager

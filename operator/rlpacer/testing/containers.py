@@ -19,6 +19,19 @@ BUILD = ["bash", str(ROOT / "scripts" / "build-images.sh")]
 ULIMITS = ["--ulimit", "nofile=1024:4096", "--ulimit", "nproc=4096:4096"]
 
 
+def chart_app_version() -> str:
+    import yaml
+
+    return str(yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
+
+
+def project_images() -> dict[str, str]:
+    """The images scripts/build-images.sh builds, by role (the chart's and the spec's
+    default images)."""
+    v = chart_app_version()
+    return {"operator": f"ghcr.io/rlpacer/operator:{v}", "trainer": f"ghcr.io/rlpacer/trainer:{v}"}
+
+
 class PodmanMissing(RuntimeError):
     pass
 

@@ -1,0 +1,3 @@
+module rlpacer.local/pause
+
+go 1.22

@@ -1,0 +1,307 @@
+"""The chart and a whole job on a real node: a kubelet with containerd and runc, CNI bridge
+networking, kube-proxy and CoreDNS (``rlpacer.testing.node``), beside the local control plane.
+
+* ``helm install`` of the chart with the locally built operator image: the operator runs as a
+  pod (a runc container on the node) with the chart's ServiceAccount, its probes pass, the
+  admission webhook answers through its Service, and its metrics are scraped from the pod.
+* The CPU example job (``examples/tiny-cluster.yaml``) runs as containers of the trainer image:
+  head, learner, rollout and driver pods find each other through Services (cluster DNS), a long
+  round adds a rollout pod whose engine generates part of that round, and the job reaches
+  Succeeded; ``kubectl logs`` of each pod shows its role's work.
+
+Nothing here is simulated: no KWOK node is in this cluster, so every pod is scheduled to the real
+node and run by its kubelet. A machine without the node's parts fails with what to install
+(``bash scripts/setup.sh``); it never skips.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlpacer.testing import LocalCluster
+from rlpacer.testing.cluster import find_kubectl, repo_root
+from rlpacer.testing.node import NODE_NAME, PAUSE_IMAGE, NodeError, missing_prerequisites
+
+pytestmark = [pytest.mark.container, pytest.mark.slow]
+
+ROOT = repo_root()
+CHART = ROOT / "charts" / "rlpacer"
+SYSTEM = "rlpacer-system"
+JOBS = "team-real"
+JOB = "tiny-cluster"
+
+
+@pytest.fixture(scope="module")
+def cluster(images: dict[str, str]) -> Iterator[LocalCluster]:
+    missing = missing_prerequisites()
+    if missing:
+        pytest.fail("the real node needs: " + "; ".join(missing), pytrace=False)
+    t0 = time.monotonic()
+    try:
+        c = LocalCluster(nodes=(), real_node=True, node_images=tuple(images.values()),
+                         startup_timeout=300)
+        c.start()
+    except NodeError as e:
+        pytest.fail(str(e), pytrace=False)
+    print(f"\ncluster with a real node up in {time.monotonic() - t0:.0f} s; image imports:"
+          f" {c.node.import_seconds}")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def kubectl(c: LocalCluster, *args: str, check: bool = True, timeout: float = 60,
+            input: str | None = None) -> subprocess.CompletedProcess[str]:
+    return c.kubectl(*args, check=check, timeout=timeout, input=input)
+
+
+def get(c: LocalCluster, *args: str) -> Any:
+    return json.loads(kubectl(c, "get", "-o", "json", *args).stdout)
+
+
+def ctr_tasks(c: LocalCluster) -> dict[str, int]:
+    """containerd's running containers on the node: id -> host PID."""
+    out = subprocess.run(["ctr", "--address", str(c.node.socket), "-n", "k8s.io", "tasks", "ls"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()[1:]
+    return {f[0]: int(f[1]) for f in (ln.split() for ln in out) if len(f) >= 3
+            and f[2] == "RUNNING"}
+
+
+def in_real_container(c: LocalCluster, pod: dict[str, Any]) -> int:
+    """The host PID of the pod's (first) container, checked to be a containerd task in PID and
+    network namespaces other than this test's."""
+    cid = pod["status"]["containerStatuses"][0]["containerID"]
+    assert cid.startswith("containerd://"), cid
+    pid = ctr_tasks(c)[cid.removeprefix("containerd://")]
+    for ns in ("pid", "net"):
+        assert Path(f"/proc/{pid}/ns/{ns}").readlink() != Path(f"/proc/self/ns/{ns}").readlink()
+    return pid
+
+
+@pytest.fixture(scope="module")
+def release(cluster: LocalCluster) -> dict[str, Any]:
+    kubectl(cluster, "create", "namespace", SYSTEM)
+    t0 = time.monotonic()
+    r = cluster.helm("install", "rlpacer", str(CHART), "-n", SYSTEM, "--wait", "--timeout",
+                     "240s", check=False)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n" + kubectl(
+        cluster, "-n", SYSTEM, "describe", "pods", check=False).stdout[-4000:]
+    (pod,) = get(cluster, "pods", "-n", SYSTEM, "-l", "app.kubernetes.io/name=rlpacer")["items"]
+    return {"pod": pod, "install_seconds": time.monotonic() - t0}
+
+
+def test_the_chart_runs_the_operator_as_a_pod_on_the_real_node(
+        cluster: LocalCluster, release: dict[str, Any]) -> None:
+    pod = release["pod"]
+    name = pod["metadata"]["name"]
+    assert pod["spec"]["nodeName"] == NODE_NAME
+    assert pod["spec"]["serviceAccountName"] == "rlpacer"
+    # the kubelet ran its probes: Ready only after the readiness probe (/readyz, the leader)
+    conds = {x["type"]: x["status"] for x in pod["status"]["conditions"]}
+    assert conds["Ready"] == "True", pod["status"]
+    (cs,) = pod["status"]["containerStatuses"]
+    assert cs["ready"] and cs["restartCount"] == 0, cs
+    pid = in_real_container(cluster, pod)
+    assert b"rlpacer" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    # its own log, through the API server and the kubelet: it leads under its pod's name
+    logs = kubectl(cluster, "-n", SYSTEM, "logs", name).stdout
+    assert f"leading as {name}" in logs, logs[-3000:]
+    # the Service routes to this pod
+    (ep,) = get(cluster, "endpointslices", "-n", SYSTEM,
+                "-l", "kubernetes.io/service-name=rlpacer")["items"]
+    assert [a for e in ep["endpoints"] for a in e["addresses"]] == [pod["status"]["podIP"]]
+
+
+def test_the_webhook_answers_through_its_service(cluster: LocalCluster,
+                                                 release: dict[str, Any]) -> None:
+    kubectl(cluster, "create", "namespace", "team-webhook")
+    kubectl(cluster, "-n", "team-webhook", "apply", "-f",
+            str(ROOT / "examples" / "tiny-cluster-policy.yaml"))
+    job = yaml.safe_load((ROOT / "examples" / "tiny-cluster.yaml").read_text())
+    job["spec"]["groupControl"]["targetStragglerRate"] = "0.9"
+    deadline = time.monotonic() + 60
+    while True:
+        r = kubectl(cluster, "-n", "team-webhook", "apply", "-f", "-", check=False,
+                    input=json.dumps(job))  # JSON: YAML would turn "5e-5" into a number
+        # the API server serves the policy CRD a few seconds after helm created it: the
+        # operator refuses to admit what it cannot check until then ("storage is
+        # (re)initializing"), and says so
+        if "(re)initializing" not in r.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert r.returncode != 0
+    # the API server called the operator's pod through the webhook's Service (kube-proxy)
+    assert 'admission webhook "validate.rltrainingjob.rlpacer.io" denied the request' in r.stderr
+    assert "0.9 breaks <= 0.3 (stragglerSLO.maxTargetStragglerRate)" in r.stderr, r.stderr
+
+
+def scrape(pod_ip: str, port: int = 9090) -> str:
+    with urllib.request.urlopen(f"http://{pod_ip}:{port}/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+@pytest.fixture(scope="module")
+def job_run(cluster: LocalCluster, release: dict[str, Any],
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The example job, applied as a user would, watched to its end: every pod seen (by name,
+    each incarnation), and each one's whole log, followed with ``kubectl logs -f`` from its
+    start (the operator deletes a finished job's pods)."""
+    logdir = tmp_path_factory.mktemp("pod-logs")
+    kubectl(cluster, "create", "namespace", JOBS)
+    kubectl(cluster, "-n", JOBS, "apply", "-f", str(ROOT / "examples" / "tiny-cluster-policy.yaml"),
+            "-f", str(ROOT / "examples" / "tiny-cluster.yaml"))
+    pods: dict[str, list[dict[str, Any]]] = {}  # name -> each incarnation (by uid)
+    followers: dict[str, subprocess.Popen[bytes]] = {}  # pod uid -> kubectl logs -f
+    t0 = time.monotonic()
+    deadline = t0 + 900
+    job: dict[str, Any] = {}
+    try:
+        while time.monotonic() < deadline:
+            job = get(cluster, "rltrainingjob", JOB, "-n", JOBS)
+            for p in get(cluster, "pods", "-n", JOBS)["items"]:
+                uid, name = p["metadata"]["uid"], p["metadata"]["name"]
+                seen = pods.setdefault(name, [])
+                uids = [x["metadata"]["uid"] for x in seen]
+                if uid in uids:
+                    seen[uids.index(uid)] = p
+                else:
+                    seen.append(p)
+                started = any("running" in (cs.get("state") or {}) or
+                              "terminated" in (cs.get("state") or {})
+                              for cs in p["status"].get("containerStatuses") or [])
+                if started and uid not in followers:
+                    with open(logdir / f"{uid}.log", "wb") as out:
+                        followers[uid] = subprocess.Popen(
+                            [str(find_kubectl()), f"--kubeconfig={cluster.kubeconfig}", "-n",
+                             JOBS, "logs", "-f", name], stdout=out, stderr=subprocess.STDOUT)
+            if (job.get("status") or {}).get("summary") in ("Succeeded", "Failed"):
+                break
+            time.sleep(1)
+        for f in followers.values():  # each stream ends with its container (or its pod)
+            try:
+                f.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                f.kill()
+    finally:
+        for f in followers.values():
+            if f.poll() is None:
+                f.kill()
+    seconds = time.monotonic() - t0
+    print(f"\nthe example job ran as containers in {seconds:.0f} s:"
+          f" {(job.get('status') or {}).get('summary')}")
+    logs = {uid: (logdir / f"{uid}.log").read_text(errors="replace") for uid in followers}
+    metrics = scrape(release["pod"]["status"]["podIP"])
+    return {"job": job, "pods": pods, "logs": logs, "seconds": seconds, "metrics": metrics}
+
+
+def _log(run: dict[str, Any], pod: dict[str, Any]) -> str:
+    return str(run["logs"].get(pod["metadata"]["uid"], ""))
+
+
+def _generated(log: str, replica: int) -> int:
+    """Responses the engine of ``replica`` says (in its pod's log) it generated."""
+    mark = f"rollout engine replica {replica}: generated "
+    return sum(int(ln.split(mark, 1)[1].split()[0]) for ln in log.splitlines() if mark in ln)
+
+
+def test_the_example_job_runs_as_containers_to_succeeded(
+        cluster: LocalCluster, job_run: dict[str, Any]) -> None:
+    job = job_run["job"]
+    st = job.get("status") or {}
+    desc = kubectl(cluster, "-n", JOBS, "describe", "pods", check=False).stdout[-6000:]
+    assert st.get("summary") == "Succeeded", f"{st}\n{desc}"
+    assert st["step"] == job["spec"]["steps"] == 6
+    pods = job_run["pods"]
+    for role in ("head", "learner", "rollout", "driver"):
+        assert f"{JOB}-{role}-0" in pods, sorted(pods)
+    for name, incarnations in pods.items():
+        for p in incarnations:
+            assert p["spec"]["nodeName"] == NODE_NAME, (name, p["spec"].get("nodeName"))
+            assert p["spec"]["containers"][0]["image"].startswith("ghcr.io/rlpacer/trainer:")
+            for cs in p["status"].get("containerStatuses") or []:
+                assert cs.get("containerID", "containerd://").startswith("containerd://")
+    conds = {c["type"]: c for c in st.get("conditions") or []}
+    done = conds["Succeeded"]
+    assert (done["status"], done["reason"]) == ("True", "Completed"), conds
+
+
+def test_each_pod_shows_its_roles_work_in_kubectl_logs(job_run: dict[str, Any]) -> None:
+    pods, run = job_run["pods"], job_run
+    head = pods[f"{JOB}-head-0"][0]
+    ips = {n: p[0]["status"]["podIP"] for n, p in pods.items() if p[0]["status"].get("podIP")}
+    assert len(set(ips.values())) == len(ips), ips  # each pod on an address of its own
+    head_log = _log(run, head)
+    assert "Ray runtime started" in head_log, head_log[-3000:]
+    for role in ("learner", "rollout"):
+        log = _log(run, pods[f"{JOB}-{role}-0"][0])
+        # joined the head through its Service's DNS name (CoreDNS), on its own pod IP
+        assert "Ray runtime started" in log, log[-3000:]
+        assert f"Local node IP: {ips[f'{JOB}-{role}-0']}" in log, log[-3000:]
+    # the actors Ray placed on each pod wrote their work into that pod's own log
+    learner_log = _log(run, pods[f"{JOB}-learner-0"][0])
+    updates = [ln for ln in learner_log.splitlines() if "learner rank 0: update " in ln]
+    assert len(updates) >= 6 and all(" loss " in ln for ln in updates), learner_log[-3000:]
+    rollout_log = _log(run, pods[f"{JOB}-rollout-0"][0])
+    assert f"rollout engine replica 0 started on {JOB}-rollout-0" in rollout_log
+    assert _generated(rollout_log, 0) > 0, rollout_log[-3000:]
+    driver_log = _log(run, pods[f"{JOB}-driver-0"][0])
+    assert f"Connecting to existing Ray cluster at address: {JOB}-head.{JOBS}.svc" in driver_log
+    steps = [ln for ln in driver_log.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 6, driver_log[-4000:]
+    # every step generated by the engine in rollout-0's container (its hostname is the pod's)
+    assert all(f"replica 0 on {JOB}-rollout-0 (" in ln for ln in steps), steps
+    assert "done: 6 steps" in driver_log
+
+
+def test_a_long_round_adds_a_rollout_pod_that_joins_and_generates(
+        job_run: dict[str, Any]) -> None:
+    pods, run = job_run["pods"], job_run
+    extras = pods.get(f"{JOB}-rollout-1", [])
+    assert extras, "no long round added a rollout pod"
+    from_its_log = 0
+    for p in extras:
+        log = _log(run, p)
+        assert "Ray runtime started" in log and f"Local node IP: {p['status']['podIP']}" in log, \
+            log[-3000:]
+        from_its_log += _generated(log, 1)
+    driver_log = _log(run, pods[f"{JOB}-driver-0"][0])
+    long_steps = [ln for ln in driver_log.splitlines()
+                  if ln.startswith("step ") and " Long " in ln]
+    assert long_steps, driver_log[-4000:]
+    served = 0
+    for ln in long_steps:
+        mark = f"replica 1 on {JOB}-rollout-1 ("
+        if mark in ln:
+            served += int(ln.split(mark, 1)[1].split()[0])
+    assert served > 0, f"the added rollout pod generated nothing: {long_steps}"
+    # and its own log says so: its engine's lines, written from inside its container (it may
+    # count a response the driver had aborted while it was in flight)
+    assert from_its_log >= served, (from_its_log, served)
+    actions = [(a["reason"], a["fromReplicas"], a["toReplicas"])
+               for a in run["job"]["status"]["scaleActions"]]
+    assert ("LongRound", 1, 2) in actions and ("LongRoundDone", 2, 1) in actions, actions
+
+
+def test_operator_metrics_scraped_from_its_pod_count_the_jobs_steps(
+        job_run: dict[str, Any]) -> None:
+    text = job_run["metrics"]
+    line = next((ln for ln in text.splitlines() if ln.startswith("rlpacer_steps_total{")
+                 and f'job="{JOB}"' in ln and f'namespace="{JOBS}"' in ln), None)
+    assert line is not None, text[:3000]
+    assert float(line.rsplit(" ", 1)[1]) == 6.0, line
+
+
+def test_the_sandbox_image_is_the_locally_built_pause(cluster: LocalCluster) -> None:
+    out = subprocess.run(["ctr", "--address", str(cluster.node.socket), "-n", "k8s.io",
+                          "images", "ls", "-q"], capture_output=True, text=True, check=True)
+    assert PAUSE_IMAGE in out.stdout.split()
