@@ -17,5 +17,5 @@ if [[ $# -eq 0 ]]; then
   echo "==> mypy";          "$PYBIN/mypy"
   echo "==> import-linter"; "$PYBIN/lint-imports"
 fi
-echo "==> pytest (every tier: ~47 minutes on 2 cores)"
+echo "==> pytest (every tier: ~47-75 minutes on 2 cores)"
 exec "$PYBIN/python" -m pytest "$@"
