@@ -89,10 +89,8 @@ def _cache() -> Path:
     return cache_dir()
 
 
-def _run(*cmd: str, check: bool = True, timeout: float = 600,
-         input: bytes | None = None) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
-                       input=None if input is None else input.decode())
+def _run(*cmd: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise NodeError(f"{' '.join(cmd)} -> exit {p.returncode}: {(p.stderr or p.stdout)[-2000:]}")
     return p
@@ -443,11 +441,11 @@ state = "{d / 'containerd' / 'state'}"
                 self._lock = None
 
     def _cleanup_host(self) -> None:
-        # shims of containers a killed run left (they outlive containerd)
-        _run("pkill", "-KILL", "-f", f"containerd-shim-runc-v2 -namespace k8s.io .*{self.store}",
-             check=False)
-        _run("pkill", "-KILL", "-f", f"containerd-shim-runc-v2 -namespace k8s.io -id .* -address"
-             f" {_cache()}", check=False)
+        # shims of containers a killed run left (they outlive containerd): a shim's -address is
+        # its node's socket, <cluster dir>/node/containerd/containerd.sock (one real node per
+        # machine, so every such shim is a real node's)
+        _run("pkill", "-KILL", "-f", "containerd-shim-runc-v2 -namespace k8s.io -id [^ ]+"
+             " -address [^ ]*/node/containerd/containerd[.]sock", check=False)
         # kube-proxy's chains (iptables only; the kube-proxy binary knows them all)
         from rlpacer.testing.cluster import bin_dir
 
