@@ -164,23 +164,6 @@ echo "$VENV" > "$LOCAL/.shared-env"
 imports_here || die "$LOCAL imports rlpacer or rlpacer_trainer from outside this checkout ($ROOT): remove $LOCAL and re-run"
 done_step
 
-# --- Kubernetes control plane binaries ---------------------------------------------------
-if [[ $WHAT == all ]]; then
-  if bash hack/build-binaries.sh --check >/dev/null 2>&1; then
-    step "control-plane binaries: all built ($CACHE/bin)"
-  else
-    step "control-plane binaries into $CACHE/bin (cold: 30-40 minutes on 2 cores; warm: skipped)"
-    GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
-    [[ -x "$GO" ]] \
-      || die "Go is needed to build the control plane (hack/build-binaries.sh): install Go 1.26 or newer (apt-get install golang-go, or a release from the Go project), or set GO=/path/to/go; then re-run"
-    export GO
-    need_disk "$CACHE" 1 "the control-plane binaries"
-    need_disk "$("$GO" env GOMODCACHE)" 10 "building the control plane (Go's module and build caches)"
-    bash hack/build-binaries.sh \
-      || die "building the control plane failed (see above): it needs Go and the Go module proxy (GOPROXY=$("$GO" env GOPROXY)); re-run once fixed, finished binaries are kept"
-    done_step
-  fi
-fi
 # --- Container images (podman, no registry) -----------------------------------------------
 if [[ $WHAT == all && $IMAGES == 1 ]]; then
   missing=()
@@ -200,10 +183,46 @@ if [[ $WHAT == all && $IMAGES == 1 ]]; then
   if bash scripts/build-images.sh --check >/dev/null 2>&1; then
     step "container images: built from these sources"
   else
-    step "container images (cold: ~10 minutes on 2 cores; after a source change: ~1 minute)"
-    bash scripts/build-images.sh || die "building the container images failed (see above); set-up with --no-images skips them"
+    # The image build waits mostly on the network and the disk (debootstrap, pip downloads,
+    # layer commits), the Go build on the CPU: the images build in the background beside the
+    # control plane, their output in a log, and set-up waits for both.
+    mkdir -p "$CACHE/images"
+    IMAGES_LOG="$CACHE/images/build.log"
+    step "container images, in the background beside the control plane (cold: ~10 minutes on 2 cores; after a source change: ~1 minute; log: $IMAGES_LOG)"
+    images_t0=$step_t0
+    setsid bash scripts/build-images.sh >"$IMAGES_LOG" 2>&1 &
+    IMAGES_PID=$!
+    # set-up failing or interrupted before the wait below stops the image build with it
+    trap '[[ -n "${IMAGES_PID:-}" ]] && kill -- -"$IMAGES_PID" 2>/dev/null; true' EXIT
+  fi
+fi
+# --- Kubernetes control plane binaries ---------------------------------------------------
+if [[ $WHAT == all ]]; then
+  if bash hack/build-binaries.sh --check >/dev/null 2>&1; then
+    step "control-plane binaries: all built ($CACHE/bin)"
+  else
+    step "control-plane binaries into $CACHE/bin (cold: 30-40 minutes on 2 cores; warm: skipped)"
+    GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
+    [[ -x "$GO" ]] \
+      || die "Go is needed to build the control plane (hack/build-binaries.sh): install Go 1.26 or newer (apt-get install golang-go, or a release from the Go project), or set GO=/path/to/go; then re-run"
+    export GO
+    need_disk "$CACHE" 1 "the control-plane binaries"
+    need_disk "$("$GO" env GOMODCACHE)" 10 "building the control plane (Go's module and build caches)"
+    bash hack/build-binaries.sh \
+      || die "building the control plane failed (see above): it needs Go and the Go module proxy (GOPROXY=$("$GO" env GOPROXY)); re-run once fixed, finished binaries are kept"
     done_step
   fi
+fi
+if [[ -n "${IMAGES_PID:-}" ]]; then
+  step "container images: waiting for the background build (log: $IMAGES_LOG)"
+  if ! wait "$IMAGES_PID"; then
+    IMAGES_PID=""
+    tail -n 40 "$IMAGES_LOG" >&2
+    die "building the container images failed (the log's end above; all of it: $IMAGES_LOG); set-up with --no-images skips them"
+  fi
+  IMAGES_PID=""
+  grep -E '^==> |^    ' "$IMAGES_LOG" | sed 's/^/    /' || true
+  printf '    images ready %s s after their build started\n' "$(( $(date +%s) - images_t0 ))"
 fi
 printf '\n==> set-up complete in %s s (%s)\n' "$(( $(date +%s) - T0 ))" \
   "$([[ $WHAT == all ]] && echo "Python environment, control plane$( (( IMAGES )) && echo ', container images')" || echo 'Python environment')"

@@ -1,26 +1,23 @@
-"""The container tier: the built images run the exact commands, environment, users and mounts
-that the operator's pod builders and the chart's Deployment give them (podman, real
-containers). The images come from ``bash scripts/build-images.sh`` (the set-up runs it); a
-missing or out-of-date image fails the tier with that command, it never skips."""
+"""The container tier: the built images run on a real node (kubelet, containerd, runc) exactly as
+the chart's Deployment and the operator's pod builders give them (test_real_node.py). The images
+come from ``bash scripts/build-images.sh`` (the set-up runs it); a missing or out-of-date image
+fails the tier with that command, it never skips."""
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 
 from rlpacer.testing.containers import (
     BUILD,
     PodmanMissing,
-    podman,
     podman_base,
     project_images,
 )
 
 
 @pytest.fixture(scope="session")
-
 def images() -> dict[str, str]:
     """The images' tags, checked to exist and to be built from this checkout's inputs."""
     try:
@@ -34,12 +31,3 @@ def images() -> dict[str, str]:
             f" `bash scripts/build-images.sh` (the set-up runs it)\n{check.stdout[-2000:]}"
             f"{check.stderr[-2000:]}", pytrace=False)
     return project_images()
-
-
-@pytest.fixture
-def containers() -> Iterator[list[str]]:
-    """Names of the containers a test starts: removed (with their logs shown) afterwards."""
-    started: list[str] = []
-    yield started
-    for name in started:
-        podman("rm", "-f", "-t", "5", name, check=False)

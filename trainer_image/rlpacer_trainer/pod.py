@@ -114,7 +114,11 @@ def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
         print(f"resumed from checkpoint at step {drv.step} (attempt {attempt})", flush=True)
     (ckpt / f"topology-attempt{attempt}.json").write_text(json.dumps(drv.topology(), indent=1))
     drv.run()
-    drv.save_checkpoint()
+    final = drv.save_checkpoint()
+    # what this pod's checkpoint folder holds: the learner's part (its state and model/) comes
+    # through Ray when the learner's pod cannot see this folder (no shared claim)
+    print(f"checkpoint {final.name} in {ckpt}: "
+          f"{', '.join(sorted(p.name for p in final.iterdir()))}", flush=True)
     metrics.close()
     drv.close()
     print(f"done: {drv.step} steps", flush=True)

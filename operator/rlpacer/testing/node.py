@@ -383,9 +383,14 @@ state = "{d / 'containerd' / 'state'}"
     # ---- stop --------------------------------------------------------------------------------
 
     def stop_pods(self, timeout: float = 60.0) -> None:
-        """Delete every pod bound to the node (grace 0) and wait until containerd runs none."""
+        """Cordon the node, delete every pod bound to it (grace 0) and wait until containerd
+        runs no container. Cordoned first, so that a controller still running (a Deployment's
+        ReplicaSet) cannot place a replacement on the node while it empties."""
         c = self.cluster
         try:
+            c.http.request("PATCH", f"/api/v1/nodes/{NODE_NAME}",
+                           {"spec": {"unschedulable": True}}, timeout=5,
+                           content_type="application/merge-patch+json")
             st, pods = c.http.request(
                 "GET", f"/api/v1/pods?fieldSelector=spec.nodeName%3D{NODE_NAME}", timeout=5)
         except Exception:
@@ -398,10 +403,18 @@ state = "{d / 'containerd' / 'state'}"
                            {"gracePeriodSeconds": 0}, timeout=5)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            tasks = self._ctr("tasks", "ls", "-q", check=False)
-            if tasks.returncode != 0 or not tasks.stdout.split():
+            if not self._running_tasks():
                 return
             time.sleep(0.5)
+
+    def _running_tasks(self) -> list[str]:
+        """containerd's tasks whose process still runs (a stopped task stays listed until its
+        container is removed, which the kubelet may leave to its garbage collection)."""
+        out = self._ctr("tasks", "ls", check=False)
+        if out.returncode != 0:
+            return []
+        return [ln.split()[0] for ln in out.stdout.splitlines()[1:]
+                if len(ln.split()) >= 3 and ln.split()[2] == "RUNNING"]
 
     def _remove_leftover_containers(self) -> None:
         """Kill and remove whatever containers the store holds (a run killed before its
