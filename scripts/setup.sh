@@ -190,7 +190,8 @@ if [[ $WHAT == all && $IMAGES == 1 ]]; then
     IMAGES_LOG="$CACHE/images/build.log"
     step "container images, in the background beside the control plane (cold: ~10 minutes on 2 cores; after a source change: ~1 minute; log: $IMAGES_LOG)"
     images_t0=$step_t0
-    setsid bash scripts/build-images.sh >"$IMAGES_LOG" 2>&1 &
+    # its own process group (setsid; -w waits in case setsid had to fork), stopped whole below
+    setsid -w bash scripts/build-images.sh >"$IMAGES_LOG" 2>&1 &
     IMAGES_PID=$!
     # set-up failing or interrupted before the wait below stops the image build with it
     trap '[[ -n "${IMAGES_PID:-}" ]] && kill -- -"$IMAGES_PID" 2>/dev/null; true' EXIT
