@@ -29,7 +29,13 @@ import yaml
 
 from rlpacer.testing import LocalCluster
 from rlpacer.testing.cluster import find_kubectl, repo_root
-from rlpacer.testing.node import NODE_NAME, PAUSE_IMAGE, NodeError, missing_prerequisites
+from rlpacer.testing.node import (
+    NODE_NAME,
+    PAUSE_IMAGE,
+    NodeError,
+    missing_prerequisites,
+    preload,
+)
 
 pytestmark = [pytest.mark.container, pytest.mark.slow]
 
@@ -40,6 +46,10 @@ JOBS = "team-real"
 JOB = "tiny-cluster"
 
 
+#: what the preload before the cluster's start imported (ref -> seconds, None: was there)
+PRELOADED: dict[str, float | None] = {}
+
+
 @pytest.fixture(scope="module")
 def cluster(images: dict[str, str]) -> Iterator[LocalCluster]:
     missing = missing_prerequisites()
@@ -47,13 +57,16 @@ def cluster(images: dict[str, str]) -> Iterator[LocalCluster]:
         pytest.fail("the real node needs: " + "; ".join(missing), pytrace=False)
     t0 = time.monotonic()
     try:
+        # what set-up does after building the images (a no-op when it has)
+        PRELOADED.update(preload(tuple(images.values())) or {})
+        t1 = time.monotonic()
         c = LocalCluster(nodes=(), real_node=True, node_images=tuple(images.values()),
                          startup_timeout=300)
         c.start()
     except NodeError as e:
         pytest.fail(str(e), pytrace=False)
-    print(f"\ncluster with a real node up in {time.monotonic() - t0:.0f} s; image imports:"
-          f" {c.node.import_seconds}")
+    print(f"\nimages preloaded in {t1 - t0:.0f} s ({PRELOADED}); cluster with a real node up in"
+          f" {time.monotonic() - t1:.0f} s; imports at its start: {c.node.import_seconds}")
     try:
         yield c
     finally:
@@ -312,3 +325,16 @@ def test_the_sandbox_image_is_the_locally_built_pause(cluster: LocalCluster) -> 
     out = subprocess.run(["ctr", "--address", str(cluster.node.socket), "-n", "k8s.io",
                           "images", "ls", "-q"], capture_output=True, text=True, check=True)
     assert PAUSE_IMAGE in out.stdout.split()
+
+
+def test_the_node_finds_the_preloaded_images_and_imports_nothing_at_start(
+        cluster: LocalCluster, images: dict[str, str]) -> None:
+    """Set-up puts the images into the node's store (``rlpacer.testing.node preload``) beside
+    the control plane's build; the node's start then imports none of them (the trainer image's
+    import is minutes), because each is recognised as the very image podman holds."""
+    assert set(PRELOADED) == {PAUSE_IMAGE, *images.values()}
+    assert cluster.node.import_seconds == {}
+    refs = subprocess.run(["ctr", "--address", str(cluster.node.socket), "-n", "k8s.io",
+                           "images", "ls", "-q"], capture_output=True, text=True,
+                          check=True).stdout.split()
+    assert set(images.values()) <= set(refs)

@@ -203,29 +203,8 @@ class RealNode:
         (d / "containerd").mkdir(parents=True, exist_ok=True)
         (d / "cni" / "net.d").mkdir(parents=True, exist_ok=True)
         self.store.mkdir(parents=True, exist_ok=True)
-        cni = cni_bin_dir()
-        (d / "containerd" / "config.toml").write_text(f"""version = 2
-root = "{self.store}"
-state = "{d / 'containerd' / 'state'}"
-[grpc]
-  address = "{self.socket}"
-[ttrpc]
-  address = "{self.socket}.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{PAUSE_IMAGE}"
-  restrict_oom_score_adj = true
-  disable_apparmor = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{cni}"
-    conf_dir = "{d / 'cni' / 'net.d'}"
-""")
+        (d / "containerd" / "config.toml").write_text(
+            containerd_config(self.store, d, self.socket))
         (d / "cni" / "net.d" / "10-rlpacer.conflist").write_text(json.dumps({
             "cniVersion": "1.0.0", "name": "rlpacer",
             "plugins": [
@@ -346,39 +325,13 @@ state = "{d / 'containerd' / 'state'}"
 
     def _ctr(self, *args: str, check: bool = True, timeout: float = 600,
              ) -> subprocess.CompletedProcess[str]:
-        return _run("ctr", "--address", str(self.socket), "-n", "k8s.io", *args, check=check,
-                    timeout=timeout)
-
-    def _image_digests(self) -> dict[str, str]:
-        """containerd's image refs -> the digest each points to."""
-        out = {}
-        for ln in self._ctr("images", "ls").stdout.splitlines()[1:]:
-            f = ln.split()
-            if len(f) > 2:
-                out[f[0]] = f[2]
-        return out
+        return _ctr_at(self.socket, *args, check=check, timeout=timeout)
 
     def import_image(self, ref: str) -> None:
-        """Import ``ref`` from podman's store into the node's containerd, unless the same image
-        is there already: the CRI names every image by its config digest (podman's image ID)
-        too, so ``ref`` and ``sha256:<ID>`` pointing to one image means it is current."""
-        pid = podman_image_id(ref)
-        if pid is None:
-            raise NodeError(f"image {ref} is not in podman's store: build it (bash"
-                            " scripts/build-images.sh)")
-        have = self._image_digests()
-        by_id = have.get(f"sha256:{pid.removeprefix('sha256:')}")
-        if by_id is not None and have.get(ref) == by_id:
-            return
-        t0 = time.monotonic()
-        tar = self.dir / "image.tar"
-        try:
-            _run(*_podman(), "save", "--format", "docker-archive", "-o", str(tar), ref,
-                 timeout=1200)
-            self._ctr("images", "import", str(tar), timeout=1200)
-        finally:
-            tar.unlink(missing_ok=True)
-        self.import_seconds[ref] = time.monotonic() - t0
+        """Import ``ref`` from podman's store into the node's containerd, unless it is there."""
+        took = import_image(self.socket, self.dir, ref)
+        if took is not None:
+            self.import_seconds[ref] = took
 
     # ---- stop --------------------------------------------------------------------------------
 
@@ -542,3 +495,164 @@ def apiserver_args(pki: Path) -> list[str]:
         f"--kubelet-client-key={pki / 'kubelet-client.key'}",
         f"--kubelet-certificate-authority={pki / 'ca.crt'}",
     ]
+
+
+def containerd_config(store: Path, node_dir: Path, sock: Path) -> str:
+    """The node's containerd configuration: images and snapshots in ``store`` (kept across
+    clusters), state, socket and CNI configuration under ``node_dir``."""
+    return f"""version = 2
+root = "{store}"
+state = "{node_dir / 'containerd' / 'state'}"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{sock}.ttrpc"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni_bin_dir()}"
+    conf_dir = "{node_dir / 'cni' / 'net.d'}"
+"""
+
+
+def _ctr_at(sock: Path, *args: str, check: bool = True, timeout: float = 600,
+            ) -> subprocess.CompletedProcess[str]:
+    return _run("ctr", "--address", str(sock), "-n", "k8s.io", *args, check=check,
+                timeout=timeout)
+
+
+def image_digests(sock: Path) -> dict[str, str]:
+    """The image refs of the containerd at ``sock`` -> the digest each points to."""
+    out = {}
+    for ln in _ctr_at(sock, "images", "ls").stdout.splitlines()[1:]:
+        f = ln.split()
+        if len(f) > 2:
+            out[f[0]] = f[2]
+    return out
+
+
+def image_config(sock: Path, manifest: str) -> str | None:
+    """The config digest (an image's ID) of the manifest ``manifest`` in the containerd at
+    ``sock``, or None if it cannot be read."""
+    p = _ctr_at(sock, "content", "get", manifest, check=False)
+    try:
+        return str(json.loads(p.stdout)["config"]["digest"]) if p.returncode == 0 else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def import_image(sock: Path, work_dir: Path, ref: str) -> float | None:
+    """Import ``ref`` from podman's store into the containerd at ``sock`` (the tar in
+    ``work_dir``), unless the same image is there already: ``ref``'s manifest there names
+    podman's image ID as its config (podman's ID is the config's digest, and ``podman save``
+    keeps the config as it is). Returns the seconds the import took, None if skipped."""
+    pid = podman_image_id(ref)
+    if pid is None:
+        raise NodeError(f"image {ref} is not in podman's store: build it (bash"
+                        " scripts/build-images.sh)")
+    manifest = image_digests(sock).get(ref)
+    if manifest is not None and \
+            image_config(sock, manifest) == f"sha256:{pid.removeprefix('sha256:')}":
+        return None
+    t0 = time.monotonic()
+    tar = work_dir / "image.tar"
+    try:
+        _run(*_podman(), "save", "--format", "docker-archive", "-o", str(tar), ref,
+             timeout=1200)
+        _ctr_at(sock, "images", "import", str(tar), timeout=1200)
+    finally:
+        tar.unlink(missing_ok=True)
+    return time.monotonic() - t0
+
+
+def preload(images: Sequence[str]) -> dict[str, float | None] | None:
+    """Import ``images`` (and the pause image) into the real node's image store ahead of its
+    start: set-up does this right after building them, in the background beside the control
+    plane's build, so a cold run's first real node finds them (the trainer image's import
+    is minutes). Runs a containerd of its own on the store for the imports. Returns the
+    seconds each import took (None: already there), or None if a real node runs now (it
+    imports what it lacks when it starts)."""
+    import tempfile
+
+    missing = [t for t in ("containerd", "ctr", "podman") if shutil.which(t) is None]
+    if missing:
+        raise NodeError(f"preloading the node's images needs {', '.join(missing)} ({SETUP_HINT})")
+    _cache().mkdir(parents=True, exist_ok=True)
+    with open(_cache() / ".real-node.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        store = _cache() / "containerd"
+        store.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="rlpacer-preload-") as tmp:
+            d = Path(tmp)
+            (d / "containerd").mkdir()
+            sock = d / "containerd" / "containerd.sock"
+            (d / "containerd" / "config.toml").write_text(containerd_config(store, d, sock))
+            containerd = shutil.which("containerd")
+            assert containerd is not None
+            with open(d / "containerd.log", "wb") as log:
+                proc = subprocess.Popen(
+                    [containerd, "--config", str(d / "containerd" / "config.toml")],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                deadline = time.monotonic() + 60
+                while _ctr_at(sock, "version", check=False).returncode != 0:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise NodeError("containerd did not start for the image preload: "
+                                        + (d / "containerd.log").read_text()[-2000:])
+                    time.sleep(0.3)
+                return {ref: import_image(sock, d, ref)
+                        for ref in dict.fromkeys((PAUSE_IMAGE, *images))}
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                # overlay mounts an unpack may have left under the temporary state
+                for line in Path("/proc/mounts").read_text().splitlines():
+                    parts = line.split()
+                    if len(parts) > 1 and parts[1].startswith(str(d)):
+                        _run("umount", "-l", parts[1], check=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m rlpacer.testing.node",
+        description="The real node's image store (scripts/setup.sh runs this after building"
+                    " the images).")
+    ap.add_argument("command", choices=["preload"],
+                    help="preload: import the project's images into the node's containerd store")
+    ap.parse_args(argv)
+    from rlpacer.testing.containers import project_images
+
+    try:
+        took = preload(tuple(project_images().values()))
+    except NodeError as e:
+        print(f"error: {e}")
+        return 1
+    if took is None:
+        print("a real node runs now: it imports what it lacks when it starts")
+        return 0
+    for ref, s in took.items():
+        print(f"{ref}: " + ("already in the node's store" if s is None
+                            else f"imported in {s:.0f} s"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
