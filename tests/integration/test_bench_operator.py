@@ -45,4 +45,10 @@ def test_bench_operator_small_run_reports_persisted_answers(tmp_path: Path) -> N
     rows = list(csv.DictReader(trace.open()))
     assert sum(r["phase"] == "operator" for r in rows) == out["answered"]
     assert sum(r["phase"] == "baseline" for r in rows) > 0
+    # the floor (serve_floor: the TLS hop and the status PUT only) was measured in every
+    # round, with no error, beside the operator's reports
+    assert out["floor_errors"] == 0 and out["floor_answered"] >= 12, out
+    assert sum(r["phase"] == "floor" for r in rows) == out["floor_answered"]
+    assert 0 < out["floor_p50_ms"] <= out["floor_p99_ms"]
+    assert out["floor_ratio_p50"] is not None and out["floor_ratio_p50"] > 0
     assert all(float(r["latency_ms"]) > 0 and r["job"].startswith("bench-") for r in rows)
