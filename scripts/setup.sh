@@ -84,18 +84,20 @@ if [[ $WHAT == all ]]; then
     step "control-plane binaries: all built ($CACHE/bin)"
   else
     GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
-    [[ -x "$GO" ]] \
-      || die "Go is needed to build the control plane (hack/build-binaries.sh): install Go 1.26 or newer (apt-get install golang-go, or a release from the Go project), or set GO=/path/to/go; then re-run"
-    export GO
-    need_disk "$CACHE" 1 "the control-plane binaries"
-    need_disk "$("$GO" env GOMODCACHE)" 10 "building the control plane (Go's module and build caches)"
-    mkdir -p "$CACHE/build"
-    BINARIES_LOG="$CACHE/build/binaries.log"
-    step "control-plane binaries into $CACHE/bin, in the background (cold: 13-15 minutes on 2 cores, ~35 on a slow machine; warm: skipped; log: $BINARIES_LOG)"
-    binaries_t0=$step_t0
-    setsid -w bash hack/build-binaries.sh >"$BINARIES_LOG" 2>&1 &
-    BINARIES_PID=$!
-    BG_PIDS+=("$BINARIES_PID")
+    if [[ ! -x "$GO" ]]; then
+      NO_GO=1  # reported once the Python environment is set up (`rlpacer run` needs no Go)
+    else
+      export GO
+      need_disk "$CACHE" 1 "the control-plane binaries"
+      need_disk "$("$GO" env GOMODCACHE)" 10 "building the control plane (Go's module and build caches)"
+      mkdir -p "$CACHE/build"
+      BINARIES_LOG="$CACHE/build/binaries.log"
+      step "control-plane binaries into $CACHE/bin, in the background (cold: 13-15 minutes on 2 cores, ~35 on a slow machine; warm: skipped; log: $BINARIES_LOG)"
+      binaries_t0=$step_t0
+      setsid -w bash hack/build-binaries.sh >"$BINARIES_LOG" 2>&1 &
+      BINARIES_PID=$!
+      BG_PIDS+=("$BINARIES_PID")
+    fi
   fi
 fi
 
@@ -191,6 +193,8 @@ fi
 echo "$VENV" > "$LOCAL/.shared-env"
 imports_here || die "$LOCAL imports rlpacer or rlpacer_trainer from outside this checkout ($ROOT): remove $LOCAL and re-run"
 done_step
+[[ -z "${NO_GO:-}" ]] \
+  || die "Go is needed to build the control plane (hack/build-binaries.sh): install Go 1.26 or newer (apt-get install golang-go, or a release from the Go project), or set GO=/path/to/go; then re-run (the Python environment is ready: \`rlpacer run\` works without Go)"
 
 # --- Container images (podman, no registry) -----------------------------------------------
 if [[ $WHAT == all && $IMAGES == 1 ]]; then
