@@ -338,3 +338,26 @@ def test_the_node_finds_the_preloaded_images_and_imports_nothing_at_start(
                            "images", "ls", "-q"], capture_output=True, text=True,
                           check=True).stdout.split()
     assert set(images.values()) <= set(refs)
+
+
+def test_the_kubelet_is_a_node_identity_held_to_the_node_authorizer(
+        cluster: LocalCluster) -> None:
+    """The kubelet's credentials are ``system:node:<name>`` in ``system:nodes``: the Node
+    authorizer lets it read its own Node, and refuses it a Secret that no pod on it uses."""
+    node_kc = str(cluster.data_dir / "node.kubeconfig")
+
+    def as_node(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([find_kubectl(), "--kubeconfig", node_kc, *args],
+                              capture_output=True, text=True, timeout=60)
+
+    who = json.loads(as_node("auth", "whoami", "-o", "json").stdout)["status"]["userInfo"]
+    assert who["username"] == f"system:node:{NODE_NAME}", who
+    assert "system:nodes" in who["groups"], who
+    assert as_node("get", "node", NODE_NAME, "-o", "name").returncode == 0
+    kubectl(cluster, "create", "namespace", "node-authz", check=False)
+    kubectl(cluster, "-n", "node-authz", "create", "secret", "generic", "unused",
+            "--from-literal=k=v")
+    assert kubectl(cluster, "-n", "node-authz", "get", "secret", "unused").returncode == 0
+    denied = as_node("-n", "node-authz", "get", "secret", "unused")
+    assert denied.returncode != 0 and "forbidden" in denied.stderr.lower(), denied.stderr
+    assert "no relationship found between node" in denied.stderr, denied.stderr

@@ -389,6 +389,18 @@ def _rate_diff(a: dict[str, float], b: dict[str, float], seconds: float) -> dict
                        key=lambda kv: -kv[1])[:8])
 
 
+def status_write(obj: dict[str, Any]) -> dict[str, Any]:
+    """The baseline's status write of the job ``obj`` as last read: its status with
+    ``longQueue`` + 1 (a real change), under a resourceVersion precondition."""
+    status = dict(obj.get("status") or {})
+    status["longQueue"] = int(status.get("longQueue", 0)) + 1
+    meta = obj["metadata"]
+    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"],
+                         "resourceVersion": meta["resourceVersion"]},
+            "status": status}
+
+
 async def _baseline(kube: Any, ns: str, names: list[str], rate: float,
                     seconds: float, trace: list[Sample] | None = None) -> list[float]:
     """The control plane alone: the same status writes (one per job per period, with a
@@ -409,12 +421,7 @@ async def _baseline(kube: Any, ns: str, names: list[str], rate: float,
             if time.monotonic() >= until:
                 return
             next_t += period
-            status = dict(obj.get("status") or {})
-            status["longQueue"] = int(status.get("longQueue", 0)) + 1  # a real change
-            body = {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
-                    "metadata": {"name": n, "namespace": ns,
-                                 "resourceVersion": obj["metadata"]["resourceVersion"]},
-                    "status": status}
+            body = status_write(obj)
             t0 = time.perf_counter()
             try:
                 obj = await kube.request("PUT", job_path(ns, n) + "/status", body)
@@ -459,12 +466,7 @@ def serve_floor(kubeconfig: str, cert_dir: str, port: int) -> None:
             report = json.loads(await request.read())
             for _ in range(3):
                 obj = objs.get(n) or await kube.request("GET", job_path(ns, n))
-                status = dict(obj.get("status") or {})
-                status["longQueue"] = int(status.get("longQueue", 0)) + 1
-                body = {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
-                        "metadata": {"name": n, "namespace": ns,
-                                     "resourceVersion": obj["metadata"]["resourceVersion"]},
-                        "status": status}
+                body = status_write(obj)
                 try:
                     objs[n] = await kube.request("PUT", job_path(ns, n) + "/status", body)
                 except Exception:  # a conflict: read it again, as an operator would
