@@ -16,6 +16,7 @@ node and run by its kubelet. A machine without the node's parts fails with what 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 import time
@@ -28,7 +29,12 @@ import pytest
 import yaml
 
 from rlpacer.testing import LocalCluster
-from rlpacer.testing.cluster import find_kubectl, repo_root
+from rlpacer.testing.cluster import (
+    REAL_NODE_SERVICE_CIDR,
+    SERVICE_CIDR,
+    find_kubectl,
+    repo_root,
+)
 from rlpacer.testing.node import (
     NODE_NAME,
     PAUSE_IMAGE,
@@ -367,3 +373,19 @@ def test_the_kubelet_is_a_node_identity_held_to_the_node_authorizer(
     denied = as_node("-n", "node-authz", "get", "secret", "unused")
     assert denied.returncode != 0 and "forbidden" in denied.stderr.lower(), denied.stderr
     assert "no relationship found between node" in denied.stderr, denied.stderr
+
+
+def test_its_services_are_apart_from_other_local_clusters(cluster: LocalCluster) -> None:
+    """The node's kube-proxy writes the host's iptables rules for this cluster's Services:
+    they come from REAL_NODE_SERVICE_CIDR, never another local cluster's SERVICE_CIDR (whose
+    10.96.0.1 is every such cluster's ``kubernetes`` Service), so a local cluster started
+    beside it keeps its own Service traffic."""
+    svc = get(cluster, "service", "kubernetes", "-n", "default")
+    assert svc["spec"]["clusterIP"] == "10.97.0.1", svc["spec"]
+    rules = subprocess.run(["iptables", "-t", "nat", "-S", "KUBE-SERVICES"], capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    dests = [ipaddress.ip_network(r.split("-d ", 1)[1].split()[0]) for r in rules
+             if "-d " in r]
+    assert dests, rules  # the Services' rules are there ...
+    assert all(d.subnet_of(ipaddress.ip_network(REAL_NODE_SERVICE_CIDR)) for d in dests), dests
+    assert not any(d.overlaps(ipaddress.ip_network(SERVICE_CIDR)) for d in dests), dests

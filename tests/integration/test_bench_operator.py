@@ -52,3 +52,9 @@ def test_bench_operator_small_run_reports_persisted_answers(tmp_path: Path) -> N
     assert 0 < out["floor_p50_ms"] <= out["floor_p99_ms"]
     assert out["floor_ratio_p50"] is not None and out["floor_ratio_p50"] > 0
     assert all(float(r["latency_ms"]) > 0 and r["job"].startswith("bench-") for r in rows)
+    assert out["floor_cpu_ms_per_report"] > 0, out
+    # the status write's two answers, A/B in the same run: the whole object (a plain PUT)
+    # and metadata only (the operator's writes and the baseline's)
+    ans = out["status_write_answer"]
+    assert ans["object_p50_ms"] > 0 and ans["metadata_p50_ms"] > 0, ans
+    assert ans["apiserver_cpu_ms_object"] > 0 and ans["apiserver_cpu_ms_metadata"] > 0, ans

@@ -13,7 +13,8 @@ the flags are printed), the CRDs from ``crds/``, and the operator as a separate 
 uses an existing cluster instead (then etcd's flags are that cluster's).
 
 Rounds: ``--rounds`` alternations of a baseline (the same status writes made directly against
-the API server, without the operator), a short warm-up and the measured load; p50/p99 pool
+the API server, without the operator, in the operator's form: a PUT answered with the job's
+metadata only), a short warm-up and the measured load; p50/p99 pool
 every round's answers, and each round's p99 is printed beside its baseline's. On a small
 shared machine the API server's own tail moves a lot from minute to minute, so a single short
 run says little.
@@ -24,11 +25,18 @@ TLS, the job's status PUT, the answer; no validation, no controller, no metrics)
 p50/p99 over the bare status write is the best ratio this machine allows the operator: on 2
 shared cores the extra TLS hop alone took 1.22-1.30x at p50.
 
+The status write's answer, also measured (sequential writes, before the rounds): a plain PUT
+is answered with the whole job; the operator asks for its metadata only (the new
+resourceVersion is all it needs), which spares the API server encoding and the operator
+parsing the object on every report. Both forms' p50 and the API server's CPU per write are
+printed (``status_write_answer``).
+
 Where the time goes, also printed: the operator's own histograms over the measured windows (a
 report's handling time and the status PUT inside it), the CPU each process used per answered
-report (the local control plane's processes and the operator; on 2 cores the API server's
-~14 ms per status write is most of it), and with ``--trace FILE`` every timed request as CSV
-(start time, latency, phase, job) to line slow ones up with the components' logs.
+report (the local control plane's processes, the operator, and the floor's process per
+floor answer; on 2 cores the API server's ~14 ms per status write is most of it), and with
+``--trace FILE`` every timed request as CSV (start time, latency, phase, job) to line slow ones
+up with the components' logs.
 ``RLPACER_CLUSTER_PROFILING=1`` turns on the local API server's /debug/pprof.
 """
 
@@ -242,7 +250,8 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
                 pids: dict[str, int] | None = None,
                 metrics_port: int | None = None,
                 ca_file: str | None = None,
-                floor_url: str | None = None) -> dict[str, Any]:
+                floor_url: str | None = None,
+                floor_pid: dict[str, int] | None = None) -> dict[str, Any]:
     import ssl
 
     import aiohttp
@@ -277,6 +286,7 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
         await asyncio.sleep(1.0)
     print(f"pods running; settling {settle:.0f}s", file=sys.stderr, flush=True)
     await asyncio.sleep(settle)  # let controllers and caches of a fresh cluster go quiet
+    answers = await _answer_ab(kube, ns, names[0], pids or {})
     start_step = {}
     for n in names:  # jobs may be reused from an earlier run on the same cluster
         obj = await kube.get(job_path(ns, n))
@@ -288,6 +298,8 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
     baseline: list[float] = []
     floor: list[float] = []
     floor_errors: list[str] = []
+    floor_cpu = 0.0
+    floor_pid = floor_pid or {}
     per_round: list[dict[str, float]] = []
     errors: list[str] = []
     answered = [0] * len(names)
@@ -309,12 +321,16 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
                       f" {base_s:.0f}s", file=sys.stderr, flush=True)
                 fl: list[float] = []
                 until = time.monotonic() + base_s
+                f0 = _cpu_seconds(floor_pid)
                 await asyncio.gather(*[
                     _driver(session, floor_url, ns, n, tokens[n], rate, until, fl,
                             floor_errors, i, trace, phase="floor")
                     for i, n in enumerate(names)
                 ])
                 floor += fl
+                f1 = _cpu_seconds(floor_pid)
+                if "floor" in f0 and "floor" in f1:
+                    floor_cpu += f1["floor"] - f0["floor"]
             w = warmup if rnd == 0 else min(warmup, 3.0)
             print(f"round {rnd + 1}/{rounds}: warm-up {w:.0f}s, measuring {seconds:.0f}s",
                   file=sys.stderr, flush=True)
@@ -359,9 +375,40 @@ async def _load(kubeconfig: str, base_url: str, ns: str, names: list[str], rate:
     await kube.close()
     return {"latencies": lat, "errors": errors, "answered": len(lat), "mismatched": mismatched,
             "baseline": baseline, "floor": floor, "floor_errors": floor_errors,
+            "floor_cpu": floor_cpu, "answers": answers,
             "rounds": per_round, "cpu": cpu,
             "server": {k: _summarize(h) for k, h in histos.items()},
             "apiserver_requests_per_s": _rate_diff(before, after, seconds)}
+
+
+async def _answer_ab(kube: Any, ns: str, name: str, pids: dict[str, int],
+                     writes: int = 150, rounds: int = 3) -> dict[str, Any]:
+    """The status write answered with the whole object (a plain PUT) against one answered
+    with metadata only (:func:`put_status`, the operator's): ``writes`` sequential writes of
+    each, alternated ``rounds`` times; p50 latency and the API server's CPU per write."""
+    from rlpacer.operator.runtime import job_path
+
+    lat: dict[str, list[float]] = {"object": [], "metadata": []}
+    cpu = {"object": 0.0, "metadata": 0.0}
+    obj = await kube.request("GET", job_path(ns, name))
+    for _ in range(rounds):
+        for kind in ("object", "metadata"):
+            c0 = _cpu_seconds(pids).get("apiserver", 0.0)
+            for _ in range(writes):
+                body = status_write(obj)
+                t0 = time.perf_counter()
+                if kind == "object":
+                    obj = await kube.request("PUT", job_path(ns, name) + "/status", body)
+                else:
+                    obj = await put_status(kube, body)
+                lat[kind].append(time.perf_counter() - t0)
+            cpu[kind] += _cpu_seconds(pids).get("apiserver", 0.0) - c0
+    n = writes * rounds
+    out: dict[str, Any] = {f"{k}_p50_ms": round(_pct(v, 50) * 1000, 2) for k, v in lat.items()}
+    out["ratio_p50"] = _ratio(_pct(lat["metadata"], 50), _pct(lat["object"], 50))
+    if "apiserver" in pids:
+        out |= {f"apiserver_cpu_ms_{k}": round(v / n * 1000, 2) for k, v in cpu.items()}
+    return out
 
 
 async def _request_counts(kube: Any) -> dict[str, float]:
@@ -391,7 +438,8 @@ def _rate_diff(a: dict[str, float], b: dict[str, float], seconds: float) -> dict
 
 def status_write(obj: dict[str, Any]) -> dict[str, Any]:
     """The baseline's status write of the job ``obj`` as last read: its status with
-    ``longQueue`` + 1 (a real change), under a resourceVersion precondition."""
+    ``longQueue`` + 1 (a real change), under a resourceVersion precondition. Made as the
+    operator makes its writes (:func:`put_status`)."""
     status = dict(obj.get("status") or {})
     status["longQueue"] = int(status.get("longQueue", 0)) + 1
     meta = obj["metadata"]
@@ -399,6 +447,20 @@ def status_write(obj: dict[str, Any]) -> dict[str, Any]:
             "metadata": {"name": meta["name"], "namespace": meta["namespace"],
                          "resourceVersion": meta["resourceVersion"]},
             "status": status}
+
+
+async def put_status(kube: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """PUT the status write ``body`` answered with metadata only, as the operator writes a
+    status (``Jobs.commit``); returns the job as stored (``body`` at the new
+    resourceVersion)."""
+    from rlpacer.operator.kube import METADATA_ONLY
+    from rlpacer.operator.runtime import job_path
+
+    meta = body["metadata"]
+    got = await kube.request("PUT", job_path(meta["namespace"], meta["name"]) + "/status",
+                             body, accept=METADATA_ONLY)
+    return {**body, "metadata": {**meta,
+                                 "resourceVersion": got["metadata"]["resourceVersion"]}}
 
 
 async def _baseline(kube: Any, ns: str, names: list[str], rate: float,
@@ -424,7 +486,7 @@ async def _baseline(kube: Any, ns: str, names: list[str], rate: float,
             body = status_write(obj)
             t0 = time.perf_counter()
             try:
-                obj = await kube.request("PUT", job_path(ns, n) + "/status", body)
+                obj = await put_status(kube, body)
             except Exception:
                 obj = await kube.request("GET", job_path(ns, n))
                 continue
@@ -466,9 +528,8 @@ def serve_floor(kubeconfig: str, cert_dir: str, port: int) -> None:
             report = json.loads(await request.read())
             for _ in range(3):
                 obj = objs.get(n) or await kube.request("GET", job_path(ns, n))
-                body = status_write(obj)
                 try:
-                    objs[n] = await kube.request("PUT", job_path(ns, n) + "/status", body)
+                    objs[n] = await put_status(kube, status_write(obj))
                 except Exception:  # a conflict: read it again, as an operator would
                     objs.pop(n, None)
                     continue
@@ -603,7 +664,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         pids = {"operator": op.proc.pid, **(cluster.pids() if cluster is not None else {})}
         res = asyncio.run(_load(kubeconfig, op.base_url, args.namespace, names, args.rate,
                                 args.seconds, args.warmup, args.settle, args.rounds, trace,
-                                pids, op.metrics_port, op.ca_file, floor_url))
+                                pids, op.metrics_port, op.ca_file, floor_url,
+                                {"floor": floor_proc.pid}))
         if args.trace and trace is not None:
             write_trace(args.trace, trace)
     finally:
@@ -652,6 +714,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         "floor_errors": len(res["floor_errors"]),
         "floor_ratio_p50": _ratio(_pct(res["floor"], 50), _pct(base_lat, 50)),
         "floor_ratio_p99": _ratio(_pct(res["floor"], 99), _pct(base_lat, 99)),
+        # CPU of the floor's process per answer, beside the operator's in cpu_ms_per_report
+        "floor_cpu_ms_per_report": round(res["floor_cpu"] / max(1, len(res["floor"])) * 1000,
+                                         2),
+        # The status write answered with the whole object (a plain PUT) vs with metadata
+        # only (the operator's and the baseline's), sequential, before the rounds.
+        "status_write_answer": res["answers"],
         "load_average": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
         "persisted_mismatches": len(res["mismatched"]),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pydantic_core
 
 from rlpacer.operator import kubeconfig
 
@@ -47,6 +48,12 @@ def yaml_json(body: Any) -> str:
     and only those YAML does not allow raw are escaped (all of them in the BMP)."""
     text = json.dumps(body, ensure_ascii=False)
     return _YAML_UNPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _loads(raw: bytes) -> Any:
+    """A JSON document from the API server (pydantic-core's parser: about half the time of
+    ``json.loads`` on the objects and watch events the operator reads per step report)."""
+    return pydantic_core.from_json(raw)
 
 
 class ApiError(Exception):
@@ -148,19 +155,20 @@ class KubeClient:
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
-            text = yaml_json(body) if content_type == APPLY_PATCH else json.dumps(body)
-            data = text.encode()
+            data = (yaml_json(body).encode() if content_type == APPLY_PATCH
+                    else pydantic_core.to_json(body))
         async with self._get_session().request(
             method, self.creds.server + path, data=data, params=params, headers=headers
         ) as resp:
-            text = await resp.text()
+            raw = await resp.read()
             if resp.status >= 300:
+                text = raw.decode("utf-8", "replace")
                 try:
                     err = json.loads(text)
                     raise ApiError(resp.status, err.get("reason", ""), err.get("message", text))
-                except ValueError:
+                except (ValueError, AttributeError):
                     raise ApiError(resp.status, resp.reason or "", text) from None
-            return json.loads(text) if text else {}
+            return _loads(raw) if raw else {}
 
     async def get_text(self, path: str) -> str:
         """GET a non-JSON path (e.g. /metrics)."""
@@ -192,7 +200,7 @@ class KubeClient:
                 raise ApiError(resp.status, resp.reason or "", (await resp.text())[:500])
             async for line in resp.content:
                 if line.strip():
-                    yield json.loads(line)
+                    yield _loads(line)
 
     # --- helpers ----------------------------------------------------------------------------
     async def get(self, path: str) -> Obj | None:

@@ -70,6 +70,10 @@ CONTROL_PLANE_BINARIES = (
     "kwok",
 )
 SERVICE_CIDR = "10.96.0.0/16"
+#: The Services of a cluster with a real node: its kube-proxy writes the host's iptables rules
+#: for them, so they must not be another local cluster's Service addresses (10.96.0.1 is every
+#: cluster's ``kubernetes`` Service, which an in-cluster client of another cluster would use).
+REAL_NODE_SERVICE_CIDR = "10.97.0.0/16"
 POD_CIDR = "10.244.0.1/16"
 NODE_IP = "10.0.0.1"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -318,7 +322,8 @@ def _make_certs(d: Path, clients: Mapping[str, tuple[str, str]],
     sans = ",".join(
         [
             "IP:127.0.0.1",
-            "IP:10.96.0.1",
+            "IP:10.96.0.1",  # the kubernetes Service (SERVICE_CIDR)
+            "IP:10.97.0.1",  # ... of a cluster with a real node (REAL_NODE_SERVICE_CIDR)
             f"IP:{REAL_NODE_IP}",  # a real node's pods reach the API server there
             "DNS:localhost",
             "DNS:kubernetes",
@@ -669,6 +674,7 @@ class LocalCluster:
         self.startup_seconds: float | None = None
         self._sa_counter = 0
         self.node: Any = None
+        self.service_cidr = REAL_NODE_SERVICE_CIDR if real_node else SERVICE_CIDR
         if real_node:
             from rlpacer.testing.node import RealNode
 
@@ -910,7 +916,7 @@ class LocalCluster:
                 f"--service-account-issuer={SA_ISSUER}",
                 f"--service-account-key-file={certs.sa_pub}",
                 f"--service-account-signing-key-file={certs.sa_key}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--service-cluster-ip-range={self.service_cidr}",
                 "--authorization-mode=Node,RBAC",
                 f"--requestheader-client-ca-file={certs.ca_crt}",
                 "--requestheader-allowed-names=front-proxy-client",
@@ -959,7 +965,7 @@ class LocalCluster:
                 f"--root-ca-file={certs.ca_crt}",
                 f"--cluster-signing-cert-file={certs.ca_crt}",
                 f"--cluster-signing-key-file={certs.ca_key}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--service-cluster-ip-range={self.service_cidr}",
                 "--cluster-name=rlpacer-local",
                 "--kube-api-qps=100",
                 "--kube-api-burst=200",

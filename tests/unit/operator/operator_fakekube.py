@@ -8,7 +8,7 @@ import itertools
 import json
 from typing import Any
 
-from rlpacer.operator.kube import ApiError, object_path, plural_of
+from rlpacer.operator.kube import METADATA_ONLY, ApiError, object_path, plural_of
 
 Obj = dict[str, Any]
 
@@ -40,6 +40,7 @@ class FakeKube:
         body: Any = None,
         params: dict[str, str] | None = None,
         content_type: str = "application/json",
+        accept: str = "application/json",
     ) -> Obj:
         self.calls.append((method, path))
         if method == "GET" and path not in self.objects and (params or {}).get("labelSelector"):
@@ -66,6 +67,9 @@ class FakeKube:
             cur["status"] = copy.deepcopy(body["status"])
             json.dumps(cur)  # must be JSON
             self._bump(cur)
+            if accept == METADATA_ONLY:  # as the API server answers it
+                return {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                        "metadata": copy.deepcopy(cur["metadata"])}
             return copy.deepcopy(cur)
         if method == "PUT":
             cur = self.objects.get(path)
