@@ -384,8 +384,15 @@ def test_its_services_are_apart_from_other_local_clusters(cluster: LocalCluster)
     assert svc["spec"]["clusterIP"] == "10.97.0.1", svc["spec"]
     rules = subprocess.run(["iptables", "-t", "nat", "-S", "KUBE-SERVICES"], capture_output=True,
                            text=True, check=True).stdout.splitlines()
-    dests = [ipaddress.ip_network(r.split("-d ", 1)[1].split()[0]) for r in rules
-             if "-d " in r]
-    assert dests, rules  # the Services' rules are there ...
-    assert all(d.subnet_of(ipaddress.ip_network(REAL_NODE_SERVICE_CIDR)) for d in dests), dests
-    assert not any(d.overlaps(ipaddress.ip_network(SERVICE_CIDR)) for d in dests), dests
+
+
+    def dest(rule: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+        return ipaddress.ip_network(rule.split("-d ", 1)[1].split()[0])
+
+    cluster_ips = [dest(r) for r in rules if "-d " in r and "cluster IP" in r]
+    assert cluster_ips, rules  # the Services' rules are there, all in the node's range
+    assert all(d.subnet_of(ipaddress.ip_network(REAL_NODE_SERVICE_CIDR))  # type: ignore[arg-type]
+               for d in cluster_ips), cluster_ips
+    # and no rule of any kind catches the other local clusters' Service addresses
+    others = ipaddress.ip_network(SERVICE_CIDR)
+    assert not any(dest(r).overlaps(others) for r in rules if "-d " in r), rules
