@@ -492,7 +492,9 @@ def test_dead_learner_then_dead_driver_each_attempt_resumes_from_the_last_checkp
             assert {e["policy_version"] for e in recs[a][0]["engines"]} == \
                 {kept[-1]["policy_version"]}
         kept += recs[a]
-    assert crashes[0][1] >= 2 and recs[1][0]["step"] >= 2
+    # killed once status.step was 2: step 0's checkpoint was complete (step 1 ran after it),
+    # step 1's may not have been (a step is reported before it is checkpointed)
+    assert crashes[0][1] >= 2 and recs[1][0]["step"] >= 1
     assert [r["step"] for r in kept] == list(range(STEPS))
     # no prompt skipped or drawn twice in the surviving history
     prompts = [p for r in kept for p in r["prompts"]]
