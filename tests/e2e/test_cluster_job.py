@@ -167,10 +167,11 @@ def _restart_operator_after_upgrade(rel: Release, run: Run) -> None:
     running_at_pause = driver.proc.poll() is None
     rel.harness.pause(driver)
     try:
-        prev = None
-        for _ in range(30):  # a report in flight settles
+        prev, same = None, 0
+        for _ in range(30):  # a report in flight settles: the status unchanged for 2 s
             cur = rel.get("rltj", JOB, "-n", rel.jobs)["status"]
-            if prev is not None and cur == prev:
+            same = same + 1 if cur == prev else 0
+            if same == 2:
                 break
             prev = cur
             time.sleep(1)
@@ -227,7 +228,12 @@ def run(release: Release) -> Run:
             time.sleep(1)
         out.seconds = time.monotonic() - t0
         out.job = job
-        time.sleep(2)  # the watch prints the last row
+        # the watch prints the last row (once: nothing is written after the job finishes)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any(
+                ln.startswith(JOB) and ln.split()[1:2] == [job["status"]["summary"]]
+                for ln in watch_log.read_text().splitlines()):
+            time.sleep(0.2)
     finally:
         watch.terminate()
         watch.wait(10)
@@ -274,8 +280,8 @@ def test_job_succeeds_because_the_trainer_finished_its_steps(
     assert (final / "learner.pt").stat().st_size > 0
     assert json.loads((final / "state.json").read_text())["step"] == 6
     # The operator deletes the finished job's workloads (KWOK pods included).
-    assert release.get("pod", driver.name, "-n", release.jobs) is None or \
-        release.get("pod", driver.name, "-n", release.jobs)["status"]["phase"] == "Succeeded"
+    pod = release.get("pod", driver.name, "-n", release.jobs)  # read once: it may go between
+    assert pod is None or pod["status"]["phase"] == "Succeeded", pod
 
 
 def test_every_pod_did_its_roles_work_on_its_own_host(release: Release, run: Run) -> None:
@@ -303,9 +309,17 @@ def test_every_pod_did_its_roles_work_on_its_own_host(release: Release, run: Run
     extras = h.played(names.statefulset(JOB, contract.Role.ROLLOUT) + "-1")
     assert extras and all(x.address not in addresses for x in extras), extras
     assert len({x.address for x in extras}) == len(extras)
-    for x in extras:  # its Ray node came up on its own address
-        assert f"Local node IP: {x.address}" in x.log_tail(50000), x.log_tail()
     extra_addresses = {x.address for x in extras}
+    served_from = {e["address"] for r in _metrics(driver) for e in r["engines"]
+                   if e["replica"] == 1}
+    for x in extras:
+        if x.address not in served_from:
+            # scaled up for a long round the finished job never ran (asked for by the last
+            # step's report) and deleted with the job, possibly before Ray's first log line
+            assert x.killed, x
+            continue
+        # one that served: its Ray node came up on its own address
+        assert f"Local node IP: {x.address}" in x.log_tail(50000), x.log_tail()
     held = topo["policy_version"]
     served_by_extra = 0
     for r in _metrics(driver):
@@ -430,7 +444,7 @@ def test_dead_learner_then_dead_driver_each_attempt_resumes_from_the_last_checkp
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = RESUME
     spec = doc["spec"]
-    spec["steps"] = STEPS = 7
+    spec["steps"] = STEPS = 8  # room for the second crash two steps after the first
     spec["tailBatching"]["enabled"] = False
     spec["checkpoint"] = {"everySteps": 1, "volumeClaim": claim}
     spec["backoffLimit"] = 2

@@ -492,13 +492,14 @@ def test_gpus_short_scale_up_times_out_and_scales_back(
     g = drv.plan()["groupSize"]
     code, plan = drv.post(report(0, g, 150.0, nxt="Long"))
     assert plan["rollout"]["state"] == "ScalingUp"
-    plan = wait(cluster, lambda: (p := drv.plan())["rollout"]["state"] == "TimedOut" and p,
-                "scale-up timeout", 30)
+    # one plan for all three figures: the rollout's status is read as one
+    plan = wait(cluster, lambda: (p := drv.plan("usableReplicas"))["rollout"]["state"]
+                == "TimedOut" and p, "scale-up timeout", 30)
     ready = plan["rollout"]["readyReplicas"]
     desired = plan["rollout"]["desiredReplicas"]
     # the rollout pods start in parallel, so the second node may hold replica 1 or 2: the
     # scale-back keeps every ready replica (a StatefulSet drops its highest ordinals first)
-    usable = drv.plan("usableReplicas")["rollout"]["usableReplicas"]
+    usable = plan["rollout"]["usableReplicas"]
     assert ready < 3 and 0 in usable and len(usable) == ready, (ready, usable)
     assert desired == max(usable) + 1, (desired, usable)
     wait(cluster, lambda: _sts(cluster, namespace, "short")["spec"]["replicas"] == desired,
@@ -714,8 +715,10 @@ def test_job_in_an_empty_watched_namespace_is_picked_up_at_once(
     # list then says "items": null. Before the fix each relist failed on it and the watch
     # restarted with a backoff growing to 10 s, so a new job waited up to 10 s.
     time.sleep(12)
-    t0 = time.monotonic()
-    apply(cluster, small_job("late", namespace))
+    t0 = time.monotonic()  # created by one request (not kubectl: its start is not the operator's)
+    code, body = cluster.http.request(
+        "POST", f"{GROUP_PATH}/namespaces/{namespace}/rltrainingjobs", small_job("late", namespace))
+    assert code == 201, body
     wait(cluster, lambda: status(cluster, namespace, "late").get("observedGeneration"),
          "the job reconciled", timeout=30)
     took = time.monotonic() - t0
@@ -1068,8 +1071,10 @@ def test_a_policy_tightened_while_a_scale_up_pends_cuts_that_scale_up(
     st = status(cluster, namespace, "tight")
     assert [(a["reason"], a["toReplicas"]) for a in st["scaleActions"]] == [
         ("LongRound", 3), ("PolicyClamped", 2)], st["scaleActions"]
-    reasons = {e["reason"] for e in kube_events(cluster, namespace, "tight")}
-    assert {"ScalingUp", "PolicyClamped", "ScaledUp"} <= reasons, reasons
+    # the pass that made the plan Ready posts its Event after the status write
+    reasons = wait(cluster, lambda: {"ScalingUp", "PolicyClamped", "ScaledUp"} <= (
+        r := {e["reason"] for e in kube_events(cluster, namespace, "tight")}) and r,
+        "the scale-up's Events", 10)
     assert "ScaleUpTimedOut" not in reasons
     print(f"pending scale-up cut and ready {took:.1f}s after the policy")
 
