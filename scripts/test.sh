@@ -7,15 +7,23 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# The wall clock of set-up and lint goes to pytest, which prints it with each tier's before its
+# closing line (tests/conftest.py), so every CI log shows where the budget went.
+t0=$(date +%s)
 if [[ "${RLPACER_NO_SETUP:-0}" != 1 ]]; then
   bash scripts/setup.sh
+  export RLPACER_TIME_SETUP=$(( $(date +%s) - t0 ))
 fi
 PYBIN="$ROOT/.venv/bin"
 [[ -x "$PYBIN/python" ]] || { echo "error: $ROOT/.venv missing: run bash scripts/setup.sh" >&2; exit 1; }
+ARGS=("$@")
 if [[ $# -eq 0 ]]; then
+  t0=$(date +%s)
   echo "==> ruff";          "$PYBIN/ruff" check operator trainer_image tests
   echo "==> mypy";          "$PYBIN/mypy"
   echo "==> import-linter"; "$PYBIN/lint-imports"
+  export RLPACER_TIME_LINT=$(( $(date +%s) - t0 ))
+  ARGS=(--durations=30)  # the whole suite: its 30 slowest steps, for the budget
 fi
-echo "==> pytest (every tier: ~47-75 minutes on 2 cores)"
-exec "$PYBIN/python" -m pytest "$@"
+echo "==> pytest"
+exec "$PYBIN/python" -m pytest "${ARGS[@]}"

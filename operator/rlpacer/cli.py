@@ -14,11 +14,12 @@ import sys
 
 COMMANDS: tuple[str, ...] = (
     "rlpacer.sim.bench",  # rlpacer bench
-    "rlpacer.operator.commands",  # rlpacer crds, operator, bench-operator
+    "rlpacer.operator.commands",  # rlpacer crds, operator
+    "rlpacer.bench.commands",  # rlpacer bench-operator, bench-scale
     "rlpacer_trainer.cli",  # rlpacer run, bench-train (the data plane, trainer_image/)
     "rlpacer_trainer.bench_accuracy",  # rlpacer bench-accuracy (RL on a user's model and data)
-    "rlpacer.testing.devcluster",  # rlpacer dev-cluster (a local cluster that runs jobs)
-    "rlpacer.testing.bench_long_round",  # rlpacer bench-long-round (played hosts)
+    "rlpacer.devcluster",  # rlpacer dev-cluster (a local cluster that runs jobs)
+    "rlpacer.bench.long_round",  # rlpacer bench-long-round (played hosts)
 )
 
 

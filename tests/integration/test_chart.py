@@ -112,6 +112,11 @@ def test_template_renders_a_hardened_operator_wired_to_its_settings() -> None:
     ours = {k for k in env if k.startswith(ENV_PREFIX)}
     assert ours <= fields, ours - fields
     assert env["RLPACER_OPERATOR_NAMESPACES"] == ""  # cluster scope: everything
+    # The Lease identity is the pod's name: stable across the container's restarts (after
+    # a lost Lease, an OOM kill), so a restarted operator takes its own Lease back at once
+    # instead of waiting out leaseDurationSeconds with 503 NotLeader (issue 32)
+    ident = next(e for e in c["env"] if e["name"] == "RLPACER_OPERATOR_IDENTITY")
+    assert ident["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}, ident
     assert env["RLPACER_OPERATOR_WEBHOOK_ENABLED"] == "true"
     # the per-job step-report rate (token bucket) and its burst
     assert env["RLPACER_OPERATOR_REPORT_RATE_PER_SECOND"] == "20"

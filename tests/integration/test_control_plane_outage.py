@@ -11,7 +11,10 @@ series go with it. Runs on a cluster of its own (the session's is never stopped)
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import signal
 import ssl
 import threading
@@ -37,7 +40,7 @@ from test_operator import (
 )
 
 from rlpacer.api.job import parse_spec
-from rlpacer.api.protocol import StepReport, plan_path
+from rlpacer.api.protocol import StepReport, plan_path, steps_path
 from rlpacer.control.plan import JobController
 from rlpacer.operator import hosting, names
 from rlpacer.testing.cluster import LocalCluster
@@ -248,3 +251,73 @@ def test_api_server_then_etcd_stopped_20s_mid_job_loses_and_doubles_nothing(
         client_log.removeHandler(retries)
         prober.stop()
         op.stop()
+
+
+def test_a_stalled_api_server_gets_a_report_its_503_in_bounded_time_and_a_restart_its_lease(
+        own_cluster: LocalCluster) -> None:
+    """kube-apiserver frozen (SIGSTOP: its connections stay open, nothing answers) for 8 s,
+    shorter than the operator's Lease (15 s, so it keeps acting): a report whose status write
+    hangs is answered 503 with Retry-After within report_write_timeout_seconds (3 s here),
+    not held until the Lease is given up and closed unanswered; its retry after the API
+    server is back is counted once. Then the operator is killed and started again with the
+    same identity (the chart's: the pod's name): it takes its own Lease back at once, not
+    after the Lease's duration (issue 32, defect 3)."""
+    c, ns, name = own_cluster, "outage", "stall"
+    op = OperatorProc(c, ns, lease="stall-lease", identity="op-stall", extra_args=(
+        "--lease-duration-seconds", "15", "--lease-renew-seconds", "2",
+        "--report-write-timeout-seconds", "3")).start()
+    pid = c.pids()["apiserver"]
+    try:
+        op.wait_ready()
+        obj = small_job(name, ns, steps=10)
+        apply(c, obj)
+        tok = token(c, ns, name)
+        ca = str(report_certs() / "ca.crt")
+        ctl = HTTPController(op.base, ns, name, tok, ca_file=ca, backoff_s=0.2, timeout_s=60)
+        lib = JobController(hosting.controller_config(parse_spec(obj["spec"])))
+        g = ctl.plan().group_size
+        for step in range(2):
+            body = report(step, g, 150.0)
+            assert ctl.report(StepReport.model_validate(body)).step == step + 1
+            g = lib.observe(hosting.to_data(StepReport.model_validate(body))).group_size
+        body = report(2, g, 150.0)
+        ctx = ssl.create_default_context(cafile=ca)
+        req = urllib.request.Request(op.base + steps_path(ns, name), method="POST",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {tok}",
+                                              "Content-Type": "application/json"})
+        os.kill(pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(urllib.error.HTTPError) as ei:
+                urllib.request.urlopen(req, timeout=30, context=ctx)
+            took = time.monotonic() - t0
+            err = json.loads(ei.value.read())
+            assert ei.value.code == 503 and ei.value.headers.get("Retry-After") == "1", err
+            assert err["reason"] == "Unavailable" and "within 3 s" in err["message"], err
+            assert 2.5 <= took < 6.0, took
+            time.sleep(max(0.0, 8.0 - (time.monotonic() - t_stop)))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # the same report again once the API server answers: persisted, counted once
+        plan = ctl.report(StepReport.model_validate(body))
+        lib.observe(hosting.to_data(StepReport.model_validate(body)))
+        assert plan.step == 3 and status(c, ns, name)["controllerState"] == hosting.dumps(
+            lib.state_dict())
+        assert op.proc is not None and op.proc.poll() is None, op.log.read_text()[-3000:]
+        print(f"report answered 503 after {took:.1f}s of an {time.monotonic() - t_stop:.0f}s"
+              " API-server stall")
+        # SIGKILL, then the same identity again: its own Lease, taken back at once
+        op.kill(signal.SIGKILL)
+        t0 = time.monotonic()
+        op.start()
+        op.wait_ready()
+        back = time.monotonic() - t0
+        assert back < 10.0, back  # the Lease's 15 s not waited out
+        assert ctl.plan().step == 3
+        print(f"operator killed and started again with its identity: leading after {back:.1f}s")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        op.kill(signal.SIGTERM)

@@ -347,3 +347,82 @@ def wait_reconciled(cluster: LocalCluster, jobs: str, name: str, generation: int
         assert time.monotonic() < deadline, ("not reconciled", stt, where,
                                              op.log.read_text()[-3000:])
         time.sleep(0.1)
+
+
+# --- every bound of the CRDs, at the real API server (issue 32, defect 2) --------------------
+
+BOUND_RULE = re.compile(
+    r"double\(self\.(\w+)\) (>=|>) (-?[\d.e+]+) && double\(self\.\1\) (<=|<) (-?[\d.e+]+)")
+
+
+def bounded_fields(s: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[
+        tuple[tuple[str, ...], str, float, bool]]:
+    """(path, "integer" or "decimal", the upper bound, whether the bound itself is allowed)
+    for every bounded number under the object schema ``s`` (arrays left out)."""
+    for r in s.get("x-kubernetes-validations") or []:
+        m = BOUND_RULE.search(r["rule"])
+        if m:
+            yield (*path, m.group(1)), "decimal", float(m.group(5)), m.group(4) == "<="
+    for k, v in (s.get("properties") or {}).items():
+        if v.get("type") == "integer" and "maximum" in v:
+            yield (*path, k), "integer", v["maximum"], True
+        elif v.get("type") == "object":
+            yield from bounded_fields(v, (*path, k))
+
+
+def refused_naming(body: Any, field: str) -> bool:
+    causes = (body.get("details") or {}).get("causes") or []
+    return any(str(c.get("field", "")) == field for c in causes) or field in str(
+        body.get("message", ""))
+
+
+def test_the_api_server_refuses_every_number_past_its_bound_naming_the_field(
+    cluster: LocalCluster, crds: None, namespace: str
+) -> None:
+    """The issue's manifest (promptOverprovision "1e308", which every step report then failed
+    on) is refused with the field named; so is every bounded number of the job's and the
+    policy's spec one past its maximum, and each decimal at its maximum is admitted.
+    (Dry runs: validation, CEL included, runs in full; nothing is stored.)"""
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/rltrainingpolicies.rlpacer.io")
+    jobs = f"{GROUP_PATH}/namespaces/{namespace}/rltrainingjobs?dryRun=All"
+    pols = f"{GROUP_PATH}/namespaces/{namespace}/rltrainingpolicies?dryRun=All"
+
+    def job_with(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+        spec = json.loads(json.dumps(MINIMAL))
+        set_at(spec, path, value)
+        return {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingJob",
+                "metadata": {"name": "bounds", "namespace": namespace}, "spec": spec}
+
+    def policy_with(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+        spec: dict[str, Any] = {}
+        set_at(spec, path, value)
+        return {"apiVersion": "rlpacer.io/v1alpha1", "kind": "RLTrainingPolicy",
+                "metadata": {"name": "bounds", "namespace": namespace}, "spec": spec}
+
+    code, body = cluster.http.request(
+        "POST", jobs, job_with(("tailBatching", "promptOverprovision"), "1e308"))
+    assert code == 422, (code, body)
+    assert refused_naming(body, "spec.tailBatching.promptOverprovision"), body
+    assert "promptOverprovision must be in [1, 16]" in body["message"], body
+
+    policy_crd = yaml.safe_load((ROOT / "crds" / "rlpacer.io_rltrainingpolicies.yaml")
+                                .read_text())["spec"]["versions"][0]["schema"]
+    checked = 0
+    for url, make, schema in ((jobs, job_with, job_schema()["properties"]["spec"]),
+                              (pols, policy_with, policy_crd["openAPIV3Schema"]["properties"]
+                               ["spec"])):
+        for path, kind, top, closed in bounded_fields(schema):
+            field = "spec." + ".".join(path)
+            if kind == "integer":
+                past: Any = int(top) + 1
+            else:
+                past = repr(top * (1 + 1e-6) if closed else top)
+            code, body = cluster.http.request("POST", url, make(path, past))
+            assert code == 422 and refused_naming(body, field), (field, past, code, body)
+            if kind == "decimal":  # the largest value allowed is admitted
+                at = repr(top if closed else top * (1 - 1e-6))
+                code, body = cluster.http.request("POST", url, make(path, at))
+                assert code == 201, (field, at, code, body)
+            checked += 1
+    assert checked >= 40, checked  # every integer and decimal of both specs

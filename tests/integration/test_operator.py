@@ -66,8 +66,12 @@ class OperatorProc:
     def __init__(self, cluster: LocalCluster, namespace: str, lease: str = "rlpacer-operator",
                  identity: str = "op-a", report_url: str | None = None,
                  report_rate: float = 0, report_burst: int = 50,
-                 also_watch: tuple[str, ...] = ()) -> None:
+                 also_watch: tuple[str, ...] = (), resync_seconds: float = 2,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.cluster = cluster
+        #: More flags, after (so overriding) the ones below.
+        self.extra_args = extra_args
+        self.resync_seconds = resync_seconds
         self.namespace = namespace
         #: Namespaces watched besides ``namespace`` (which holds the Lease).
         self.also_watch = also_watch
@@ -98,9 +102,10 @@ class OperatorProc:
             "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
             "--lease-name", self.lease, "--identity", self.identity,
             "--lease-duration-seconds", "4", "--lease-renew-seconds", "1",
-            "--lease-retry-seconds", "0.5", "--resync-seconds", "2", "--log-level", "INFO",
+            "--lease-retry-seconds", "0.5", "--resync-seconds", str(self.resync_seconds),
+            "--log-level", "INFO",
             "--report-rate-per-second", str(self.report_rate),
-            "--report-burst", str(self.report_burst),
+            "--report-burst", str(self.report_burst), *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, env=env, stdout=self.log.open("ab"),
                                      stderr=subprocess.STDOUT)
@@ -225,7 +230,7 @@ def http(method: str, url: str, tok: str | None, body: Any = None,
 def report(step: int, g: int, mx: float, attempt: int = 0, kind: str = "Short",
            nxt: str = "Short", med: float = 100.0) -> dict[str, Any]:
     return {"attempt": attempt, "step": step, "groupSize": g, "roundKind": kind,
-            "lengths": {"max": mx, "median": med, "p90": min(mx, med * 1.5), "count": 8 * g},
+            "lengths": {"max": int(mx), "median": med, "p90": min(mx, med * 1.5), "count": 8 * g},
             "seconds": {"rollout": 30.0, "train": 10.0}, "longQueue": 0, "nextRoundKind": nxt}
 
 
@@ -583,22 +588,36 @@ def test_driver_failure_restarts_then_backoff_limit_fails(
     wait(cluster, lambda: not _sts(cluster, namespace, "fl"), "workloads deleted")
 
 
-def test_suspend_resume_and_success_with_ttl(
+def test_suspend_refuses_reports_resume_continues_and_success_with_ttl(
     cluster: LocalCluster, operator: OperatorProc, namespace: str
 ) -> None:
     apply(cluster, small_job("su", namespace, ttlSecondsAfterFinished=2))
+    drv = Driver(operator, namespace, "su", token(cluster, namespace, "su"))
     pod0 = names.driver_pod("su", 0)
     wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod0}"), "driver")
+    g = drv.plan()["groupSize"]
+    for step in range(3):
+        code, plan = drv.post(report(step, g, 150.0))
+        assert code == 200, plan
+        g = plan["groupSize"]
     cluster.kubectl("patch", "rltj", "su", "-n", namespace, "--type=merge",
                     "-p", '{"spec":{"suspend":true}}')
     wait(cluster, lambda: status(cluster, namespace, "su").get("summary") == "Suspended",
          "Suspended")
+    # a driver still running (its pod being torn down) is told to stop: 409, not retried by
+    # the trainer; the step does not advance
+    code, err = drv.post(report(3, g, 150.0))
+    assert code == 409 and err["reason"] == "JobSuspended", err
+    assert status(cluster, namespace, "su")["step"] == 3
     wait(cluster, lambda: not _sts(cluster, namespace, "su"), "pods deleted")
     cluster.kubectl("patch", "rltj", "su", "-n", namespace, "--type=merge",
                     "-p", '{"spec":{"suspend":false}}')
     st = wait(cluster, lambda: (s := status(cluster, namespace, "su")).get("attempt") == 1 and s,
               "resumed as attempt 1")
-    assert st["failures"] == 0
+    assert st["failures"] == 0 and st["step"] == 3
+    # the resumed attempt reports again, from the step the job stood at
+    code, plan = drv.post(report(3, g, 150.0, attempt=1))
+    assert code == 200 and plan["step"] == 4, plan
     pod1 = names.driver_pod("su", 1)
     wait(cluster, lambda: (get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod1}") or {})
          .get("status", {}).get("phase") == "Running", "driver 1 running", 90)
@@ -607,6 +626,75 @@ def test_suspend_resume_and_success_with_ttl(
          "Succeeded")
     wait(cluster, lambda: get(cluster, f"{GROUP_PATH}/namespaces/{namespace}/rltrainingjobs/su")
          is None, "deleted after ttlSecondsAfterFinished", 30)
+
+
+def test_a_controller_state_broken_by_a_status_edit_is_rebuilt_at_once_and_never_500(
+    cluster: LocalCluster, crds: None, namespace: str
+) -> None:
+    """``status.controllerState`` patched to what cannot be restored (or removed): the job
+    watch's event of that write wakes the job's pass (a periodic one is 10 minutes away
+    here), which rebuilds the state from the spec and status, with condition StateRebuilt and
+    a Warning Event; a report meanwhile gets 503 (retry), never 500; the driver carries on."""
+    op = OperatorProc(cluster, namespace, resync_seconds=600).start()
+    op.wait_ready()
+    try:
+        apply(cluster, small_job("cs", namespace))
+        drv = Driver(op, namespace, "cs", token(cluster, namespace, "cs"))
+        pod0 = names.driver_pod("cs", 0)
+        wait(cluster, lambda: (get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod0}")
+                               or {}).get("status", {}).get("phase") == "Running",
+             "driver 0 running", 90)
+        g, step = drv.plan()["groupSize"], 0
+        for _ in range(4):
+            code, plan = drv.post(report(step, g, 800.0 if step % 3 == 0 else 150.0))
+            assert code == 200, plan
+            g, step = plan["groupSize"], step + 1
+        path = f"{GROUP_PATH}/namespaces/{namespace}/rltrainingjobs/cs/status"
+
+        def rebuilt() -> list[dict[str, Any]]:
+            return [e for e in kube_events(cluster, namespace, "cs")
+                    if e["reason"] == "ControllerStateRebuilt"]
+
+        took = []
+        for i, broken in enumerate(['{}', "not json {", '{"version": 999}', None]):
+            before = status(cluster, namespace, "cs")
+            t0 = time.monotonic()
+            code, body = cluster.request("PATCH", path, {"status": {"controllerState": broken}},
+                                         content_type="application/merge-patch+json")
+            assert code == 200, body
+            if i > 0:  # a report at once: answered, never 500 (503 until rebuilt)
+                code, err = drv.post(report(step, g, 150.0))
+                assert code in (200, 503), err
+                if code == 503:
+                    assert err["reason"] in ("ControllerStateUnreadable",
+                                             "ControllerStateMissing"), err
+                else:
+                    g, step = err["groupSize"], step + 1
+            wait(cluster, lambda n=i + 1: len(rebuilt()) == n, f"rebuild {i + 1}", 15)
+            took.append(time.monotonic() - t0)
+            st = status(cluster, namespace, "cs")
+            cond = next(c for c in st["conditions"] if c["type"] == "StateRebuilt")
+            want = "ControllerStateMissing" if broken is None else "ControllerStateUnreadable"
+            assert (cond["status"], cond["reason"]) == ("True", want), cond
+            ctl = hosting.load(st["controllerState"])
+            assert (ctl.next_step, ctl.attempt) == (step, 0)
+            assert ctl.plan().group_size == g == st["groupSize"]
+            assert [p["groupSize"] for p in st["posteriors"]] == [
+                p["groupSize"] for p in before["posteriors"]]
+            code, plan = drv.post(report(step, g, 150.0))
+            assert code == 200 and plan["step"] == step + 1, plan
+            g, step = plan["groupSize"], step + 1
+        assert status(cluster, namespace, "cs")["step"] == step
+        assert "500" not in _series_codes(op), op.metrics()
+        print(f"broken controller state to rebuilt (Event): {', '.join(f'{t:.2f}s' for t in took)}")
+    finally:
+        op.kill(signal.SIGTERM)
+
+
+def _series_codes(op: OperatorProc) -> set[str]:
+    """The HTTP codes the operator's step-report endpoint answered (its latency histogram)."""
+    return {s.labels["code"] for fam in text_string_to_metric_families(op.metrics())
+            for s in fam.samples if "code" in s.labels}
 
 
 def test_active_deadline_fails_the_job(

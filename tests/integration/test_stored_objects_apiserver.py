@@ -123,19 +123,24 @@ def settled(cluster: LocalCluster, op: OperatorProc, namespace: str) -> None:
 def continues_exactly(cluster: LocalCluster, op: OperatorProc, namespace: str, name: str,
                       stored: dict[str, Any]) -> None:
     """The running job's next step report is answered from the stored controller state,
-    bit-exactly as the library continues it."""
+    bit-exactly as the library continues it. The stored job's driver pod does not exist in this
+    cluster (only the objects were stored): a driver that is gone after its attempt reported
+    is a disruption, so the job runs on as the next attempt (not counted against
+    backoffLimit), from the stored step, with the stored state."""
+    attempt = stored["attempt"] + 1
     lib = JobController.from_state_dict(json.loads(stored["controllerState"]))
     drv = Driver(op, namespace, name, token(cluster, namespace, name))
     plan = drv.plan()
     assert plan["step"] == stored["step"] and plan["groupSize"] == stored["groupSize"], plan
-    body = report(stored["step"], plan["groupSize"], 150.0)
+    body = report(stored["step"], plan["groupSize"], 150.0, attempt=attempt)
     code, answer = drv.post(body)
     assert code == 200, answer
     want = lib.observe(hosting.to_data(StepReport.model_validate(body)))
     assert (answer["step"], answer["groupSize"]) == (want.step, want.group_size), answer
     st = status(cluster, namespace, name)
     assert st["controllerState"] == hosting.dumps(lib.state_dict())
-    assert st["step"] == stored["step"] + 1 and st["attempt"] == stored["attempt"]
+    assert st["step"] == stored["step"] + 1 and st["attempt"] == attempt
+    assert st.get("failures", 0) == stored.get("failures", 0), st
 
 
 @pytest.fixture
@@ -164,10 +169,11 @@ def test_jobs_stored_under_an_older_schema_continue_under_the_current_one(
     op = OperatorProc(cluster, namespace).start()
     try:
         op.wait_ready()
-        # the running job: its children back, its driver (attempt 0) re-created, and its
-        # next report answered from where the old operator left it
+        # the running job: its children back, its driver gone (a disruption: the next attempt,
+        # not counted), and its next report answered from where the old operator left it
+        nxt = old["running"]["status"]["attempt"] + 1
         wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{namespace}/pods/"
-                                           f"{names.driver_pod('running', 0)}"), "driver", 60)
+                                           f"{names.driver_pod('running', nxt)}"), "driver", 60)
         continues_exactly(cluster, op, namespace, "running", old["running"]["status"])
         sus = status(cluster, namespace, "suspended")
         assert sus["summary"] == "Suspended" and sus["step"] == 4, sus
@@ -216,8 +222,9 @@ def test_a_job_stored_under_a_newer_schema_is_read_and_continued(
     op = OperatorProc(cluster, namespace).start()
     try:
         op.wait_ready()
+        nxt = j["status"]["attempt"] + 1  # its driver is gone: the next attempt
         wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{namespace}/pods/"
-                                           f"{names.driver_pod('running', 0)}"), "driver", 60)
+                                           f"{names.driver_pod('running', nxt)}"), "driver", 60)
         conds = {c["type"]: c for c in status(cluster, namespace, "running")["conditions"]}
         assert conds["Admitted"]["status"] == "True", conds  # not InvalidSpec
         continues_exactly(cluster, op, namespace, "running", j["status"])

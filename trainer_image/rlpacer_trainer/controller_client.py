@@ -8,22 +8,27 @@
   token. Network errors and 5xx are retried with the *same* (attempt, step) body (the
   endpoint is idempotent), ``retries`` times with exponential backoff; a 503 (the operator
   on standby, or its API server or etcd away: nothing persisted) no sooner than its
-  ``Retry-After`` and for at least ``retry_window_s`` (5 minutes) whatever the count; a 429
-  (over the job's request rate) after its ``Retry-After``; other 4xx are raised with the
-  operator's message. While a plan says ``ScalingUp`` the driver polls ``GET plan`` until
-  Ready or TimedOut. An ``https://`` URL is verified with the CA in ``ca_file`` (the job's
-  ConfigMap, re-read on every call so a renewed CA is picked up; unset: the system's CAs).
-  A certificate that does not verify is retried
-  like a network error (the operator may be mid-renewal and the ConfigMap a minute behind),
-  then raised as :class:`ReportTLSError`, which says which CA file was used. A plan's fields this
-  version does not know (a newer operator's additions) are ignored, logged once and counted
-  (``unknown_plan_fields``).
+  ``Retry-After`` and for at least ``retry_window_s`` (5 minutes) whatever the count, and
+  so is an endpoint that gives no answer at all (connection refused or cut, none within
+  ``timeout_s``: the operator restarting; :func:`unreachable`); a 429 (over the job's
+  request rate) after its ``Retry-After``; other 4xx are raised with the operator's message
+  (409: the job was suspended, :class:`JobSuspended`; the driver exits). While a plan says
+  ``ScalingUp`` the driver polls ``GET plan`` until Ready or TimedOut. An ``https://`` URL
+  is verified with the CA in ``ca_file`` (the job's ConfigMap, re-read on every call so a
+  renewed CA is picked up; unset: the system's CAs). A certificate that does not verify is
+  retried like a network error (the operator may be mid-renewal and the ConfigMap a minute
+  behind), then raised as :class:`ReportTLSError`, which says which CA file was used. A
+  plan's fields this version does not know (a newer operator's additions) are ignored,
+  logged once and counted (``unknown_plan_fields``).
 """
 
 from __future__ import annotations
 
+import errno
+import http.client
 import json
 import logging
+import socket
 import ssl
 import time
 import urllib.error
@@ -65,6 +70,18 @@ def _retry_after(value: str | None) -> float | None:
         return None
 
 
+def unreachable(err: object) -> bool:
+    """Whether a request's error means the step-report endpoint gave no answer at all (the
+    operator restarting, a connection refused, reset or cut mid-answer, no answer within
+    the timeout), not a wrong URL (a name that does not resolve) or certificate."""
+    if isinstance(err, (ssl.SSLCertVerificationError, socket.gaierror)):
+        return False
+    if isinstance(err, (ConnectionError, TimeoutError, http.client.HTTPException,
+                        ssl.SSLEOFError)):
+        return True
+    return isinstance(err, OSError) and err.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH)
+
+
 def _reason(text: str) -> str:
     try:
         return str(json.loads(text).get("reason", "")) or text[:80]
@@ -89,6 +106,18 @@ class ControllerError(RuntimeError):
         super().__init__(f"controller answered {status}: {body}")
         self.status = status
         self.body = body
+
+
+class JobSuspended(ControllerError):
+    """409 ``JobSuspended``: the job was suspended (``spec.suspend``) and the operator accepts
+    no step report; it is deleting this attempt's pods. Not retried: the driver stops (a
+    resume starts a new attempt from the last checkpoint)."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(status, body)
+        self.args = (f"the job is suspended (the operator answered {status} JobSuspended to"
+                     " the step report): this attempt stops; resuming the job starts a new"
+                     " attempt from the last checkpoint",)
 
 
 def to_data(r: StepReport) -> StepReportData:
@@ -210,6 +239,8 @@ class HTTPController:
                     return json.loads(resp.read().decode() or "{}")  # type: ignore[no-any-return]
             except urllib.error.HTTPError as err:
                 text = err.read().decode(errors="replace")
+                if err.code == 409:  # the job is suspended: stop, a resume restarts it
+                    raise JobSuspended(err.code, text) from None
                 if err.code < 500 and err.code != 429:
                     raise ControllerError(err.code, text) from None
                 # A 503 says "not persisted, retry" (standby, API server or etcd away): it is
@@ -227,13 +258,22 @@ class HTTPController:
                     log.info("step-report endpoint: %d, retrying the same report (%s)",
                              err.code, _reason(text))
                     delay = max(delay, min(wait or 0.0, MAX_RETRY_AFTER_S))
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+            except (urllib.error.URLError, ConnectionError, TimeoutError,
+                    http.client.HTTPException) as err:
                 reason = getattr(err, "reason", err)
                 if isinstance(reason, ssl.SSLCertVerificationError):
                     if last:
                         raise self._tls_error(reason) from None
                     log.warning("step-report endpoint: certificate does not verify (attempt"
                                 " %d of %d): %s", attempt + 1, self.retries + 1, reason)
+                elif unreachable(reason):
+                    # The operator not answering (restarting after it lost its Lease, or its
+                    # connection cut): like a 503, retried within retry_window_s whatever the
+                    # count, so a restart during a control-plane outage fails no job.
+                    if last and time.monotonic() - start >= self.retry_window_s:
+                        raise
+                    log.info("step-report endpoint: no answer, retrying the same report (%s)",
+                             f"{type(reason).__name__}: {reason}"[:200])
                 elif last:
                     raise
             time.sleep(delay)

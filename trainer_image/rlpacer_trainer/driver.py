@@ -711,8 +711,41 @@ class Driver:
         (self.checkpoint_dir / "latest").write_text(final.name + "\n")
         return final
 
-    def load_checkpoint(self, path: Path | None = None) -> bool:
-        """Restores the latest (or ``path``) checkpoint; False when there is none."""
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """The complete checkpoints in ``checkpoint_dir`` as (step, folder), oldest first
+        (a folder is complete once renamed from its ``.tmp-`` name, :meth:`save_checkpoint`)."""
+        if self.checkpoint_dir is None or not self.checkpoint_dir.is_dir():
+            return []
+        out = []
+        for d in self.checkpoint_dir.glob("step-*"):
+            step = d.name.removeprefix("step-")
+            if step.isdigit() and (d / "state.json").is_file():
+                out.append((int(step), d))
+        return sorted(out)
+
+    def load_checkpoint(self, path: Path | None = None, *, at_most: int | None = None) -> bool:
+        """Restores the latest (or ``path``) checkpoint; False when there is none.
+
+        ``at_most``: the step the job's plan is at (the operator's controller expects that
+        step next): the latest checkpoint if its step is at most that, else the newest one
+        that is, since a new attempt may resume at any step up to the plan's and never past
+        it (a checkpoint past it is another run's, e.g. on a claim a deleted job of the same
+        name wrote, or one the controller's state no longer knows). None: the latest,
+        whatever its step (the controller is in this process and resumes from the checkpoint
+        itself)."""
+        if path is None and at_most is not None and self.checkpoint_dir is not None:
+            marker = self.checkpoint_dir / "latest"
+            latest = marker.read_text().strip() if marker.exists() else ""
+            saved = self.checkpoints()
+            if not any(d.name == latest and s <= at_most for s, d in saved):
+                ahead = [d.name for s, d in saved if s > at_most]
+                if ahead:
+                    print(f"checkpoints past the plan's step {at_most} not used: "
+                          f"{', '.join(ahead)}", flush=True)
+                fit = [d for s, d in saved if s <= at_most]
+                if not fit:
+                    return False
+                path = fit[-1]
         if path is None:
             if self.checkpoint_dir is None or not (self.checkpoint_dir / "latest").exists():
                 return False

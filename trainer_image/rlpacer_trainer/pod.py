@@ -6,7 +6,9 @@ Reads the env the operator sets (names in :mod:`rlpacer.api.contract`, re-export
 * ``driver``  loads the run config (the RLTrainingJob manifest at ``RLPACER_CONFIG``), joins
   Ray at ``RAY_ADDRESS`` through a Ray node of its own (or starts Ray locally when unset; see
   :mod:`rlpacer_trainer.topology` for why and how), resumes from the latest checkpoint
-  in ``RLPACER_CHECKPOINT_DIR``, and runs the loop, reporting each step to
+  in ``RLPACER_CHECKPOINT_DIR`` whose step the job's plan can take (at most the plan's step:
+  a new attempt may restart behind the operator's controller, never ahead of it; with none,
+  from step 0), and runs the loop, reporting each step to
   ``RLPACER_REPORT_URL`` with the token in ``RLPACER_TOKEN_FILE`` (in-process controller when
   no URL is set; an ``https://`` URL is verified with the CA in ``RLPACER_REPORT_CA_FILE``,
   and the endpoint is reached once before the engines start). Exit 0 when the job's steps
@@ -110,8 +112,14 @@ def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
                                engine_factory=lambda r: runtime.start_engine(cfg, r),
                                offered_replicas=runtime.offered_rollout_replicas,
                                checkpoint_dir=ckpt, on_step=on_step)
-    if drv.load_checkpoint():
+    # Where to resume is the job's plan's to say, not the checkpoint's: the operator's
+    # controller takes a new attempt from any step up to its own (the plan's), none past it.
+    at_most = None if controller is None else controller.plan().step
+    if drv.load_checkpoint(at_most=at_most):
         print(f"resumed from checkpoint at step {drv.step} (attempt {attempt})", flush=True)
+    elif at_most is not None:
+        print(f"no checkpoint to resume from: attempt {attempt} starts at step 0 (the job's"
+              f" plan is at step {at_most})", flush=True)
     (ckpt / f"topology-attempt{attempt}.json").write_text(json.dumps(drv.topology(), indent=1))
     drv.run()
     final = drv.save_checkpoint()

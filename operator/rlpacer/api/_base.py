@@ -11,16 +11,127 @@ import copy
 import math
 import types
 import typing
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import core_schema
 
 M = TypeVar("M", bound=BaseModel)
 
 #: A decimal number written as a string, as Kubernetes APIs carry non-integers.
 DECIMAL_PATTERN = r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$"
 Decimal = Annotated[str, StringConstraints(pattern=DECIMAL_PATTERN, max_length=32)]
+
+# --- bounds of numeric fields ------------------------------------------------------------------
+#
+# Every number a user writes is bounded on both sides, by what the code computes with (issue
+# 32: a promptOverprovision of "1e308" passed the CRD and made every step report overflow).
+# Integers carry ``ge``/``le`` (the CRD's minimum/maximum); decimal strings carry a
+# :class:`DecimalRange`, which pydantic checks and from which the CRD generator writes the
+# CEL rule (``rlpacer.api.schema``), so the two cannot drift.
+
+#: The API server's integers are int64 (a larger JSON integer fails "must be of type integer").
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: Largest status counter (attempts, failures, generations, long rounds): 2**53 - 1, the
+#: largest integer a float64 holds exactly. The API server keeps a schema's bounds as float64
+#: (a maximum of 2**63 - 1 becomes 2**63, outside int64, and the CRD is refused).
+MAX_COUNT = 2**53 - 1
+#: Kubernetes' replica counts (StatefulSet ``replicas``, its status) and pod ordinals are int32.
+INT32_MAX = 2**31 - 1
+#: Largest seed: every random generator the trainer and the controller seed accepts it
+#: (numpy's legacy seeding stops at 2**32 - 1).
+MAX_SEED = 2**32 - 1
+#: Largest duration of a job-level timer (deadline, TTL, toleration): ten years, longer than
+#: any training run, and far inside what date arithmetic (``datetime``) can represent.
+MAX_DURATION_SECONDS = 10 * 365 * 86_400
+
+
+def _num(x: float) -> str:
+    """A bound as a message writes it: ``1``, ``0.5``, ``1000000``."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+@dataclass(frozen=True)
+class DecimalRange:
+    """The interval a decimal-string field must lie in (both ends finite).
+
+    As ``Annotated`` metadata it validates the field (pydantic; the message names the field
+    and the side broken) and marks its JSON schema so the CRD generator writes the same
+    check as a CEL rule (:meth:`cel`)."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+
+    #: The JSON-schema key that carries the range to the CRD generator (removed there).
+    SCHEMA_KEY: ClassVar[str] = "x-rlpacer-decimal-range"
+
+    def interval(self) -> str:
+        return (f"{'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+    def problem(self, name: str, text: str) -> str | None:
+        """What is wrong with ``text`` as a value of the field ``name`` (None: nothing)."""
+        try:
+            value = decimal(text)
+        except ValueError:
+            return f"{name} {text!r} must be a finite number in {self.interval()}"
+        if value < self.low or (self.low_open and value == self.low):
+            return f"{name} must be {'>' if self.low_open else '>='} {_num(self.low)}"
+        if value > self.high or (self.high_open and value == self.high):
+            return f"{name} must be {'<' if self.high_open else '<='} {_num(self.high)}"
+        return None
+
+    def cel(self, field: str, optional: bool) -> dict[str, str]:
+        """The CEL rule (on the object holding ``field``) the API server checks."""
+        x = f"double(self.{field})"
+        lo, hi = float(self.low), float(self.high)
+        rule = (f"{x} {'>' if self.low_open else '>='} {lo!r}"
+                f" && {x} {'<' if self.high_open else '<='} {hi!r}")
+        if optional:
+            rule = f"!has(self.{field}) || ({rule})"
+        return {"rule": rule, "message": f"{field} must be in {self.interval()}",
+                "fieldPath": f".{field}", "reason": "FieldValueInvalid"}
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        def check(value: str, info: ValidationInfo) -> str:
+            bad = self.problem(to_camel(info.field_name or "value"), value)
+            if bad is not None:
+                raise ValueError(bad)
+            return value
+
+        return core_schema.with_info_after_validator_function(check, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        out = handler(schema)
+        out[self.SCHEMA_KEY] = {"low": self.low, "high": self.high,
+                                "lowOpen": self.low_open, "highOpen": self.high_open}
+        return out
+
+    @classmethod
+    def from_schema(cls, node: dict[str, Any]) -> DecimalRange | None:
+        """The range a JSON-schema node carries (popped from it), or None."""
+        raw = node.pop(cls.SCHEMA_KEY, None)
+        if raw is None:
+            return None
+        return cls(raw["low"], raw["high"], raw["lowOpen"], raw["highOpen"])
 
 
 class APIModel(BaseModel):
@@ -59,6 +170,16 @@ class TypedObject(APIModel):
         if v != cls.expected_kind:
             raise ValueError(f"kind must be {cls.expected_kind}")
         return v
+
+
+def field_range(model: type[BaseModel], name: str) -> DecimalRange | None:
+    """The :class:`DecimalRange` of ``model``'s field ``name`` (also inside ``Optional``)."""
+    f = model.model_fields[name]
+    found = [m for m in f.metadata if isinstance(m, DecimalRange)]
+    for arg in typing.get_args(f.annotation):
+        if typing.get_origin(arg) is Annotated:
+            found += [m for m in typing.get_args(arg)[1:] if isinstance(m, DecimalRange)]
+    return found[0] if found else None
 
 
 def decimal(value: str) -> float:

@@ -21,7 +21,16 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rlpacer.api import sources
-from rlpacer.api._base import APIModel, Decimal, TypedObject, decimal, read_stored
+from rlpacer.api._base import (
+    MAX_DURATION_SECONDS,
+    MAX_SEED,
+    APIModel,
+    Decimal,
+    DecimalRange,
+    TypedObject,
+    decimal,
+    read_stored,
+)
 
 GROUP = "rlpacer.io"
 VERSION = "v1alpha1"
@@ -35,7 +44,16 @@ SHORT_NAMES = ["rltj"]
 # derive names from the job's, so the builders shorten with a hash where needed.
 MAX_NAME_LENGTH = 63
 
-GroupSize = Annotated[int, Field(ge=1, le=1024)]
+#: Largest group size (responses per prompt).
+MAX_GROUP_SIZE = 1024
+GroupSize = Annotated[int, Field(ge=1, le=MAX_GROUP_SIZE)]
+#: Most steps a job may run (``spec.steps``; also bounds ``status.step``).
+MAX_STEPS = 10_000_000
+#: Largest length cap of a response or a prompt, in tokens (2**20).
+MAX_TOKENS = 1_048_576
+#: Largest absolute reward-valued setting (a penalty, a failure score): rewards are float32 in
+#: the learner; this leaves room for any reward scale while sums over a batch stay finite.
+MAX_REWARD = 1e6
 
 
 class AlgorithmName(enum.StrEnum):
@@ -129,7 +147,7 @@ class DataSpec(APIModel):
             " run's evaluation uses them. Exclusive with evalFraction."
         ),
     )
-    eval_fraction: Decimal | None = Field(
+    eval_fraction: Annotated[Decimal, DecimalRange(0, 0.5, low_open=True)] | None = Field(
         default=None,
         description=(
             "Held-out split of source: this fraction of its records (in (0, 0.5], drawn with"
@@ -142,7 +160,7 @@ class DataSpec(APIModel):
         description="Size of a builtin dataset (prompts per epoch). Ignored for files.",
     )
     seed: int = Field(
-        default=0, ge=0,
+        default=0, ge=0, le=MAX_SEED,
         description="Seed of the data order, of a held-out split and of builtin data.",
     )
 
@@ -156,8 +174,6 @@ class DataSpec(APIModel):
 
     @model_validator(mode="after")
     def _split(self) -> DataSpec:
-        if self.eval_fraction is not None and not 0 < decimal(self.eval_fraction) <= 0.5:
-            raise ValueError("evalFraction must be in (0, 0.5]")
         if self.eval_fraction is not None and self.eval_source is not None:
             raise ValueError("give evalFraction or evalSource, not both")
         builtin = self.source.startswith("builtin://")
@@ -183,13 +199,11 @@ class OverlongPenalty(APIModel):
             " (DAPO's 4096 of 20480)."
         ),
     )
-    penalty: Decimal = Field(default="1.0", description="Penalty at the length cap (>= 0).")
-
-    @model_validator(mode="after")
-    def _ranges(self) -> OverlongPenalty:
-        if decimal(self.penalty) < 0:
-            raise ValueError("penalty must be >= 0")
-        return self
+    penalty: Annotated[Decimal, DecimalRange(0, MAX_REWARD)] = Field(
+        default="1.0",
+        description=("Penalty at the length cap, in [0, 1000000] (rewards are float32 in the"
+                     " learner; larger would swamp any reward scale)."),
+    )
 
 
 #: Each preset's knobs (README "Algorithm presets"). GRPO (arXiv 2402.03300) as the
@@ -226,14 +240,16 @@ class AlgorithmSpec(APIModel):
         default=AlgorithmName.GRPO,
         description="GRPO or DAPO: the preset of every knob below that is not set.",
     )
-    clip_ratio_low: Decimal | None = Field(
+    clip_ratio_low: Annotated[Decimal, DecimalRange(0, 1, low_open=True)] | None = Field(
         default=None,
-        description="PPO clip ratio below 1 (> 0)." + _preset_doc("clip_ratio_low"),
+        description=("PPO clip ratio below 1, in (0, 1] (the ratio is clipped at"
+                     " 1 - clipRatioLow, which must not go negative)."
+                     + _preset_doc("clip_ratio_low")),
     )
-    clip_ratio_high: Decimal | None = Field(
+    clip_ratio_high: Annotated[Decimal, DecimalRange(0, 10, low_open=True)] | None = Field(
         default=None,
-        description=("PPO clip ratio above 1 (> 0; DAPO's clip-higher)."
-                     + _preset_doc("clip_ratio_high")),
+        description=("PPO clip ratio above 1, in (0, 10] (DAPO's clip-higher; a clip at"
+                     " 1 + 10 never binds in practice)." + _preset_doc("clip_ratio_high")),
     )
     dynamic_sampling: bool | None = Field(
         default=None,
@@ -250,21 +266,15 @@ class AlgorithmSpec(APIModel):
         description=("Overlong reward shaping; {enabled: false} turns it off."
                      + _preset_doc("overlong_penalty")),
     )
-    learning_rate: Decimal = Field(default="1e-6", description="Learner learning rate (> 0).")
-    kl_coef: Decimal | None = Field(
-        default=None,
-        description="KL penalty to the reference policy (>= 0)." + _preset_doc("kl_coef"),
+    learning_rate: Annotated[Decimal, DecimalRange(0, 1, low_open=True)] = Field(
+        default="1e-6",
+        description="Learner learning rate, in (0, 1] (a step of 1 already wrecks a model).",
     )
-
-    @model_validator(mode="after")
-    def _ranges(self) -> AlgorithmSpec:
-        for name in ("clip_ratio_low", "clip_ratio_high", "learning_rate"):
-            v = getattr(self, name)
-            if v is not None and decimal(v) <= 0:
-                raise ValueError(f"{_camel(name)} must be > 0")
-        if self.kl_coef is not None and decimal(self.kl_coef) < 0:
-            raise ValueError("klCoef must be >= 0")
-        return self
+    kl_coef: Annotated[Decimal, DecimalRange(0, 100)] | None = Field(
+        default=None,
+        description=("KL penalty to the reference policy, in [0, 100] (beyond, the policy"
+                     " cannot move)." + _preset_doc("kl_coef")),
+    )
 
 
 class EffectiveAlgorithm(APIModel):
@@ -276,7 +286,7 @@ class EffectiveAlgorithm(APIModel):
     loss_aggregation: LossAggregation = Field(description="TokenMean or SequenceMean.")
     dynamic_sampling: bool = Field(description="Dynamic sampling on.")
     overlong_buffer_tokens: int = Field(
-        ge=0, description="Overlong shaping's buffer in tokens; 0: shaping off.")
+        ge=0, le=MAX_TOKENS, description="Overlong shaping's buffer in tokens; 0: shaping off.")
     overlong_penalty: Decimal = Field(description="Overlong penalty at the length cap.")
     kl_coef: Decimal = Field(description="KL penalty coefficient; 0: no reference policy.")
     learning_rate: Decimal = Field(description="Learner learning rate.")
@@ -308,11 +318,12 @@ class RewardSpec(APIModel):
         default=2, ge=1, le=64,
         description="Reward worker processes (started once, reused; a killed one is replaced).",
     )
-    failure_score: Decimal = Field(
+    failure_score: Annotated[Decimal, DecimalRange(-MAX_REWARD, MAX_REWARD)] = Field(
         default="0",
         description=("The score of a call that times out, whose worker dies (crash, exit,"
                      " signal) or that raises or returns no finite number; each is counted"
-                     " in the step's metrics."),
+                     " in the step's metrics. In [-1000000, 1000000] (rewards are float32 in the"
+                     " learner)."),
     )
     pattern: str | None = Field(
         default=None, min_length=1, max_length=1024,
@@ -348,11 +359,6 @@ class RewardSpec(APIModel):
         elif self.pattern is not None:
             raise ValueError(f"pattern is read only when type is Regex (type is {self.type});"
                              " remove it or set type: Regex")
-        try:
-            decimal(self.failure_score)
-        except ValueError:
-            raise ValueError(f"failureScore {self.failure_score!r} must be a finite number,"
-                             " e.g. \"0\" or \"-1\"") from None
         return self
 
 
@@ -452,25 +458,26 @@ class RolloutSpec(PodSettings):
     gpus_per_replica: int = Field(default=1, ge=0, le=64, description="GPUs per rollout replica.")
     tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM tensor parallel.")
     max_response_tokens: int = Field(
-        default=512, ge=1, le=1_048_576, description="Length cap of a response, in tokens."
+        default=512, ge=1, le=MAX_TOKENS, description="Length cap of a response, in tokens."
     )
     max_prompt_tokens: int | None = Field(
-        default=None, ge=1, le=1_048_576,
+        default=None, ge=1, le=MAX_TOKENS,
         description=(
             "Length cap of a prompt in tokens (after the chat template); a longer prompt in"
             " the data fails the job with DataInvalid. The engines' max model length is"
             " maxPromptTokens + maxResponseTokens. Unset: the longest prompt of the data."
         ),
     )
-    temperature: Decimal = Field(default="1.0", description="Sampling temperature (>= 0).")
-    top_p: Decimal = Field(default="1.0", description="Nucleus sampling mass in (0, 1].")
+    temperature: Annotated[Decimal, DecimalRange(0, 100)] = Field(
+        default="1.0",
+        description="Sampling temperature, in [0, 100] (far past where sampling is noise).",
+    )
+    top_p: Annotated[Decimal, DecimalRange(0, 1, low_open=True)] = Field(
+        default="1.0", description="Nucleus sampling mass in (0, 1]."
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> RolloutSpec:
-        if decimal(self.temperature) < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < decimal(self.top_p) <= 1:
-            raise ValueError("topP must be in (0, 1]")
         if self.gpus_per_replica and self.tensor_parallel_size > self.gpus_per_replica:
             raise ValueError("tensorParallelSize must be <= gpusPerReplica")
         return self
@@ -498,31 +505,41 @@ class GroupControlSpec(APIModel):
         description="Allowed group sizes, strictly increasing.",
     )
     initial: int = Field(
-        default=8, ge=1, description="First group size (the only one when mode is Fixed)."
+        default=8, ge=1, le=MAX_GROUP_SIZE,
+        description="First group size (the only one when mode is Fixed).",
     )
-    target_straggler_rate: Decimal = Field(
+    target_straggler_rate: Annotated[Decimal, DecimalRange(0, 1, True, True)] = Field(
         default="0.2",
         description="delta, the straggler SLO: long-run rate of straggler steps, in (0, 1).",
     )
-    straggler_ratio: Decimal = Field(
+    straggler_ratio: Annotated[Decimal, DecimalRange(1, MAX_TOKENS, low_open=True)] = Field(
         default="4",
         description=(
-            "tau: a step whose max/median response length exceeds it is a straggler step (> 1)."
+            "tau: a step whose max/median response length exceeds it is a straggler step,"
+            " in (1, 1048576] (no ratio of lengths can exceed the largest length cap)."
             " Pick it near the workload's typical ratio, or the constraint never binds."
         ),
     )
-    forgetting: Decimal = Field(
+    forgetting: Annotated[Decimal, DecimalRange(0, 1, low_open=True)] = Field(
         default="0.95", description="Posterior forgetting factor in (0, 1]."
     )
-    dual_step_size: Decimal = Field(default="0.05", description="Dual ascent step size (>= 0).")
-    lambda_max: Decimal = Field(default="10", description="Upper bound of the multiplier (> 0).")
+    dual_step_size: Annotated[Decimal, DecimalRange(0, 100)] = Field(
+        default="0.05",
+        description=("Dual ascent step size, in [0, 100] (a step of lambdaMax's scale already"
+                     " moves the multiplier end to end)."),
+    )
+    lambda_max: Annotated[Decimal, DecimalRange(0, 1000, low_open=True)] = Field(
+        default="10",
+        description=("Upper bound of the multiplier, in (0, 1000] (it prices a straggler"
+                     " probability against a cost near 1: 1000 already forbids any risk)."),
+    )
     local_search_radius: int = Field(
         default=1, ge=0, le=16, description="How many candidate positions G may move per step."
     )
     window_steps: int = Field(
         default=50, ge=1, le=10_000, description="Window of the reported straggler rate."
     )
-    seed: int = Field(default=0, ge=0, description="Seed of Thompson sampling.")
+    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of Thompson sampling.")
 
     @field_validator("candidates")
     @classmethod
@@ -537,16 +554,6 @@ class GroupControlSpec(APIModel):
             raise ValueError(
                 f"initial ({self.initial}) must be one of candidates {self.candidates}"
             )
-        if not 0 < decimal(self.target_straggler_rate) < 1:
-            raise ValueError("targetStragglerRate must be in (0, 1)")
-        if decimal(self.straggler_ratio) <= 1:
-            raise ValueError("stragglerRatio must be > 1")
-        if not 0 < decimal(self.forgetting) <= 1:
-            raise ValueError("forgetting must be in (0, 1]")
-        if decimal(self.dual_step_size) < 0:
-            raise ValueError("dualStepSize must be >= 0")
-        if decimal(self.lambda_max) <= 0:
-            raise ValueError("lambdaMax must be > 0")
         return self
 
     def sagc_kwargs(self) -> dict[str, Any]:
@@ -582,9 +589,13 @@ class LongRoundSpec(APIModel):
 
 class TailBatchingSpec(APIModel):
     enabled: bool = Field(default=True, description="Defer long-tail prompts to long rounds.")
-    prompt_overprovision: Decimal = Field(
+    prompt_overprovision: Annotated[Decimal, DecimalRange(1, 16)] = Field(
         default="1.25",
-        description="eta: a short round launches ceil(eta * promptsPerStep) prompts (>= 1).",
+        description=(
+            "eta: a short round launches ceil(eta * promptsPerStep) prompts, in [1, 16] (more"
+            " would be mostly aborted work; the bound keeps the counts a step report is"
+            " checked against finite)."
+        ),
     )
     extra_responses_per_prompt: int = Field(
         default=1, ge=0, le=64,
@@ -593,12 +604,6 @@ class TailBatchingSpec(APIModel):
     long_round: LongRoundSpec = Field(
         default_factory=LongRoundSpec, description="Rollout capacity of long rounds."
     )
-
-    @model_validator(mode="after")
-    def _ranges(self) -> TailBatchingSpec:
-        if decimal(self.prompt_overprovision) < 1:
-            raise ValueError("promptOverprovision must be >= 1")
-        return self
 
 
 class CheckpointSpec(APIModel):
@@ -616,7 +621,11 @@ class Toleration(APIModel):
     operator: str | None = Field(default=None, description="Exists or Equal.")
     value: str | None = Field(default=None, description="Taint value.")
     effect: str | None = Field(default=None, description="NoSchedule, PreferNoSchedule, NoExecute.")
-    toleration_seconds: int | None = Field(default=None, description="For NoExecute.")
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, le=MAX_DURATION_SECONDS,
+        description="For NoExecute: seconds the pods stay bound after the taint, at most ten"
+                    " years.",
+    )
 
 
 class SchedulingSpec(APIModel):
@@ -648,7 +657,7 @@ class RLTrainingJobSpec(APIModel):
     trainer: TrainerSpec = Field(
         default_factory=TrainerSpec, description="Trainer (Ray head, driver, learners)."
     )
-    steps: int = Field(ge=1, le=10_000_000, description="Policy updates to run (one per round).")
+    steps: int = Field(ge=1, le=MAX_STEPS, description="Policy updates to run (one per round).")
     prompts_per_step: int = Field(ge=1, le=1_000_000, description="P0: prompts trained per step.")
     group_control: GroupControlSpec = Field(
         default_factory=GroupControlSpec,
@@ -683,10 +692,12 @@ class RLTrainingJobSpec(APIModel):
         description="Trainer restarts (from the last checkpoint) before Failed.",
     )
     active_deadline_seconds: int | None = Field(
-        default=None, ge=1, description="Fail the job when it runs longer than this."
+        default=None, ge=1, le=MAX_DURATION_SECONDS,
+        description="Fail the job when it runs longer than this (at most ten years).",
     )
     ttl_seconds_after_finished: int | None = Field(
-        default=None, ge=0, description="Delete the finished job (and children) after this long."
+        default=None, ge=0, le=MAX_DURATION_SECONDS,
+        description="Delete the finished job (and children) after this long (at most ten years).",
     )
 
     @model_validator(mode="after")

@@ -15,7 +15,9 @@ Design decisions:
   the controller and the scaler), so a policy created after a job still binds it.
 * Field names follow the shape in ``shared/examples/policy.yaml``; acronyms stay upper case on
   the wire (``stragglerSLO``, ``maxGPUs``) as in Kubernetes' own APIs (``podIP``).
-* Decimals are strings (no floats in a CRD) and parsed by :func:`rlpacer.api._base.decimal`.
+* Decimals are strings (no floats in a CRD) and parsed by :func:`rlpacer.api._base.decimal`;
+  every number is bounded on both sides (:class:`rlpacer.api._base.DecimalRange`, ``ge``/``le``).
+* Models only: the CRD documents are built from them by :mod:`rlpacer.api.crd`.
 
 The pure logic that applies a policy to a job lives in :mod:`rlpacer.control.policy`.
 """
@@ -24,14 +26,23 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from rlpacer.api._base import APIModel, Decimal, TypedObject, decimal
+from rlpacer.api._base import (
+    MAX_DURATION_SECONDS,
+    APIModel,
+    Decimal,
+    DecimalRange,
+    TypedObject,
+    decimal,
+)
 from rlpacer.api.job import (
     API_VERSION,
     GROUP,
+    MAX_GROUP_SIZE,
+    MAX_TOKENS,
     VERSION,
     GroupControlMode,
     GroupSize,
@@ -93,14 +104,15 @@ class GroupSizePolicy(APIModel):
 
 
 class StragglerSLO(APIModel):
-    max_target_straggler_rate: Decimal | None = Field(
+    max_target_straggler_rate: Annotated[Decimal, DecimalRange(0, 1, True, True)] | None = Field(
         default=None,
         description=(
             "The loosest straggler target (groupControl.targetStragglerRate, delta) a job may ask"
             " for, in (0, 1). Unset: any target."
         ),
     )
-    max_observed_straggler_rate: Decimal | None = Field(
+    max_observed_straggler_rate: Annotated[
+        Decimal, DecimalRange(0, 1, low_open=True)] | None = Field(
         default=None,
         description=(
             "A job whose windowed straggler rate exceeds this breaks the SLO (condition"
@@ -114,15 +126,6 @@ class StragglerSLO(APIModel):
             " before it has run this many steps."
         ),
     )
-
-    @model_validator(mode="after")
-    def _ranges(self) -> StragglerSLO:
-        t, o = self.max_target_straggler_rate, self.max_observed_straggler_rate
-        if t is not None and not 0 < decimal(t) < 1:
-            raise ValueError("maxTargetStragglerRate must be in (0, 1)")
-        if o is not None and not 0 < decimal(o) <= 1:
-            raise ValueError("maxObservedStragglerRate must be in (0, 1]")
-        return self
 
     def observed_limit(self) -> float | None:
         """The windowed straggler rate above which the SLO is broken, or None (no SLO)."""
@@ -165,17 +168,19 @@ class GroupControlDefaults(APIModel):
         description="Default groupControl.candidates, strictly increasing.",
     )
     initial: int | None = Field(
-        default=None, ge=1,
+        default=None, ge=1, le=MAX_GROUP_SIZE,
         description=(
             "Default groupControl.initial; when unset and candidates are filled in, the job's"
             " initial must be among them (the webhook then picks the middle candidate)."
         ),
     )
-    target_straggler_rate: Decimal | None = Field(
+    target_straggler_rate: Annotated[Decimal, DecimalRange(0, 1, True, True)] | None = Field(
         default=None, description="Default groupControl.targetStragglerRate (delta), in (0, 1)."
     )
-    straggler_ratio: Decimal | None = Field(
-        default=None, description="Default groupControl.stragglerRatio (tau), > 1."
+    straggler_ratio: Annotated[
+        Decimal, DecimalRange(1, MAX_TOKENS, low_open=True)] | None = Field(
+        default=None,
+        description="Default groupControl.stragglerRatio (tau), in (1, 1048576].",
     )
     window_steps: int | None = Field(
         default=None, ge=1, le=10_000, description="Default groupControl.windowSteps."
@@ -189,12 +194,7 @@ class GroupControlDefaults(APIModel):
         return v
 
     @model_validator(mode="after")
-    def _ranges(self) -> GroupControlDefaults:
-        t = self.target_straggler_rate
-        if t is not None and not 0 < decimal(t) < 1:
-            raise ValueError("targetStragglerRate must be in (0, 1)")
-        if self.straggler_ratio is not None and decimal(self.straggler_ratio) <= 1:
-            raise ValueError("stragglerRatio must be > 1")
+    def _initial(self) -> GroupControlDefaults:
         c = self.candidates
         if self.initial is not None and c is not None and self.initial not in c:
             raise ValueError(f"initial ({self.initial}) must be one of {self.candidates}")
@@ -246,10 +246,12 @@ class PolicyDefaults(APIModel):
         default=None, description="Defaults of spec.scheduling."
     )
     active_deadline_seconds: int | None = Field(
-        default=None, ge=1, description="Default spec.activeDeadlineSeconds."
+        default=None, ge=1, le=MAX_DURATION_SECONDS,
+        description="Default spec.activeDeadlineSeconds (at most ten years).",
     )
     ttl_seconds_after_finished: int | None = Field(
-        default=None, ge=0, description="Default spec.ttlSecondsAfterFinished."
+        default=None, ge=0, le=MAX_DURATION_SECONDS,
+        description="Default spec.ttlSecondsAfterFinished (at most ten years).",
     )
 
 
@@ -405,122 +407,3 @@ def parse_policy(obj: dict[str, Any]) -> RLTrainingPolicy:
         return RLTrainingPolicy.model_validate(obj)
     except ValidationError as err:
         raise ManifestError("invalid RLTrainingPolicy:\n" + format_validation_error(err)) from None
-
-
-def rltrainingpolicy_crd() -> dict[str, Any]:
-    """The RLTrainingPolicy CRD (namespaced)."""
-    return _policy_crd(cluster=False)
-
-
-def clusterrltrainingpolicy_crd() -> dict[str, Any]:
-    """The ClusterRLTrainingPolicy CRD (cluster-scoped, with a namespaceSelector)."""
-    return _policy_crd(cluster=True)
-
-
-def _policy_crd(cluster: bool) -> dict[str, Any]:
-    """A policy CRD, built by the same generator as the job's (:mod:`rlpacer.api.crd` lists
-    both in ``CRDS``; imported here lazily to avoid a cycle).
-
-    CEL rules repeat the decimal range checks (the API server enforces them even when the
-    operator, which also validates policies in its webhook, is down). The cross-field checks
-    (defaults obey the limits) are the webhook's and :class:`RLTrainingPolicySpec`'s.
-    """
-    from rlpacer.api import crd
-
-    def between(field: str, low: str, high: str, closed_high: bool) -> dict[str, str]:
-        op = "<=" if closed_high else "<"
-        return {
-            "rule": f"!has(self.{field}) || (double(self.{field}) > {low}"
-                    f" && double(self.{field}) {op} {high})",
-            "message": f"{field} must be in ({low.rstrip('.0') or '0'},"
-                       f" {high.rstrip('.0') or '0'}{']' if closed_high else ')'}",
-            "fieldPath": f".{field}",
-            "reason": "FieldValueInvalid",
-        }
-
-    rules = {
-        "StragglerSLO": [
-            between("maxTargetStragglerRate", "0.0", "1.0", False),
-            between("maxObservedStragglerRate", "0.0", "1.0", True),
-        ],
-        "GroupControlDefaults": [
-            between("targetStragglerRate", "0.0", "1.0", False),
-            {"rule": "!has(self.stragglerRatio) || double(self.stragglerRatio) > 1.0",
-             "message": "stragglerRatio must be > 1", "fieldPath": ".stragglerRatio",
-             "reason": "FieldValueInvalid"},
-        ],
-    }
-    kind, plural, singular, short = (
-        (CLUSTER_KIND, CLUSTER_PLURAL, CLUSTER_SINGULAR, CLUSTER_SHORT_NAMES) if cluster
-        else (KIND, PLURAL, SINGULAR, SHORT_NAMES))
-    model = ClusterRLTrainingPolicySpec if cluster else RLTrainingPolicySpec
-    spec = crd.model_schema(model, rules, "spec")
-    spec["description"] = (
-        "Limits, SLOs and defaults for the RLTrainingJobs of the selected namespaces." if cluster
-        else "Limits, SLOs and defaults for the RLTrainingJobs of this namespace."
-    )
-    description = (
-        "ClusterRLTrainingPolicy sets, for the RLTrainingJobs of the namespaces its"
-        " namespaceSelector matches, the allowed group sizes, the loosest straggler target,"
-        " capacity limits of long rounds, the straggler and step-time SLOs, and defaults."
-        " It applies together with each namespace's own RLTrainingPolicies."
-        if cluster else
-        "RLTrainingPolicy sets, for the RLTrainingJobs of its namespace, the allowed group"
-        " sizes, the loosest straggler target, capacity limits of long rounds, the straggler"
-        " and step-time SLOs, and defaults. Enforced by the operator's admission webhook and"
-        " at run time; every policy of a namespace applies."
-    )
-    root: dict[str, Any] = {
-        "description": description,
-        "type": "object",
-        "properties": {
-            "apiVersion": {"description": "APIVersion defines the versioned schema of this"
-                           " representation of an object.", "type": "string"},
-            "kind": {"description": "Kind is a string value representing the REST resource"
-                     " this object represents.", "type": "string"},
-            "metadata": {"description": "Standard object metadata.", "type": "object"},
-            "spec": spec,
-        },
-    }
-    if cluster:
-        root["required"] = ["spec"]
-    columns = [
-        {"name": "Action", "type": "string", "jsonPath": ".spec.action",
-         "description": "Enforce or Warn."},
-        {"name": "Max-Delta", "type": "string",
-         "jsonPath": ".spec.stragglerSLO.maxTargetStragglerRate",
-         "description": "Loosest straggler target a job may ask for."},
-        {"name": "Max-Replicas", "type": "integer",
-         "jsonPath": ".spec.longRounds.maxRolloutReplicas",
-         "description": "Most rollout replicas in a long round."},
-        {"name": "Max-GPUs", "type": "integer", "jsonPath": ".spec.longRounds.maxGPUs",
-         "description": "Most GPUs a job may hold at its peak."},
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-    ]
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": f"{plural}.{GROUP}",
-            "labels": {"app.kubernetes.io/name": "rlpacer", "app.kubernetes.io/part-of": "rlpacer"},
-        },
-        "spec": {
-            "group": GROUP,
-            "names": {
-                "kind": kind,
-                "listKind": f"{kind}List",
-                "plural": plural,
-                "singular": singular,
-                "shortNames": list(short),
-                "categories": ["rlpacer"],
-            },
-            "scope": "Cluster" if cluster else "Namespaced",
-            "versions": [{
-                "name": VERSION,
-                "served": True,
-                "storage": True,
-                "schema": {"openAPIV3Schema": root},
-                "additionalPrinterColumns": columns,
-            }],
-        },
-    }

@@ -28,9 +28,9 @@ from __future__ import annotations
 import enum
 import types
 import typing
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from rlpacer.api._base import APIModel
 
@@ -50,6 +50,16 @@ class WireModel(APIModel):
     not know is ignored rather than refused (a newer peer's addition)."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+# The protocol is JSON with integers: a report's numbers are taken as they are typed, never
+# coerced (pydantic's default would take "8", 8.0 and true for the integer 8, and "1.5" for
+# a float). Every trainer builds its report from these models, whose JSON writes integers
+# as integers, so only a hand-made or broken body is refused (422, the field named).
+#: An integer field of a report: a JSON integer (not a string, a float such as 0.0, a bool).
+WireInt = Annotated[int, Strict()]
+#: A number field of a report: a JSON number, integer or not (not a string, not a bool).
+WireFloat = Annotated[float, Strict()]
 
 
 #: At most this many unknown field names are reported per message (a hostile body may
@@ -109,11 +119,12 @@ class RolloutState(enum.StrEnum):
 class LengthSummary(WireModel):
     """Response-length statistics (tokens) of one step's kept responses."""
 
-    max: int = Field(ge=0, description="Longest kept response, in tokens.")
-    median: float = Field(ge=0, description="Median kept response length, in tokens.")
-    p90: float = Field(ge=0, description="90th percentile of kept response lengths, in tokens.")
-    count: int = Field(ge=0, description="Number of kept (scored and trained) responses.")
-    aborted: int = Field(
+    max: WireInt = Field(ge=0, description="Longest kept response, in tokens.")
+    median: WireFloat = Field(ge=0, description="Median kept response length, in tokens.")
+    p90: WireFloat = Field(
+        ge=0, description="90th percentile of kept response lengths, in tokens.")
+    count: WireInt = Field(ge=0, description="Number of kept (scored and trained) responses.")
+    aborted: WireInt = Field(
         default=0, ge=0, description="Responses aborted by tail batching in this round."
     )
 
@@ -134,13 +145,13 @@ MAX_SECONDS = 1e9
 class StepSeconds(WireModel):
     """Where the step's wall-clock time went."""
 
-    rollout: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+    rollout: WireFloat = Field(default=0.0, ge=0, le=MAX_SECONDS,
                            description="Generation time, seconds.")
-    reward: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+    reward: WireFloat = Field(default=0.0, ge=0, le=MAX_SECONDS,
                           description="Reward time not hidden by rollout.")
-    train: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+    train: WireFloat = Field(default=0.0, ge=0, le=MAX_SECONDS,
                          description="Policy update time, seconds.")
-    sync: float = Field(default=0.0, ge=0, le=MAX_SECONDS,
+    sync: WireFloat = Field(default=0.0, ge=0, le=MAX_SECONDS,
                         description="Weight sync to engines, seconds.")
 
     @property
@@ -151,17 +162,20 @@ class StepSeconds(WireModel):
 class StepReport(WireModel):
     """What the driver reports after each step (short or long round)."""
 
-    attempt: int = Field(ge=0, description="The trainer's restart count (RLPACER_ATTEMPT).")
-    step: int = Field(ge=0, description="The step just finished; steps count from 0.")
-    group_size: int = Field(ge=1, description="The group size G the plan gave for this step.")
+    attempt: WireInt = Field(ge=0, description="The trainer's restart count (RLPACER_ATTEMPT).")
+    step: WireInt = Field(ge=0, description="The step just finished; steps count from 0.")
+    group_size: WireInt = Field(
+        ge=1, description="The group size G the plan gave for this step.")
     round_kind: RoundKind = Field(description="Kind of the round just run.")
     lengths: LengthSummary
     seconds: StepSeconds = Field(default_factory=StepSeconds)
-    long_queue: int = Field(default=0, ge=0, description="Prompts waiting for a long round.")
+    long_queue: WireInt = Field(
+        default=0, ge=0, description="Prompts waiting for a long round.")
     next_round_kind: RoundKind = Field(
         default=RoundKind.SHORT, description="Kind of round the tail-batching planner wants next."
     )
-    reward: float | None = Field(default=None, description="Mean reward of the step, if known.")
+    reward: WireFloat | None = Field(
+        default=None, description="Mean reward of the step, if known.")
 
 
 class RolloutCapacity(WireModel):

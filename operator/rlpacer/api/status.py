@@ -11,6 +11,11 @@ writes exactly the bytes the control layer serialised, and restores from exactly
 after a restart. Readable copies of the interesting numbers (group size, lambda, posteriors,
 straggler rate) sit beside it; decimals are strings, as everywhere in the API.
 
+Every integer is bounded on both sides in the CRD: by the spec's own bounds where the operator
+derives the value from the spec (step, group size), by Kubernetes' int32 where it counts
+replicas or pod ordinals, and by 2**53 - 1 for counters (attempts, failures, generations: the
+largest integer the API server's float64 bounds hold exactly).
+
 Pure: no I/O. The operator writes status through one path (``rlpacer.operator.runtime``).
 """
 
@@ -22,8 +27,17 @@ from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints
 
-from rlpacer.api._base import APIModel, Decimal, read_stored
-from rlpacer.api.job import EffectiveAlgorithm
+from rlpacer.api._base import INT32_MAX, MAX_COUNT, APIModel, Decimal, read_stored
+from rlpacer.api.job import MAX_GROUP_SIZE, MAX_STEPS, EffectiveAlgorithm
+
+
+def _most(n: int) -> dict[str, Any]:
+    """The CRD's maximum of a status integer. Only the schema's: the operator computes these
+    values, and a status model that raised on an assignment past the bound would fail the
+    report or the pass half way; the writer checks the changed fields against the schema
+    before writing instead (``schema_violations``: a report that would break it is a 422)."""
+    return {"maximum": n}
+
 
 #: Messages are truncated to this many characters (Events and conditions stay readable).
 MAX_MESSAGE = 1024
@@ -49,9 +63,15 @@ class ConditionType(enum.StrEnum):
     #: judged on each step report. True reasons: StragglerRateAboveSLO, StepTimeAboveSLO;
     #: False reasons: WithinSLO, NotEnoughSteps, NoSLO. Absent while no policy sets an SLO.
     SLO_VIOLATED = "SLOViolated"
+    #: status.controllerState was found unreadable or missing (edited by someone else) and
+    #: the operator rebuilt it from the spec and the status's readable fields (step, attempt,
+    #: group size, lambda, posteriors); True from then on, the message says what was kept.
+    #: Reasons: ControllerStateUnreadable, ControllerStateMissing. Absent while never rebuilt.
+    STATE_REBUILT = "StateRebuilt"
     #: Terminal: the driver finished every step. Reason: Completed.
     SUCCEEDED = "Succeeded"
-    #: Terminal. Reasons: BackoffLimitExceeded, DeadlineExceeded, InvalidSpec.
+    #: Terminal. Reasons: BackoffLimitExceeded, DeadlineExceeded, InvalidSpec,
+    #: ControllerStateLost (the controller state could not be rebuilt).
     FAILED = "Failed"
 
 
@@ -81,6 +101,10 @@ class Reason(enum.StrEnum):
     BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     DATA_INVALID = "DataInvalid"  # the driver found bad data at start (no retry)
+    # StateRebuilt (True), and Failed when no rebuild was possible
+    CONTROLLER_STATE_UNREADABLE = "ControllerStateUnreadable"
+    CONTROLLER_STATE_MISSING = "ControllerStateMissing"
+    CONTROLLER_STATE_LOST = "ControllerStateLost"
     # SLOViolated (the values of rlpacer.control.policy.SLOReason)
     STRAGGLER_RATE_ABOVE_SLO = "StragglerRateAboveSLO"
     STEP_TIME_ABOVE_SLO = "StepTimeAboveSLO"
@@ -125,14 +149,17 @@ class Condition(APIModel):
         json_schema_extra={"format": "date-time"},
     )
     observed_generation: int | None = Field(
-        default=None, ge=0, description="metadata.generation the condition was set from."
+        default=None, ge=0, json_schema_extra=_most(MAX_COUNT),
+        description="metadata.generation the condition was set from.",
     )
 
 
 class Posterior(APIModel):
     """SAGC's belief about the straggler probability at one group size."""
 
-    group_size: int = Field(ge=1, description="The candidate group size G.")
+    group_size: int = Field(
+        ge=1, json_schema_extra=_most(MAX_GROUP_SIZE), description="The candidate group size G."
+    )
     alpha: Decimal | None = Field(
         default=None, description="Beta posterior alpha (straggler pseudo-count); SAGC only."
     )
@@ -145,8 +172,14 @@ class Posterior(APIModel):
 class RolloutStatus(APIModel):
     """Rollout capacity: what the plan asks for and what is ready."""
 
-    desired_replicas: int = Field(default=0, ge=0, description="Replicas the plan asks for now.")
-    ready_replicas: int = Field(default=0, ge=0, description="Replicas ready (observed).")
+    desired_replicas: int = Field(
+        default=0, ge=0, json_schema_extra=_most(INT32_MAX),
+        description="Replicas the plan asks for now.",
+    )
+    ready_replicas: int = Field(
+        default=0, ge=0, json_schema_extra=_most(INT32_MAX),
+        description="Replicas ready (observed).",
+    )
     state: str = Field(
         default="Ready",
         description="Ready, ScalingUp or TimedOut (the plan's rollout state).",
@@ -156,7 +189,8 @@ class RolloutStatus(APIModel):
         default=None, description="When the pending scale-up began (RFC 3339).",
         json_schema_extra={"format": "date-time"},
     )
-    ready_ordinals: list[int] | None = Field(
+    ready_ordinals: list[Annotated[int, Field(
+        ge=0, json_schema_extra=_most(INT32_MAX))]] | None = Field(
         default=None,
         description=(
             "Ordinals of the rollout StatefulSet's pods that are Ready (observed), in order;"
@@ -170,12 +204,15 @@ class ScaleAction(APIModel):
     """A change of the rollout StatefulSet's replicas."""
 
     time: str = Field(description="When (RFC 3339).", json_schema_extra={"format": "date-time"})
-    from_replicas: int = Field(ge=0, description="Replicas before.")
-    to_replicas: int = Field(ge=0, description="Replicas after.")
+    from_replicas: int = Field(
+        ge=0, json_schema_extra=_most(INT32_MAX), description="Replicas before.")
+    to_replicas: int = Field(
+        ge=0, json_schema_extra=_most(INT32_MAX), description="Replicas after.")
     reason: str = Field(max_length=64, description=(
         "LongRound, ScaleUpTimedOut, LongRoundDone or PolicyClamped (a policy tightened"
         " while the scale-up was pending)."))
-    step: int = Field(ge=0, description="The step the action was for.")
+    step: int = Field(
+        ge=0, json_schema_extra=_most(MAX_STEPS), description="The step the action was for.")
 
 
 #: Token hashes kept in status (a new one is added only when the Secret's token was lost).
@@ -187,7 +224,8 @@ class RLTrainingJobStatus(APIModel):
     """Observed state of an RLTrainingJob, written only by the operator."""
 
     observed_generation: int | None = Field(
-        default=None, ge=0, description="The metadata.generation last reconciled."
+        default=None, ge=0, json_schema_extra=_most(MAX_COUNT),
+        description="The metadata.generation last reconciled.",
     )
     conditions: list[Condition] = Field(
         default_factory=list, max_length=16,
@@ -201,11 +239,12 @@ class RLTrainingJobStatus(APIModel):
         default=None, description="One word derived from the conditions (the STATUS column)."
     )
     attempt: int = Field(
-        default=0, ge=0,
+        default=0, ge=0, json_schema_extra=_most(MAX_COUNT),
         description="The trainer's incarnation (RLPACER_ATTEMPT); grows on restart and resume.",
     )
     failures: int = Field(
-        default=0, ge=0, description="Driver failures so far (compared with spec.backoffLimit)."
+        default=0, ge=0, json_schema_extra=_most(MAX_COUNT),
+        description="Driver failures so far (compared with spec.backoffLimit).",
     )
     start_time: str | None = Field(
         default=None,
@@ -216,8 +255,14 @@ class RLTrainingJobStatus(APIModel):
         default=None, description="When the job reached a terminal state (RFC 3339).",
         json_schema_extra={"format": "date-time"},
     )
-    step: int = Field(default=0, ge=0, description="The next step to run (= steps completed).")
-    group_size: int | None = Field(default=None, ge=1, description="G the plan gives now.")
+    step: int = Field(
+        default=0, ge=0, json_schema_extra=_most(MAX_STEPS),
+        description="The next step to run (= steps completed).",
+    )
+    group_size: int | None = Field(
+        default=None, ge=1, json_schema_extra=_most(MAX_GROUP_SIZE),
+        description="G the plan gives now.",
+    )
     round_kind: str | None = Field(
         default=None, description="Kind of the next round: Short or Long.",
         json_schema_extra={"enum": ["Short", "Long"]},
@@ -247,8 +292,14 @@ class RLTrainingJobStatus(APIModel):
         description=("The algorithm the job runs: spec.algorithm's preset with the knobs the"
                      " spec sets."),
     )
-    long_queue: int = Field(default=0, ge=0, description="Prompts waiting for a long round.")
-    long_rounds: int = Field(default=0, ge=0, description="Long rounds started so far.")
+    long_queue: int = Field(
+        default=0, ge=0, json_schema_extra=_most(MAX_COUNT),
+        description="Prompts waiting for a long round.",
+    )
+    long_rounds: int = Field(
+        default=0, ge=0, json_schema_extra=_most(MAX_COUNT),
+        description="Long rounds started so far.",
+    )
     rollout: RolloutStatus = Field(
         default_factory=RolloutStatus, description="Rollout capacity: desired and ready."
     )

@@ -25,6 +25,8 @@ Module map (pure modules have no I/O and are unit-tested directly):
 * ``metrics``    Prometheus metrics with (namespace, job) labels, removed on deletion.
 * ``main``       ``rlpacer operator``: servers, Lease, then Kopf, in one event loop.
 * ``kube``       a small asyncio Kubernetes client for the operator's own writes.
-* ``bench``      ``rlpacer bench-operator``.
-* ``commands``   registers ``rlpacer crds``, ``rlpacer operator``, ``rlpacer bench-operator``.
+* ``commands``   registers ``rlpacer crds`` and ``rlpacer operator``.
+
+Its benchmarks (``rlpacer bench-operator``, ``bench-scale``) live in ``rlpacer.bench``, above it:
+the operator imports neither them nor the test harness (``rlpacer.testing``).
 """

@@ -12,6 +12,14 @@ Lifecycle (conditions, see ``rlpacer.api.status``):
   active-deadline clock restarts (as Kubernetes Jobs do).
 * The operator stops a running driver itself (:func:`restart_attempt`: it runs with a Ray
   token the job's pods no longer share): a new attempt, not counted against ``backoffLimit``.
+* Driver pod of the current attempt gone without having failed (Kubernetes Jobs'
+  ``podFailurePolicy`` convention for ``DisruptionTarget``): deleted (``kubectl delete pod``, a
+  drain, an eviction, a preemption) after its attempt reported a step, being deleted when it
+  ended Failed, or Failed with the ``DisruptionTarget`` condition (a node-pressure eviction):
+  a new attempt from the last checkpoint, not counted against ``backoffLimit``. Never the
+  same attempt again: a driver restarted from its checkpoint reports a step behind the
+  controller, which a new attempt may do and the same attempt may not. A driver pod deleted
+  before its attempt reported anything is created again under the same attempt.
 * Driver pod of the current attempt Failed: ``failures`` += 1; within ``backoffLimit`` a new
   attempt (new driver pod, the controller state kept: it continues from what it learnt), else
   Failed/BackoffLimitExceeded. Driver Failed with ``contract.EXIT_DATA_INVALID`` (bad data,
@@ -20,14 +28,33 @@ Lifecycle (conditions, see ``rlpacer.api.status``):
 * ``activeDeadlineSeconds`` past ``startTime``: Failed/DeadlineExceeded.
 * Terminal: workloads deleted (GPUs released); after ``ttlSecondsAfterFinished`` the job is
   deleted (children follow by garbage collection).
+* ``status.controllerState`` unreadable or missing (someone else wrote the status):
+  :func:`recover_controller_state` rebuilds it from the spec and the status's readable fields
+  (StateRebuilt=True and a Warning Event, the job carries on); only a state that cannot be
+  rebuilt fails the job (Failed/ControllerStateLost).
+
+Why rebuild rather than fail: the step sequence is never lost with the state. ``step`` and
+``attempt`` are plain status fields that ``read_status`` keeps whatever else is unreadable,
+and the trainer resumes from its own checkpoint at any step up to the next one, so a
+controller at the status's step and attempt, with the status's group size pending, accepts
+the running driver's next report as if nothing happened. What the status also shows of the
+controller (lambda, each candidate's Beta posterior, the straggler rate, the mean step time)
+is put back, so SAGC continues from nearly where it was; what only the state held is lost:
+the Thompson sampler's generator position (reseeded from the spec's seed), the per-step
+straggler window (approximated from the rate) and the record of the last answered report (a
+retry of a report persisted just before the state was broken is refused as out of order).
+Failing a user's job for a status edit would throw away hours of training for none of that.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from rlpacer.api import contract
+from rlpacer.api._base import decimal
 from rlpacer.api.job import RLTrainingJobSpec, effective_algorithm
 from rlpacer.api.status import (
     MAX_SCALE_ACTIONS,
@@ -42,6 +69,8 @@ from rlpacer.api.status import (
     set_condition,
     summarize,
 )
+from rlpacer.control.plan import JobController
+from rlpacer.control.sagc import GroupControlMode
 from rlpacer.operator import hosting, scaler
 from rlpacer.operator.scaler import Event
 from rlpacer.operator.timeutil import fmt_time, parse_time
@@ -56,6 +85,15 @@ class Observed:
     driver_message: str = ""
     #: exit code of the driver's container when it terminated (None: running, or not seen)
     driver_exit_code: int | None = None
+    #: the driver pod is being deleted (``metadata.deletionTimestamp``): by someone, a drain,
+    #: an eviction or a preemption; its end is then no failure of the trainer
+    driver_deleting: bool = False
+    #: the reason of the driver pod's ``DisruptionTarget`` condition when it is True (e.g.
+    #: ``TerminationByKubelet``, ``PreemptionByScheduler``); None: not disrupted
+    driver_disruption: str | None = None
+    #: False: the pod of ``attempt`` was not looked at (the status moved to another attempt
+    #: since the look), so its absence says nothing
+    driver_looked: bool = True
     rollout_ready: int = 0
     #: ordinals of the rollout StatefulSet's Ready pods (None: not looked at)
     rollout_ordinals: tuple[int, ...] | None = None
@@ -186,6 +224,17 @@ def decide(
         d.workloads = False
         if spec.ttl_seconds_after_finished is not None:
             d.requeue_after = float(spec.ttl_seconds_after_finished)
+    elif (phase == "Failed" and (observed.driver_deleting or observed.driver_disruption)) or (
+            phase is None and observed.driver_looked and attempt_reported(st)):
+        # gone without having failed: a new attempt resumes the job, not counted
+        n = st.attempt
+        how = (f"was stopped by a disruption ({observed.driver_disruption})"
+               if observed.driver_disruption else "was deleted" if phase == "Failed"
+               else "is gone (deleted, drained, evicted or preempted)")
+        msg = (f"the driver pod of attempt {n} {how} without having failed; attempt {n + 1}"
+               " resumes from the last checkpoint (not counted against backoffLimit)")
+        _next_attempt(spec, st, msg, t, gen)
+        ev.append(Event("Warning", "Restarting", msg))
     elif phase == "Failed" and observed.driver_exit_code == contract.EXIT_DATA_INVALID:
         # permanent: the data is bad; another attempt would fail the same way
         msg = observed.driver_message or "data invalid: see the driver pod's log"
@@ -210,18 +259,11 @@ def decide(
             _finish(st, t)
             d.workloads = False
         else:
-            st.attempt += 1
-            msg = (f"driver of attempt {st.attempt - 1} failed ({why}); attempt {st.attempt}"
+            msg = (f"driver of attempt {st.attempt} failed ({why}); attempt {st.attempt + 1}"
                    f" restarts from the last checkpoint ({st.failures}/{spec.backoff_limit})")
-            _cond(st, ConditionType.TRAINING, False, Reason.RESTARTING, msg, t, gen)
-            _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED, "restarting", t, gen)
+            _next_attempt(spec, st, msg, t, gen)
             ev.append(Event("Warning", "Restarting", msg))
-            # A long round in flight is abandoned: back to short-round capacity.
-            st.rollout = st.rollout.model_copy(update={
-                "desired_replicas": scaler.short_replicas(spec), "state": "Ready",
-                "scale_up_started_at": None,
-            })
-    elif phase == "Running":
+    elif phase == "Running" and not observed.driver_deleting:
         training = find(st.conditions, ConditionType.TRAINING)
         if training is None or training.status != "True":
             _cond(st, ConditionType.TRAINING, True, Reason.RUNNING,
@@ -273,17 +315,201 @@ def restart_attempt(
     last checkpoint and does not count against ``backoffLimit``."""
     st = status.model_copy(deep=True)
     t = fmt_time(now)
-    st.attempt += 1
-    msg = (f"attempt {st.attempt - 1} stopped ({why}); attempt {st.attempt} restarts from the"
+    msg = (f"attempt {st.attempt} stopped ({why}); attempt {st.attempt + 1} restarts from the"
            " last checkpoint")
-    _cond(st, ConditionType.TRAINING, False, Reason.RESTARTING, msg, t, generation)
-    _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED, "restarting", t, generation)
+    _next_attempt(spec, st, msg, t, generation)
+    st.summary = summarize(st.conditions)
+    return st, Event("Warning", "Restarting", msg)
+
+
+def _next_attempt(
+    spec: RLTrainingJobSpec, st: RLTrainingJobStatus, msg: str, t: str, gen: int | None
+) -> None:
+    """Start attempt ``st.attempt + 1`` (in place): a new driver pod resumes from the last
+    checkpoint with the controller state kept (it continues from what it learnt); a long
+    round in flight is abandoned, back to short-round capacity."""
+    st.attempt += 1
+    _cond(st, ConditionType.TRAINING, False, Reason.RESTARTING, msg, t, gen)
+    _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED, "restarting", t, gen)
     st.rollout = st.rollout.model_copy(update={
         "desired_replicas": scaler.short_replicas(spec), "state": "Ready",
         "scale_up_started_at": None,
     })
+
+
+def attempt_reported(st: RLTrainingJobStatus) -> bool:
+    """Whether the current attempt's driver had a step report accepted (the controller is at
+    this attempt and has observed steps): its pod ran, so a driver pod of this attempt that
+    is gone was deleted, and one started again under the same attempt would restart from its
+    checkpoint behind the controller, which the step-report protocol refuses within an attempt.
+    A rebuilt controller state (:func:`rebuild_state`) stands at the status's attempt and step
+    with no record of who reported: then True once the job has run a step (a new attempt where
+    none was needed costs nothing; the same attempt where one was needed fails the driver).
+    Reads the controller state only when asked (a driver pod absent from a live job is rare)."""
+    if st.controller_state is None:
+        return False
+    try:
+        ctl = hosting.load(st.controller_state)
+    except ValueError:  # unreadable state (StateError is one): nothing to go by
+        return False
+    return ctl.attempt == st.attempt and (ctl.last_report is not None or ctl.steps_observed > 0)
+
+
+class StateUnreadable(Exception):
+    """``status.controllerState`` cannot be used: unreadable (not JSON, another kind or
+    version, a broken field) or missing from a job that has run. Nothing is changed; the
+    step-report endpoint answers 503 (retry) while the reconciler rebuilds the state
+    (:func:`recover_controller_state`)."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, json.JSONDecodeError):
+        return f"not JSON ({err.msg} at character {err.pos})"
+    text = str(err) or type(err).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def load_controller(status: RLTrainingJobStatus) -> JobController | None:
+    """The controller persisted in ``status.controllerState``; None for a job that has none
+    yet (not admitted: it starts from the spec). Raises :class:`StateUnreadable`."""
+    state = status.controller_state
+    if state is None:
+        if (is_true(status.conditions, ConditionType.ADMITTED) or status.step > 0
+                or status.attempt > 0 or status.last_report_time is not None):
+            raise StateUnreadable(Reason.CONTROLLER_STATE_MISSING,
+                                  "status.controllerState is missing")
+        return None
+    try:
+        return hosting.load(state)
+    except Exception as e:  # any content at all may have been written there
+        raise StateUnreadable(Reason.CONTROLLER_STATE_UNREADABLE,
+                              f"status.controllerState is unreadable: {_why(e)}") from None
+
+
+def _finite(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return decimal(value)
+    except ValueError:
+        return None
+
+
+def rebuild_state(
+    spec: RLTrainingJobSpec, status: RLTrainingJobStatus, readable: bool = True
+) -> tuple[JobController, str]:
+    """A controller for the job rebuilt from its spec and its status's readable fields, and
+    a note of what was taken over. Pure and deterministic.
+
+    The controller stands at ``status.step`` and ``status.attempt`` with ``status.groupSize``
+    pending (the G the running driver was given), so the driver's next report is accepted.
+    With ``readable``, the status's lambda, Beta posteriors, straggler rate and mean step time
+    are put back too (the straggler window as that many straggler steps of the last
+    ``windowSteps``). Raises ``ValueError`` if even that cannot make a valid state.
+    """
+    cfg = hosting.controller_config(spec)
+    d: dict[str, Any] = JobController(cfg).state_dict()
+    inner: dict[str, Any] = d["controller"]
+    sagc = cfg.mode is GroupControlMode.SAGC
+    candidates = cfg.sagc.candidates if sagc else (cfg.sagc.initial,)
+    step, attempt = status.step, status.attempt
+    d["next_step"], d["attempt"] = step, attempt
+    if status.round_kind in ("Short", "Long"):
+        d["next_round_kind"] = status.round_kind
+    d["long_rounds"] = status.long_rounds
+    d["steps_observed"] = step
+    inner["steps"] = step
+    kept = [f"step {step}", f"attempt {attempt}"]
+    g = status.group_size
+    if g in candidates:
+        inner["pending"] = g
+        if sagc:
+            inner["current"] = g
+        kept.append(f"group size {g}")
+    if readable:
+        n = min(step, cfg.straggler_window)
+        rate = _finite(status.straggler_rate)
+        if rate is not None and n > 0:
+            k = min(n, max(0, round(rate * n)))
+            d["window"] = [True] * k + [False] * (n - k)
+            inner["stragglers"] = k
+            kept.append(f"straggler rate {status.straggler_rate}")
+        mean = _finite(status.step_seconds)
+        if mean is not None and mean >= 0 and n > 0:
+            d["step_seconds"] = [mean] * n
+            kept.append(f"step time {status.step_seconds}s")
+        posteriors = {p.group_size: (_finite(p.alpha), _finite(p.beta))
+                      for p in status.posteriors}
+        restored = []
+        for i, c in enumerate(candidates):
+            a, b = posteriors.get(c, (None, None))
+            if a is None or b is None or not (a > 0 and b > 0):
+                continue
+            if sagc:
+                inner["alpha"][i], inner["beta"][i] = a, b
+            else:
+                inner["alpha"], inner["beta"] = a, b
+            restored.append(c)
+        if restored:
+            kept.append("posteriors of G " + ", ".join(map(str, restored)))
+        lam = _finite(status.lambda_)
+        if sagc and lam is not None:
+            inner["lambda"] = min(max(lam, 0.0), cfg.sagc.lambda_max)
+            kept.append(f"lambda {status.lambda_}")
+    return JobController.from_state_dict(d), ", ".join(kept)  # validates every field
+
+
+def recover_controller_state(
+    spec: RLTrainingJobSpec,
+    status: RLTrainingJobStatus,
+    now: datetime,
+    generation: int | None,
+) -> tuple[RLTrainingJobStatus, list[Event]]:
+    """Rebuild an unusable ``status.controllerState`` (a no-op when it is usable).
+
+    Sets StateRebuilt=True (reason ControllerStateUnreadable or ControllerStateMissing) and
+    returns a Warning Event ``ControllerStateRebuilt``, both saying what was kept and lost.
+    If no valid state can be made from the status (not expected: the fallback takes only
+    step and attempt), the job fails with reason ControllerStateLost.
+    """
+    try:
+        load_controller(status)
+        return status, []
+    except StateUnreadable as e:
+        problem = e
+    st = status.model_copy(deep=True)
+    t = fmt_time(now)
+    ctl: JobController | None = None
+    kept = ""
+    for readable in (True, False):  # the readable fields, else the step sequence alone
+        try:
+            ctl, kept = rebuild_state(spec, st, readable)
+            break
+        except ValueError:
+            continue
+    if ctl is None:
+        if is_terminal(st.conditions):
+            return status, []
+        msg = (f"{problem.message}, and no controller state can be rebuilt from the status"
+               f" (step {st.step}, attempt {st.attempt}): the job fails")
+        _cond(st, ConditionType.FAILED, True, Reason.CONTROLLER_STATE_LOST, msg, t, generation)
+        _cond(st, ConditionType.TRAINING, False, Reason.STOPPED, msg, t, generation)
+        _finish(st, t)
+        st.summary = summarize(st.conditions)
+        return st, [Event("Warning", "ControllerStateLost", msg)]
+    st.controller_state = hosting.dumps(ctl.state_dict())
+    hosting.fill_status(st, ctl, ctl.plan())
+    msg = (f"{problem.message}; rebuilt from the spec and the status ({kept}). Lost: the"
+           " group-size sampler's random stream (reseeded), the per-step straggler window"
+           " (approximated from the rate) and the record of the last answered report")
+    _cond(st, ConditionType.STATE_REBUILT, True, problem.reason, msg, t, generation)
     st.summary = summarize(st.conditions)
-    return st, Event("Warning", "Restarting", msg)
+    return st, [Event("Warning", "ControllerStateRebuilt", msg)]
 
 
 def _record(st: RLTrainingJobStatus, actions: list[ScaleAction]) -> None:

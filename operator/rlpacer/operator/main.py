@@ -55,13 +55,15 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
     ctx = OperatorContext(settings=settings, creds=creds, jobs=jobs, loops=loops)
     registry = build_registry(ctx)
     m_runner, m_port = await start_site(
-        metrics_app(metrics, leader), settings.metrics_host, settings.metrics_port)
+        metrics_app(metrics, leader), settings.metrics_host, settings.metrics_port,
+        header_timeout=settings.http_header_timeout_seconds)
     cert = report_cert(settings)
     if cert is not None:
         jobs.report_ca = cert.ca_pem
     r_runner, r_port = await start_site(
         report_app(jobs, leader, metrics), settings.report_host, settings.report_port,
-        ssl_context=cert.context if cert is not None else None)
+        ssl_context=cert.context if cert is not None else None,
+        header_timeout=settings.http_header_timeout_seconds)
     log.info("serving step reports on :%d (%s), metrics on :%d (identity %s)", r_port,
              "TLS" if cert is not None else "plain HTTP: report_insecure_http", m_port,
              settings.identity)

@@ -13,25 +13,38 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from rlpacer.api._base import decimal
+from rlpacer.api._base import decimal, field_range
 from rlpacer.api.crd import schema_violations, status_schema
-from rlpacer.api.job import RLTrainingJobSpec, algorithm_knob
+from rlpacer.api.job import RLTrainingJobSpec, TailBatchingSpec, algorithm_knob
 from rlpacer.api.policy import RLTrainingPolicy
-from rlpacer.api.protocol import Plan, StepReport
+from rlpacer.api.protocol import Plan, RoundKind, StepReport
 from rlpacer.api.status import (
     ConditionType,
     Reason,
     RLTrainingJobStatus,
     find,
     is_terminal,
+    is_true,
     set_condition,
     summarize,
 )
 from rlpacer.control.plan import ControlPlan, JobController, ReportRejected
 from rlpacer.operator import enforce, hosting, scaler
-from rlpacer.operator.decide import record_scale_actions
+from rlpacer.operator.decide import StateUnreadable, load_controller, record_scale_actions
 from rlpacer.operator.scaler import Event
 from rlpacer.operator.timeutil import fmt_time
+
+
+class JobSuspended(Exception):
+    """A report to a suspended job (``spec.suspend``, or the Suspended condition not yet
+    cleared by the resume): refused, nothing changed (HTTP 409 ``JobSuspended``). The
+    driver stops; resuming the job starts a new attempt that reports again."""
+
+    reason = "JobSuspended"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,8 @@ def current_plan(
     """``GET plan``: the plan for the next step from the persisted state (changes nothing).
     ``ctl``: a live controller whose state is ``status.controllerState``."""
     if ctl is None:
-        ctl = hosting.load(status.controller_state or hosting.new_state(spec))
+        # raises StateUnreadable (503 while the reconciler rebuilds the state)
+        ctl = load_controller(status) or hosting.load(hosting.new_state(spec))
     return _plan(spec, status, ctl.plan())
 
 
@@ -86,19 +100,33 @@ def accept_report(
     policy's SLO is judged into the SLOViolated condition (see ``rlpacer.operator.enforce``).
 
     Raises :class:`ReportRejected` (nothing changed) for an impossible report, a report of
-    an attempt the operator did not start, or a report to a finished job.
+    an attempt the operator did not start, or a report to a finished job;
+    :class:`JobSuspended` for a report to a suspended job; :class:`StateUnreadable` when
+    ``status.controllerState`` cannot be used (the reconciler rebuilds it).
     """
     if is_terminal(status.conditions):
         raise ReportRejected("JobFinished", f"the job is {summarize(status.conditions).value}")
+    if spec.suspend or is_true(status.conditions, ConditionType.SUSPENDED):
+        # Its pods are being deleted: a step accepted now would be one the resumed attempt
+        # (from the last checkpoint) runs again, counted twice.
+        raise JobSuspended(
+            "the job is suspended (spec.suspend): no step report is accepted and its pods"
+            " are deleted; this driver should stop. Resuming the job (spec.suspend=false)"
+            " starts a new attempt, from the last checkpoint, that reports again")
     if report.attempt != status.attempt:
         raise ReportRejected(
             "AttemptMismatch",
             f"attempt {report.attempt} is not the job's current attempt {status.attempt}"
             " (RLPACER_ATTEMPT of the running driver)",
         )
-    state = status.controller_state or hosting.new_state(spec)
     if status.controller_state is None:
+        load_controller(status)  # raises StateUnreadable for a job that has run
+        state = hosting.new_state(spec)
         ctl = None  # a live controller always matches a persisted state
+    else:
+        state = status.controller_state
+        if ctl is None:
+            ctl = load_controller(status)
     # A live ``ctl`` was taken from the job's runtime: if this raises, it is dropped, so an
     # in-memory controller that observed a rejected report is never used again.
     new_state, cp, ctl = hosting.apply_report(state, report, ctl)
@@ -119,16 +147,25 @@ def accept_report(
         # Deterministic in (state, spec, policies): the clamped config lives in the state.
         p = ctl.plan(straggler=cp.straggler)
         cp, new_state = p, hosting.dumps(ctl.state_dict())
-    rollout, actions, events = scaler.plan_round(
-        st.rollout, spec, cp.round_kind, cp.step, now,
-        long_target=None if lim is None else lim.long_round_replicas)
-    st.rollout = rollout
-    record_scale_actions(st, actions)
+    # The step just reported was the job's last (the plan says done): no round follows. A
+    # long round the planner asks for now would scale the rollout up for a round that never
+    # runs, so a done job's capacity is only ever planned down (a short round next: the
+    # driver released its long-round engines before this report, as on every other step);
+    # what stays is released with the job's end.
+    done = cp.step >= spec.steps
+    events: list[Event] = []
+    if not (done and cp.round_kind is RoundKind.LONG):
+        rollout, actions, events = scaler.plan_round(
+            st.rollout, spec, cp.round_kind, cp.step, now,
+            long_target=None if lim is None else lim.long_round_replicas)
+        st.rollout = rollout
+        record_scale_actions(st, actions)
     st.controller_state = new_state
     hosting.fill_status(st, ctl, cp)
     st.long_queue = report.long_queue
     st.last_report_time = t
-    if cp.round_kind.value == "Long":
+    if cp.round_kind is RoundKind.LONG and not done:
+        rollout = st.rollout
         if rollout.state == "ScalingUp":
             reason = Reason.SCALING_UP
             msg = f"step {cp.step}: waiting for {rollout.desired_replicas} rollout replicas"
@@ -178,13 +215,29 @@ def accept_report(
 MAX_ROUNDS_PER_STEP = 16
 
 
+_eta = field_range(TailBatchingSpec, "prompt_overprovision")
+assert _eta is not None, "TailBatchingSpec.prompt_overprovision has a DecimalRange"
+#: promptOverprovision's range, as the model and the CRD check it (for the message).
+_ETA_RANGE = _eta.interval()
+
+
 def report_bounds(spec: RLTrainingJobSpec, group_size: int) -> dict[str, tuple[int, str]]:
     """The largest value the spec allows for each bounded field of a report with this group
     size, with how it follows from the spec (for the message)."""
     p0 = spec.prompts_per_step
     tb = spec.tail_batching
-    eta = decimal(tb.prompt_overprovision) if tb.enabled else 1.0
-    launched = math.ceil(eta * p0 - 1e-9)
+    try:
+        # The only float arithmetic on the spec here. The models bound promptOverprovision
+        # (so does the CRD); should an unchecked value get this far all the same, the answer
+        # names the field (422), never an OverflowError (500).
+        eta = decimal(tb.prompt_overprovision) if tb.enabled else 1.0
+        launched = math.ceil(eta * p0 - 1e-9)
+    except (ArithmeticError, ValueError):
+        raise ReportRejected(
+            "InvalidSpec",
+            f"spec.tailBatching.promptOverprovision {tb.prompt_overprovision!r} x"
+            f" spec.promptsPerStep {p0} is no finite prompt count; fix the job's spec"
+            f" (promptOverprovision must be in {_ETA_RANGE})") from None
     per_prompt = group_size + (tb.extra_responses_per_prompt if tb.enabled else 0)
     dynamic = algorithm_knob(spec.algorithm, "dynamic_sampling")
     rounds = MAX_ROUNDS_PER_STEP if dynamic else 1
@@ -224,6 +277,6 @@ def check_report(spec: RLTrainingJobSpec, report: StepReport) -> None:
 
 
 __all__ = [
-    "Accepted", "ReportRejected", "accept_report", "check_report", "current_plan",
-    "report_bounds",
+    "Accepted", "JobSuspended", "ReportRejected", "StateUnreadable", "accept_report",
+    "check_report", "current_plan", "report_bounds",
 ]

@@ -28,6 +28,7 @@ import logging
 import random
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -50,13 +51,22 @@ from rlpacer.api.status import (
     ConditionType,
     Reason,
     RLTrainingJobStatus,
+    is_terminal,
     read_status,
     set_condition,
     summarize,
 )
 from rlpacer.control.plan import JobController
 from rlpacer.operator import builders, enforce, names, scaler
-from rlpacer.operator.decide import Decision, Observed, decide, restart_attempt
+from rlpacer.operator.decide import (
+    Decision,
+    Observed,
+    StateUnreadable,
+    decide,
+    load_controller,
+    recover_controller_state,
+    restart_attempt,
+)
 from rlpacer.operator.kube import METADATA_ONLY, ApiError, KubeClient, object_path
 from rlpacer.operator.metrics import Metrics
 from rlpacer.operator.policies import PolicyCache
@@ -68,6 +78,13 @@ log = logging.getLogger("rlpacer.operator")
 
 T = TypeVar("T")
 MAX_CAS_RETRIES = 10
+#: The resourceVersions of a job this process wrote or read, remembered to tell someone
+#: else's write apart on the job watch (which may lag behind a burst of status writes).
+KNOWN_RVS = 64
+#: How long after the job watch shows a resourceVersion this process does not know it looks
+#: again before taking it for someone else's write: the watch event of the operator's own
+#: status write may arrive before the write's answer does.
+FOREIGN_WRITE_CHECK_S = 0.25
 
 
 
@@ -154,6 +171,17 @@ class JobRuntime:
     #: :func:`status_shape` of a status the API server stored exactly as this process sent
     #: it: a write of a status of this shape needs no echo of the stored object.
     verified_shape: frozenset[str] | None = None
+    #: The resourceVersions this process last wrote or read the job at (:meth:`foreign`).
+    known_rvs: deque[str] = field(default_factory=lambda: deque(maxlen=KNOWN_RVS))
+
+    def foreign(self, resource_version: str) -> bool:
+        """Whether ``resource_version`` is one this process neither wrote nor read: someone
+        else wrote the job (a user's edit of its status or spec, another replica)."""
+        return resource_version != self.rv and resource_version not in self.known_rvs
+
+    def _know(self) -> None:
+        if self.rv and (not self.known_rvs or self.known_rvs[-1] != self.rv):
+            self.known_rvs.append(self.rv)
 
     def take_controller(self, state: str | None) -> JobController | None:
         live, self.live = self.live, None
@@ -177,6 +205,7 @@ class JobRuntime:
             self.token = self.ray_token = None  # a new object with the same name
         self.uid = uid
         self.rv = meta.get("resourceVersion", "")
+        self._know()
         self.generation = meta.get("generation")
         raw_spec = obj.get("spec") or {}
         if raw_spec != self.raw_spec or self.spec is None:
@@ -210,6 +239,7 @@ class JobRuntime:
         written, which a write of a verified shape stores as sent. The spec cannot have
         changed: the write carried the resourceVersion it was read at."""
         self.rv = meta.get("resourceVersion", self.rv)
+        self._know()
         self.status = status
 
 
@@ -290,8 +320,25 @@ class Jobs:
             rt.wake.set()
 
     def saw(self, namespace: str, name: str, resource_version: str) -> None:
-        """The job watch saw this resourceVersion of the job."""
-        self._seen_rv[(namespace, name)] = resource_version
+        """The job watch saw this resourceVersion of the job. One this process did not write
+        (nor read) is someone else's write: the job's loop is woken (after
+        :data:`FOREIGN_WRITE_CHECK_S`, if still unknown then) and its pass reads the job
+        again, so an edit of the status (a broken controller state) is acted on at once, not
+        at the next full pass."""
+        key = (namespace, name)
+        self._seen_rv[key] = resource_version
+        rt = self._jobs.get(key)
+        if rt is None or not rt.foreign(resource_version):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop: nobody to wake
+            return
+        loop.call_later(FOREIGN_WRITE_CHECK_S, self._foreign_write, rt, resource_version)
+
+    def _foreign_write(self, rt: JobRuntime, resource_version: str) -> None:
+        if self._jobs.get((rt.namespace, rt.name)) is rt and rt.foreign(resource_version):
+            rt.wake.set()
 
     def child_event(self, namespace: str, job: str, kind: str, name: str,
                     event: str | None, meta: dict[str, Any]) -> None:
@@ -599,12 +646,15 @@ class Jobs:
             object_path("v1", "pods", rt.namespace, names.driver_pod(rt.name, attempt))
         )
         phase, message, exit_code = None, "", None
+        deleting, disruption = False, None
         if pod is not None and not _owned_by(pod, rt.uid):
             pod = None
         if pod is not None:
             st = pod.get("status") or {}
-            phase = st.get("phase")
+            phase = st.get("phase") or "Pending"  # None is for an absent pod
             message = st.get("message") or st.get("reason") or ""
+            deleting = bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+            disruption = disruption_reason(pod)
             for cs in st.get("containerStatuses") or []:
                 term = (cs.get("state") or {}).get("terminated")
                 if term:
@@ -629,7 +679,8 @@ class Jobs:
         ordinals = tuple(scaler.ready_ordinals(
             listed.get("items") or [], names.statefulset(rt.name, contract.Role.ROLLOUT)))
         return Observed(attempt=attempt, driver_phase=phase, driver_message=message,
-                        driver_exit_code=exit_code,
+                        driver_exit_code=exit_code, driver_deleting=deleting,
+                        driver_disruption=disruption,
                         rollout_ready=ready, rollout_ordinals=ordinals), pod
 
     async def reconcile(self, rt: JobRuntime) -> float | None:
@@ -651,11 +702,17 @@ class Jobs:
             async with rt.lock:
                 await self._invalid(rt)
             return None
+        await self._recover_state(rt)
         seen = rt.observation
         # While a scale-up pends, every pass looks: its deadline is decided on the replicas
         # ready now, not on the last event's view (a short, rare state: no cost at rest).
         pending = rt.status.rollout.state == RolloutState.SCALING_UP.value
-        if (full or pending or rt.children_changed or seen is None
+        # A live job's driver last seen absent is looked at again: an absent driver whose
+        # attempt reported is taken as gone (a new attempt), which must never follow from a
+        # view older than the pod (created by the last pass, its watch event not in yet).
+        no_driver = (seen is not None and seen[1] is None and not rt.spec.suspend
+                     and not is_terminal(rt.status.conditions))
+        if (full or pending or no_driver or rt.children_changed or seen is None
                 or seen[0].attempt != rt.status.attempt):
             rt.children_changed = False  # an event from now on is seen by the next pass
             try:
@@ -679,7 +736,8 @@ class Jobs:
             obs = dataclasses.replace(observed, long_round_cap=cap)
             if st.attempt != observed.attempt:  # the driver seen belongs to another attempt
                 obs = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready,
-                               rollout_ordinals=observed.rollout_ordinals, long_round_cap=cap)
+                               rollout_ordinals=observed.rollout_ordinals, long_round_cap=cap,
+                               driver_looked=False)
             d = decide(spec, st, obs, now, rt.generation)
             return d.status, d
 
@@ -724,17 +782,19 @@ class Jobs:
             text = json.dumps(obj, sort_keys=True)
             if rt.applied.get(key) == text:
                 continue
+            if (obj["kind"] == "Pod" and driver is not None
+                    and driver["metadata"]["name"] == obj["metadata"]["name"]):
+                # The driver pod is applied only where this pass saw none: a pod's spec is
+                # immutable (a changed report URL reaches the next attempt), and an apply
+                # after its deletion would bring it back under an attempt that has reported,
+                # whose steps a driver restarted from its checkpoint can no longer report
+                # (decide starts a new attempt instead).
+                rt.applied[key] = text
+                continue
             try:
                 out = await self.kube.apply(obj, self.settings.field_manager)
             except ApiError as e:
-                if (e.status == 422 and obj["kind"] == "Pod" and driver is not None
-                        and driver["metadata"]["name"] == obj["metadata"]["name"]):
-                    # A running pod's spec is immutable (e.g. the operator's report URL
-                    # changed): it keeps what it has; the next attempt gets the new spec.
-                    log.warning("%s/%s: pod %s not updated: %s", rt.namespace, rt.name,
-                                obj["metadata"]["name"], e.message)
-                    out = None
-                elif e.status in (400, 403, 422) and not namespace_terminating(e):
+                if e.status in (400, 403, 422) and not namespace_terminating(e):
                     raise ChildRefused(obj["kind"], obj["metadata"]["name"], e) from None
                 else:
                     raise
@@ -750,6 +810,30 @@ class Jobs:
                 if await self.kube.delete(object_path(api, plural, rt.namespace, child)):
                     rt.applied.clear()
         return dec.requeue_after
+
+    async def _recover_state(self, rt: JobRuntime) -> None:
+        """Rebuild the job's controller state if it cannot be used (someone else wrote the
+        status): condition StateRebuilt and a Warning Event (``decide`` module docstring).
+        A usable state is kept as the job's live controller, so checking costs one parse
+        only after the status was read from the API server, and none on the next report."""
+        async with rt.lock:
+            st = rt.status
+            if rt.peek_controller(st.controller_state) is not None:
+                return
+            try:
+                ctl = load_controller(st)
+            except StateUnreadable as e:
+                log.warning("%s/%s: %s; rebuilding it", rt.namespace, rt.name, e.message)
+            else:
+                if ctl is not None and st.controller_state is not None:
+                    rt.live = (st.controller_state, ctl)
+                return
+            now = utcnow()
+            rt.live = None
+            events = await self.commit(rt, lambda spec, s: recover_controller_state(
+                spec, s, now, rt.generation))
+        if events:
+            await self.post_events(rt, events)
 
     async def child_refused(self, rt: JobRuntime, err: ChildRefused) -> None:
         """Report a refused child once per distinct refusal (warning and Event)."""
@@ -821,6 +905,16 @@ def _runs_other_ray_token(pod: dict[str, Any] | None, attempt: int, want: str) -
     if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
         return False
     return (meta.get("annotations") or {}).get(contract.ANNOTATION_RAY_TOKEN_HASH) != want
+
+
+def disruption_reason(pod: dict[str, Any]) -> str | None:
+    """The reason of ``pod``'s ``DisruptionTarget`` condition when it is True (the pod is
+    stopped, or about to be, by an eviction, a preemption, node pressure or its node's loss,
+    not by its own failure; Kubernetes sets it since 1.26), else None."""
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
+            return str(cond.get("reason") or "DisruptionTarget")
+    return None
 
 
 def _owned_by(obj: dict[str, Any], uid: str) -> bool:

@@ -10,9 +10,14 @@
   valid for its own job only), 404 unknown job, 413 a body over :data:`MAX_REPORT_BYTES`,
   422 malformed or impossible report (reason from the control layer), 503 with
   ``Retry-After`` while this replica is not the leader or the API server (or its etcd) is
-  unavailable (the driver retries the same body; reports are idempotent), 429
+  unavailable, failing or silent (a request whose state it has not returned or confirmed
+  within ``report_write_timeout_seconds``: :func:`within`; the driver retries the same body;
+  reports are idempotent), 429
   ``TooManyRequests`` with ``Retry-After`` over the job's request rate (:class:`TokenBucket`,
-  ``report_rate_per_second``/``report_burst``). Every answer of this app is JSON: a wrong
+  ``report_rate_per_second``/``report_burst``), 409 ``JobSuspended`` to a report while the
+  job is suspended (the driver stops; nothing changed), 503 ``ControllerStateUnreadable`` /
+  ``ControllerStateMissing`` while the job's controller state, broken by someone else's
+  write, is rebuilt (the reconciler does it at once). Every answer of this app is JSON: a wrong
   method (405), an unknown path or a path whose namespace or name cannot be a job's (404,
   without asking the API server) get an ErrorBody too. Fields of a report
   this version does not know are ignored, logged and counted (protocol versions).
@@ -23,10 +28,18 @@
   the leader, so a Service in front of several replicas routes reports to the active one.
 
 GET plan is authenticated too (it reveals the job's controller decisions only to its trainer).
+
+Slow or stuck clients are bounded (:func:`start_site`): a connection must finish its TLS
+handshake, and then send a request's headers, within ``http_header_timeout_seconds`` each (and
+the next request's within that long of the last answer), or it is closed; a report's body must
+arrive within ``report_body_timeout_seconds`` (else 408). An answer given before the body was
+read to its end (413, 408, 401, ...) drains the rest for at most :data:`LINGER_SECONDS`; after
+413 and 408 the connection is closed (``Connection: close``), never kept for another request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -34,7 +47,7 @@ import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -56,11 +69,18 @@ from rlpacer.operator.runtime import ConflictLoop, JobGone, Jobs
 from rlpacer.operator.timeutil import utcnow
 
 log = logging.getLogger("rlpacer.operator.reports")
+T = TypeVar("T")
 
 BASE = f"/{PROTOCOL_VERSION}/namespaces/{{namespace}}/rltrainingjobs/{{name}}"
 
 #: Largest step-report body accepted (413 beyond). A report is a few hundred bytes.
 MAX_REPORT_BYTES = 64 * 1024
+#: Default seconds a client has for its TLS handshake, then for a request's headers
+#: (``OperatorSettings.http_header_timeout_seconds``).
+HEADER_TIMEOUT_S = 10.0
+#: Seconds the server keeps reading (and dropping) a request body it answered before reading
+#: it all, so the client sees the answer rather than a reset; then the connection is closed.
+LINGER_SECONDS = 1.0
 #: JSON integers must fit the API server's int64 (a report's counts end up in the status).
 INT64_MAX = 2**63 - 1
 
@@ -150,6 +170,13 @@ def _error(code: int, reason: str, message: str) -> web.Response:
     return resp
 
 
+def _state_unreadable(rt: Any, err: reports.StateUnreadable) -> web.Response:
+    """503 (nothing persisted, retry) while the job's loop, woken now, rebuilds the state."""
+    rt.wake.set()
+    return _error(503, err.reason.value, f"{err.message}; the operator is rebuilding it from"
+                  " the job's spec and status: retry")
+
+
 #: The ErrorBody's reason, kept on the response for the error counter.
 _REASON = web.ResponseKey("rlpacer.reason", str)
 
@@ -164,6 +191,37 @@ def _bearer(request: web.Request) -> str | None:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+class BodyTimeout(Exception):
+    """A request body that did not arrive in time (408)."""
+
+
+class ApiTimeout(Exception):
+    """The API server did not answer what a request needs within
+    ``report_write_timeout_seconds`` (it, or its etcd, stalled): 503 with Retry-After."""
+
+
+async def within(aw: Awaitable[T], seconds: float, what: str) -> T:
+    """``aw``'s result, or :class:`ApiTimeout` after ``seconds`` (``aw`` is cancelled: a status
+    write cut off may still land; the report is idempotent, so its retry is then a repeat)."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await aw
+    except TimeoutError:
+        raise ApiTimeout(f"the API server did not {what} within {seconds:g} s (it or its"
+                         " etcd may be stalled): nothing is known persisted; retry the same"
+                         " report") from None
+
+
+async def read_body(request: web.Request, timeout: float) -> bytes:
+    """The request's body, read within ``timeout`` seconds (else :class:`BodyTimeout`); over
+    the app's ``client_max_size`` aiohttp raises its 413."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout:g} s") from None
+
+
 def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Application:
     async def timed(request: web.Request, fn: Handler, route: str) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -175,6 +233,14 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
             msg = (f"body over {MAX_REPORT_BYTES} bytes" if e.status == 413
                    else (e.text or e.reason))
             resp = _error(e.status, reason, msg)
+            if e.status == 413:
+                resp.force_close()  # the rest of the body is no request: never read it as one
+        except BodyTimeout as e:
+            resp = _error(408, "RequestTimeout", str(e))
+            resp.force_close()
+        except ApiTimeout as e:
+            log.warning("step-report endpoint: %s", e)
+            resp = _error(503, "Unavailable", str(e))
         except (ApiError, aiohttp.ClientError, OSError) as e:
             # The API server is unreachable or failing: nothing was persisted, retry.
             log.warning("step-report endpoint: API server unavailable: %s", e)
@@ -222,22 +288,27 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
         return rt
 
     async def get_plan(request: web.Request) -> web.StreamResponse:
-        rt = await authorize(request)
+        rt = await within(authorize(request), jobs.settings.report_write_timeout_seconds,
+                          "return the job")
         if isinstance(rt, web.Response):
             return rt
         if rt.spec is None:
             return _error(422, "InvalidSpec", rt.spec_error or "invalid spec")
-        plan = reports.current_plan(rt.spec, rt.status,
-                                    rt.peek_controller(rt.status.controller_state))
+        try:
+            plan = reports.current_plan(rt.spec, rt.status,
+                                        rt.peek_controller(rt.status.controller_state))
+        except reports.StateUnreadable as e:
+            return _state_unreadable(rt, e)
         return web.json_response(
             plan_for_client(plan, request.headers.get(PLAN_FIELDS_HEADER)))
 
     async def post_steps(request: web.Request) -> web.StreamResponse:
-        rt = await authorize(request)
+        rt = await within(authorize(request), jobs.settings.report_write_timeout_seconds,
+                          "return the job")
         if isinstance(rt, web.Response):
             return rt
         try:
-            raw = parse_body(await request.read())
+            raw = parse_body(await read_body(request, jobs.settings.report_body_timeout_seconds))
             report = StepReport.model_validate(raw)
             extra = unknown_fields(StepReport, raw)
         except BadBody as e:
@@ -252,7 +323,8 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
                 log.info("report for %s/%s has fields this operator does not know, ignored"
                          " (a newer trainer?): %s", rt.namespace, rt.name, ", ".join(extra))
         now = utcnow()
-        try:
+
+        async def persist() -> reports.Accepted:
             policies = await jobs.policies_for(rt.namespace)  # cached (TTL), never per report
             async with rt.lock:
                 acc = await jobs.commit(
@@ -261,8 +333,20 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
                         rt.take_controller(st.controller_state), policies),
                 )
                 rt.keep_controller(acc.controller)
+                return acc
+
+        try:
+            # Bounded, the lock's wait included (a pass's write may hold it): an answer, 503
+            # at worst, well before this replica would give up a Lease it cannot renew and
+            # close the connection unanswered.
+            acc = await within(persist(), jobs.settings.report_write_timeout_seconds,
+                               "confirm the new state")
         except reports.ReportRejected as e:
             return _error(422, e.reason, e.message)
+        except reports.JobSuspended as e:
+            return _error(409, e.reason, e.message)
+        except reports.StateUnreadable as e:
+            return _state_unreadable(rt, e)
         except JobGone:
             jobs.forget(rt.namespace, rt.name)
             return _error(404, "NotFound", f"rltrainingjob {rt.namespace}/{rt.name} not found")
@@ -331,8 +415,6 @@ _background: set[Any] = set()
 
 
 def _spawn(coro: Awaitable[None]) -> None:
-    import asyncio
-
     task = asyncio.ensure_future(coro)
     _background.add(task)
     task.add_done_callback(_background.discard)
@@ -358,13 +440,38 @@ def metrics_app(metrics: Metrics, leader: LeaderState) -> web.Application:
     return app
 
 
+class _Site(web.TCPSite):
+    """aiohttp's TCPSite with a bound on the TLS handshake (TCPSite leaves asyncio's 60 s, so
+    a client that connects and says nothing would hold its connection that long)."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *,
+                 ssl_context: ssl.SSLContext | None, handshake_timeout: float) -> None:
+        super().__init__(runner, host, port, ssl_context=ssl_context)
+        self._handshake_timeout = handshake_timeout
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
+            ssl_handshake_timeout=self._handshake_timeout if self._ssl_context else None)
+
+
 async def start_site(app: web.Application, host: str, port: int,
-                     ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+                     ssl_context: ssl.SSLContext | None = None, *,
+                     header_timeout: float = HEADER_TIMEOUT_S) -> tuple[web.AppRunner, int]:
     """Start ``app`` (over TLS with ``ssl_context``); returns the runner and the bound port
-    (``port`` 0 picks one)."""
-    runner = web.AppRunner(app, access_log=None)
+    (``port`` 0 picks one).
+
+    ``header_timeout`` bounds, each, the TLS handshake and the wait for a request's headers
+    (aiohttp's ``keepalive_timeout``: in the aiohttp the images pin, its timer runs from the
+    connection's start, so it also closes a connection that sends no request, or half of
+    one, and from each answer on a kept-alive connection)."""
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=header_timeout,
+                           lingering_time=LINGER_SECONDS)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    site = _Site(runner, host, port, ssl_context=ssl_context, handshake_timeout=header_timeout)
     await site.start()
     server: Any = site._server
     bound = port

@@ -70,6 +70,31 @@ class OperatorSettings(BaseModel):
     report_burst: int = Field(
         default=50, ge=1, description="Requests a job may make at once above the rate."
     )
+    http_header_timeout_seconds: float = Field(
+        default=10.0, gt=0, le=3600,
+        description=(
+            "A client of the step-report and metrics servers must finish its TLS handshake,"
+            " and then send a request's headers, within this many seconds each (the next"
+            " request's within this long of the last answer); else the connection is closed."
+        ),
+    )
+    report_body_timeout_seconds: float = Field(
+        default=30.0, gt=0, le=3600,
+        description=(
+            "A step report's body must arrive within this many seconds of its headers; else"
+            " 408 RequestTimeout and the connection is closed."
+        ),
+    )
+    report_write_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=3600,
+        description=(
+            "A step report (or plan read) whose state the API server has not returned or"
+            " confirmed written within this many seconds (it, or its etcd, stalled) is"
+            " answered 503 with Retry-After, and the driver sends the same report again (it"
+            " is idempotent). Keep it below lease_duration_seconds: a replica that cannot"
+            " renew its Lease gives up and closes its connections after that long."
+        ),
+    )
     metrics_host: str = Field(default="0.0.0.0", description="Listen address of /metrics.")
     metrics_port: int = Field(
         default=9090, ge=0, le=65535,

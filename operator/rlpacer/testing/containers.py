@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from rlpacer.testing.cluster import repo_root
+from rlpacer.testing.base import repo_root
 
 ROOT = repo_root()
 CHART = ROOT / "charts" / "rlpacer"

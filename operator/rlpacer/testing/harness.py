@@ -17,7 +17,10 @@ The translation from pod spec to process is one pure function, :func:`local_comm
 * **Volumes.** A ``configMap`` or ``secret`` volume becomes a folder holding its keys (or its
   ``items``); a ``projected`` one (the ServiceAccount's ``kube-api-access``) a folder with its
   ConfigMap/Secret keys, downward-API fields and a real ServiceAccount token; an
-  ``emptyDir`` (``medium: Memory`` too: the builders' ``/dev/shm``) a fresh folder of the pod; a
+  ``emptyDir`` (``medium: Memory`` too: the builders' ``/dev/shm``) a folder of the pod, emptied
+  whenever a new pod is played (a pod that comes back under the same name, as a replaced driver
+  or StatefulSet pod does, finds nothing its predecessor wrote: a kubelet never carries an
+  emptyDir over to another pod; the process of the pod it replaces is stopped first); a
   ``persistentVolumeClaim`` a folder of the claim shared by every pod that mounts it (it
   outlives pods, as a volume does); a pod that mounts claims where model and data sources
   are read (``rlpacer.api.sources.CLAIMS_DIR``) gets ``RLPACER_CLAIMS_DIR`` pointing at the
@@ -135,6 +138,8 @@ class LocalCommand:
     dirs: list[Path]
     #: mountPath -> local folder (what stands in for each volume mount).
     mounts: dict[str, Path]
+    #: The folders standing in for the pod's emptyDir volumes: emptied before it is played.
+    empty_dirs: list[Path] = field(default_factory=list)
 
 
 def pod_dir(root: Path, namespace: str, name: str) -> Path:
@@ -307,6 +312,7 @@ def local_command(
     vol_dirs: dict[str, Path] = {}
     files: dict[Path, bytes] = {}
     dirs: list[Path] = []
+    empty_dirs: list[Path] = []
     for vol in spec.get("volumes") or []:
         vname = vol["name"]
         if "configMap" in vol or "secret" in vol:
@@ -317,6 +323,7 @@ def local_command(
             files.update(_projected_files(pod, vol, folder, lookup))
         elif "emptyDir" in vol:
             folder = home / "volumes" / vname
+            empty_dirs.append(folder)
         elif "persistentVolumeClaim" in vol:
             folder = claim_dir(root, ns, vol["persistentVolumeClaim"]["claimName"])
         else:
@@ -383,7 +390,8 @@ def local_command(
         argv[0] = python
     cwd = home / "work"
     dirs.append(cwd)
-    return LocalCommand(argv=argv, env=env, cwd=cwd, files=files, dirs=dirs, mounts=mounts)
+    return LocalCommand(argv=argv, env=env, cwd=cwd, files=files, dirs=dirs, mounts=mounts,
+                        empty_dirs=empty_dirs)
 
 
 # --- the watcher -----------------------------------------------------------------------------
@@ -615,6 +623,15 @@ class PodHarness:
         with self._lock:
             if self.hosts is not None:
                 self._resolve_services(live)
+            # every deleted pod's process at once (each may take its grace period), as a
+            # kubelet stops the pods it is told to; before any new pod starts, so that one
+            # replacing a pod of its name never shares a folder with its predecessor's process
+            doomed = [p for uid, p in self.pods.items()
+                      if (uid not in live or live[uid]["metadata"].get("deletionTimestamp"))
+                      and p.exit_code is None and p.proc.poll() is None]
+            for p in doomed:
+                p.killed = True
+            self._terminate_all(doomed)
             launched = False
             for uid, pod in live.items():
                 role = pod["metadata"].get("labels", {}).get(contract.LABEL_ROLE, "")
@@ -626,14 +643,6 @@ class PodHarness:
                 launched = True
             if launched and self.hosts is not None:
                 self._resolve_services(live)  # the new pods' names, before they look them up
-            # every deleted pod's process at once (each may take its grace period), as a
-            # kubelet stops the pods it is told to
-            doomed = [p for uid, p in self.pods.items()
-                      if (uid not in live or live[uid]["metadata"].get("deletionTimestamp"))
-                      and p.exit_code is None and p.proc.poll() is None]
-            for p in doomed:
-                p.killed = True
-            self._terminate_all(doomed)
             for uid, p in self.pods.items():
                 gone = uid not in live or bool(live[uid]["metadata"].get("deletionTimestamp"))
                 if gone and self.hosts is not None and p.host is not None:
@@ -661,6 +670,8 @@ class PodHarness:
         pod_ip = self._host_for(pod) if self.hosts is not None else None
         cmd = local_command(pod, self._lookup, root=self.root, services=self.services,
                             drop_env=drop, pod_ip=pod_ip)
+        for d in cmd.empty_dirs:  # a new pod's emptyDirs are empty, whatever its name
+            shutil.rmtree(d, ignore_errors=True)
         for d in cmd.dirs:
             d.mkdir(parents=True, exist_ok=True)
         for path, data in cmd.files.items():
@@ -671,9 +682,11 @@ class PodHarness:
         base = {k: v for k, v in os.environ.items() if not k.startswith(_HOST_ENV_PREFIXES)}
         env = {**base, "PYTHONUNBUFFERED": "1", **self.extra_env, **cmd.env}
         if self.hosts is not None:
-            # a home of its own, as a container has: nothing shared through ~ (Ray's token)
+            # a home of its own, as a container has: nothing shared through ~ (Ray's token),
+            # not even with the pod of its name it replaces (a new container's filesystem)
             home = pod_dir(self.root, meta["namespace"], meta["name"]) / "home"
-            home.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir(parents=True)
             env["HOME"] = str(home)
             # and a /tmp of its own (Ray's sockets and session folders live there); short,
             # since unix socket paths are limited to 108 characters

@@ -49,12 +49,29 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from rlpacer.testing.cluster import LocalCluster
+from rlpacer.testing.base import _Http, bin_dir, cache_dir, find_binary, free_ports
+
+T = TypeVar("T")
+
+
+class NodeHost(Protocol):
+    """What a real node uses of the cluster it joins (``rlpacer.testing.cluster.LocalCluster``;
+    typed here so this module does not import the launcher, which imports it)."""
+
+    data_dir: Path
+    startup_timeout: float
+
+    @property
+    def http(self) -> _Http: ...
+
+    def _spawn(self, name: str, exe: Path, args: list[str]) -> object: ...
+
+    def _wait(self, what: str, check: Callable[[], T | None], deadline: float,
+              interval: float = 0.2) -> T: ...
 
 NODE_NAME = "rlpacer-node-0"
 BRIDGE = "rlpacer0"
@@ -84,8 +101,6 @@ class NodeBusyError(NodeError):
 
 
 def _cache() -> Path:
-    from rlpacer.testing.cluster import cache_dir
-
     return cache_dir()
 
 
@@ -102,8 +117,6 @@ def cni_bin_dir() -> Path | None:
 
 def missing_prerequisites() -> list[str]:
     """What this machine lacks to run a real node, each with its fix (empty: nothing)."""
-    from rlpacer.testing.cluster import bin_dir
-
     out = []
     for tool, pkg in (("containerd", "containerd"), ("ctr", "containerd"), ("runc", "runc"),
                       ("iptables", "iptables"), ("ip", "iproute2"), ("podman", "podman")):
@@ -136,7 +149,7 @@ class RealNode:
     """containerd + CNI + kube-proxy + kubelet, registered with ``cluster`` as
     :data:`NODE_NAME`. Started by ``LocalCluster(real_node=True)``; see the module's doc."""
 
-    def __init__(self, cluster: LocalCluster, images: Sequence[str] = ()) -> None:
+    def __init__(self, cluster: NodeHost, images: Sequence[str] = ()) -> None:
         self.cluster = cluster
         self.images = tuple(images)
         self.dir = cluster.data_dir / "node"
@@ -148,7 +161,7 @@ class RealNode:
         self.import_seconds: dict[str, float] = {}
 
     @classmethod
-    def detached(cls, cluster: LocalCluster, data_dir: Path) -> RealNode:
+    def detached(cls, cluster: NodeHost, data_dir: Path) -> RealNode:
         """A handle on the node of a cluster started by another process (``cluster down``)."""
         node = cls(cluster)
         node.dir = data_dir / "node"
@@ -196,8 +209,6 @@ class RealNode:
     def start(self) -> None:
         """After the control plane is up: containerd, images, kube-proxy, kubelet; returns
         when the node is Ready."""
-        from rlpacer.testing.cluster import find_binary
-
         c = self.cluster
         d = self.dir
         (d / "containerd").mkdir(parents=True, exist_ok=True)
@@ -283,8 +294,6 @@ class RealNode:
         c._wait(f"the kubelet to register {NODE_NAME} Ready", ready, deadline)
 
     def _start_dns(self, coredns: Path, deadline: float) -> None:
-        from rlpacer.testing.cluster import free_ports
-
         c = self.cluster
         for obj in _dns_rbac():
             kind = obj["kind"].lower() + "s"
@@ -314,8 +323,6 @@ class RealNode:
         c._spawn("coredns", coredns, ["-conf", str(corefile)])
 
         def dns_ready() -> bool:
-            from rlpacer.testing.cluster import _Http
-
             return _Http(f"http://127.0.0.1:{ready}", None).request(
                 "GET", "/ready", timeout=2)[0] == 200
 
@@ -413,8 +420,6 @@ class RealNode:
         _run("pkill", "-KILL", "-f", "containerd-shim-runc-v2 -namespace k8s.io -id [^ ]+"
              " -address [^ ]*/node/containerd/containerd[.]sock", check=False)
         # kube-proxy's chains (iptables only; the kube-proxy binary knows them all)
-        from rlpacer.testing.cluster import bin_dir
-
         if (bin_dir() / "kube-proxy").is_file():
             _run(str(bin_dir() / "kube-proxy"), "--cleanup", check=False, timeout=60)
         _remove_kube_chains()

@@ -55,7 +55,7 @@ def data(step: int, g: int, mx: float, kind: str = "Short", nxt: str = "Short",
 def wire(step: int, g: int, mx: float, nxt: str = "Short", seconds: float = 1.5) -> StepReport:
     return StepReport.model_validate({
         "attempt": 0, "step": step, "groupSize": g, "roundKind": "Short",
-        "lengths": {"max": mx, "median": 10.0, "p90": min(mx, 20.0), "count": 4 * g},
+        "lengths": {"max": int(mx), "median": 10.0, "p90": min(mx, 20.0), "count": 4 * g},
         "seconds": {"rollout": seconds}, "longQueue": 0, "nextRoundKind": nxt})
 
 

@@ -154,7 +154,9 @@ def test_reports_after_the_last_step_are_refused_and_replays_still_answered() ->
 def test_a_status_the_api_server_would_refuse_is_422_not_a_retry() -> None:
     assert schema_violations(status_schema(), {"longQueue": 2**63}) == [
         ".longQueue: 9223372036854775808 is outside int64"]
-    assert schema_violations(status_schema(), {"longQueue": 2**63 - 1, "step": 3}) == []
+    assert schema_violations(status_schema(), {"longQueue": 2**53 - 1, "step": 3}) == []
+    assert schema_violations(status_schema(), {"longQueue": 2**53}) == [
+        f".longQueue: {2**53} > maximum {2**53 - 1}"]
     spec = parse_spec(SPEC)
     st = RLTrainingJobStatus(long_rounds=2**63 - 1, controller_state=hosting.new_state(spec))
     g = hosting.load(st.controller_state or "").plan().group_size

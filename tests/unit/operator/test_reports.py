@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -110,7 +111,7 @@ def report(
         "step": step,
         "groupSize": g,
         "roundKind": kind,
-        "lengths": {"max": mx, "median": med, "p90": min(mx, med * 2), "count": 4 * g},
+        "lengths": {"max": int(mx), "median": med, "p90": min(mx, med * 2), "count": 4 * g},
         "seconds": {"rollout": 1.0, "train": 0.5},
         "longQueue": 0,
         "nextRoundKind": nxt,
@@ -423,7 +424,8 @@ def test_an_idle_jobs_pass_makes_no_request_until_the_watches_say_something_chan
             driver = object_path("v1", "pods", NS, names.driver_pod("job", 0))
             assert ("GET", driver) in env.fk.calls[before:]
             # the full pass of reapply_seconds: everything read and applied again
-            rt.applied_at = 0.0
+            # (not 0.0: time.monotonic() may be below reapply_seconds on a fresh machine)
+            rt.applied_at = time.monotonic() - env.jobs.settings.reapply_seconds - 1
             before = len(env.fk.calls)
             await env.jobs.reconcile(rt)
             calls = env.fk.calls[before:]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rlpacer.testing.bench_long_round import compare, long_round
+from rlpacer.bench.long_round import compare, long_round
 
 pytestmark = pytest.mark.unit
 

@@ -194,3 +194,63 @@ def test_rewrite_addresses() -> None:
     assert rewrite_addresses("example.com:80 op.sys.svc.cluster.local:1",
                              {"op.sys:1": "127.0.0.1:2"}) == "example.com:80 127.0.0.1:2"
     assert rewrite_addresses("not.a.svcx:1") == "not.a.svcx:1"
+
+
+class _PodList:
+    """What :class:`PodHarness` asks of a cluster, serving a pod list the test sets."""
+
+    def __init__(self) -> None:
+        self.pods: list[dict] = []  # type: ignore[type-arg]
+        self.exits: list[tuple[str, int]] = []
+
+    def request(self, method: str, path: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+        assert method == "GET" and "/pods?" in path, path
+        return 200, {"items": self.pods}
+
+    def mark_pod_exit(self, namespace: str, name: str, exit_code: int) -> None:
+        self.exits.append((name, exit_code))
+
+
+def test_a_pod_replaced_under_its_name_gets_empty_emptydirs_and_keeps_its_claims(
+    tmp_path: Path,
+) -> None:
+    """A kubelet gives every new pod fresh emptyDir volumes, also one that replaces a deleted
+    pod of the same name (a driver or a StatefulSet pod): what the pod before wrote there is
+    gone, while a claim's folder outlives both. (A driver that found its predecessor's
+    emptyDir checkpoint would resume from it, which no cluster allows.)"""
+    from rlpacer.testing.harness import PodHarness
+
+    script = ("import os, pathlib, sys; e, c = os.environ['SCRATCH'], os.environ['CLAIM'];"
+              " print('found', sorted(os.listdir(e)), sorted(os.listdir(c)));"
+              " [pathlib.Path(d, os.environ['ME']).write_text('x') for d in (e, c)]")
+
+    def pod(uid: str) -> dict:  # type: ignore[type-arg]
+        return {"metadata": {"name": "job-driver-0", "namespace": "n", "uid": uid,
+                             "labels": {contract.LABEL_ROLE: "driver"}},
+                "spec": {"containers": [{
+                    "name": "main", "command": ["python3", "-c", script],
+                    "env": [{"name": "SCRATCH", "value": "/scratch"},
+                            {"name": "CLAIM", "value": "/ckpt"}, {"name": "ME", "value": uid}],
+                    "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"},
+                                     {"name": "ckpt", "mountPath": "/ckpt"}]}],
+                    "volumes": [{"name": "scratch", "emptyDir": {}},
+                                {"name": "ckpt", "persistentVolumeClaim": {"claimName": "c"}}]},
+                "status": {"phase": "Running"}}
+
+    cluster = _PodList()
+    h = PodHarness(cluster, "n", tmp_path, grace_seconds=5)  # type: ignore[arg-type]
+    try:
+        for uid in ("uid-1", "uid-2"):
+            cluster.pods = [pod(uid)]
+            h.sync()  # plays the pod (the one before is gone from the list)
+            (played,) = [p for p in h.played("job-driver-0") if p.uid == uid]
+            assert played.proc.wait(60) == 0, played.log_tail()
+            h.sync()  # its exit is reported
+        first, second = sorted(h.played("job-driver-0"), key=lambda p: p.started)
+        assert "found [] []" in first.log_tail()
+        # the emptyDir is empty again, the claim keeps what the first pod wrote
+        assert "found [] ['uid-1']" in second.log_tail(), second.log_tail()
+        assert cluster.exits == [("job-driver-0", 0), ("job-driver-0", 0)]
+        assert first.mount("/scratch") == second.mount("/scratch")  # the same pod folder
+    finally:
+        h.stop()

@@ -71,7 +71,8 @@ def test_unsupported_sources_fail_at_load(tmp_path: Path) -> None:
                                                 r" valid regular expression"),
     ({"type": "MathAnswer", "pattern": "x"}, r"spec\.reward: .*pattern is read only when type"
                                              r" is Regex"),
-    ({"failureScore": "1e999"}, r"spec\.reward: .*failureScore '1e999' must be a finite"),
+    ({"failureScore": "1e999"}, r"spec\.reward\.failureScore: failureScore '1e999' must be a"
+                                 r" finite"),
     ({"failureScore": "zero"}, r"spec\.reward\.failureScore"),
     ({"workers": 0}, r"spec\.reward\.workers"),
 ])

@@ -193,3 +193,80 @@ def test_http_retries_503_past_the_count_within_the_window_after_retry_after(
     with pytest.raises(ControllerError, match="503"):
         short.report(_report(0, 8))
     assert 2 <= len(outage.posts) <= 8
+
+
+class _Dropping(JSONHandler):
+    """An operator that closes the first ``drop`` connections with no answer (it is
+    stopping: its Lease given up), then answers."""
+
+    server: Any
+
+    def do_POST(self) -> None:
+        s = self.server
+        s.posts.append(self.read_json())
+        if len(s.posts) <= s.drop:
+            self.close_connection = True
+            return  # no status line at all: the client sees the connection closed
+        self.send_json(200, {"step": 1, "groupSize": 8, "lambda": 0.1,
+                             "rollout": {"desiredReplicas": 1, "readyReplicas": 1,
+                                         "state": "Ready"}})
+
+
+def test_an_operator_that_does_not_answer_is_retried_within_the_window_not_the_count() -> None:
+    """Issue 32: the operator restarting (connection refused) or stopping mid-request
+    (connection closed with no answer) is waited out like a 503, within retry_window_s,
+    whatever the count of retries; past the window it is raised."""
+    import socket
+    import time
+
+    from rlpacer_trainer.controller_client import unreachable
+
+    # closed without an answer, 4 times, with a count of 1
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Dropping)
+    srv.posts, srv.drop = [], 4  # type: ignore[attr-defined]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        ctl = HTTPController(f"http://127.0.0.1:{srv.server_address[1]}", "ns", "job", "tok",
+                             retries=1, backoff_s=0.01, retry_window_s=30.0)
+        assert ctl.report(_report(0, 8)).step == 1
+        assert len(srv.posts) == 5 and all(b == srv.posts[0] for b in srv.posts)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    # refused (nothing listens yet), then an operator comes up on that port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    up: list[ThreadingHTTPServer] = []
+
+    def come_up() -> None:
+        time.sleep(1.5)
+        late = ThreadingHTTPServer(("127.0.0.1", port), _Dropping)
+        late.posts, late.drop = [], 0  # type: ignore[attr-defined]
+        up.append(late)
+        late.serve_forever()
+
+    threading.Thread(target=come_up, daemon=True).start()
+    ctl = HTTPController(f"http://127.0.0.1:{port}", "ns", "job", "tok", retries=1,
+                         backoff_s=0.05, retry_window_s=30.0)
+    try:
+        assert ctl.report(_report(0, 8)).step == 1
+    finally:
+        for late in up:
+            late.shutdown()
+            late.server_close()
+    # past the window, the count spent: raised, nothing hangs
+    t0 = time.monotonic()
+    short = HTTPController(f"http://127.0.0.1:{port}", "ns", "job", "tok", retries=1,
+                           backoff_s=0.05, retry_window_s=0.5)
+    with pytest.raises(OSError):
+        short.report(_report(0, 8))
+    assert time.monotonic() - t0 < 5
+    # what counts as "no answer" and what does not (a wrong name, a certificate)
+    import http.client
+    import ssl
+
+    assert unreachable(ConnectionRefusedError()) and unreachable(TimeoutError())
+    assert unreachable(http.client.RemoteDisconnected("closed"))
+    assert not unreachable(socket.gaierror(-2, "Name or service not known"))
+    assert not unreachable(ssl.SSLCertVerificationError("bad"))

@@ -99,7 +99,7 @@ def test_held_out_split_by_fraction_and_by_file(user_model: Path, problems: Path
     with pytest.raises(ValueError, match="evalFraction or evalSource, not both"):
         RunConfig.load(_manifest(tmp_path, user_model, source=str(problems),
                                  evalSource=str(held_file), evalFraction="0.1"))
-    with pytest.raises(ValueError, match=r"evalFraction must be in \(0, 0.5\]"):
+    with pytest.raises(ValueError, match=r"spec.data.evalFraction: evalFraction must be <= 0.5"):
         RunConfig.load(_manifest(tmp_path, user_model, source=str(problems), evalFraction="0.9"))
 
 

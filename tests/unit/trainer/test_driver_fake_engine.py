@@ -177,6 +177,32 @@ def test_resume_from_checkpoint_continues_identically(tmp_path: Path) -> None:
     assert all((sa[k] - sb[k]).abs().max() < 1e-6 for k in sa)
 
 
+def test_resume_takes_the_latest_checkpoint_the_plan_can_take(tmp_path: Path) -> None:
+    """A driver resumes where the job's plan says it may (issue 32): the latest checkpoint of
+    a step up to the plan's, never one past it (another run's, or one the operator's
+    controller no longer knows), and from step 0 when there is none."""
+    cfg = _cfg(steps=4)
+    cfg.job.spec.checkpoint.every_steps = 1
+    a = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=tmp_path)
+    a.run()
+    assert [s for s, _ in a.checkpoints()] == [1, 2, 3, 4]
+    b = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=tmp_path)
+    assert b.load_checkpoint(at_most=2) and b.step == 2
+    assert b.records == a.records[:2]  # that checkpoint's, not the latest's
+    c = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=tmp_path)
+    assert not c.load_checkpoint(at_most=0) and c.step == 0
+    (tmp_path / "step-000003" / "state.json").unlink()  # an incomplete one is no checkpoint
+    d = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=tmp_path)
+    assert d.load_checkpoint(at_most=3) and d.step == 2
+    e = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=tmp_path)
+    assert e.load_checkpoint() and e.step == 4  # the in-process controller: the latest
+    # the latest within the plan's step is taken, not a newer folder another run left
+    (tmp_path / "step-000004").rename(tmp_path / "step-000009")
+    (tmp_path / "latest").write_text("step-000002\n")
+    f = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=tmp_path)
+    assert f.load_checkpoint(at_most=9) and f.step == 2
+
+
 def test_step_records_policy_version_and_each_engines_work() -> None:
     engines = [ScriptedEngine(0), ScriptedEngine(1)]
     drv = runtime.build_driver(_cfg(steps=3), engines)

@@ -221,7 +221,7 @@ async def _driver(
         med = 100.0
         body = {
             "attempt": 0, "step": step, "groupSize": g, "roundKind": "Short",
-            "lengths": {"max": med * (8 if straggle else 2), "median": med, "p90": med * 1.5,
+            "lengths": {"max": int(med * (8 if straggle else 2)), "median": med, "p90": med * 1.5,
                         "count": 16 * g},
             "seconds": {"rollout": 60.0, "train": 20.0}, "longQueue": 0,
             "nextRoundKind": "Short",
@@ -554,7 +554,7 @@ def start_floor(kubeconfig: str, cert_dir: str) -> tuple[subprocess.Popen[bytes]
     """:func:`serve_floor` as its own process; returns it and its base URL once it serves."""
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from rlpacer.operator.bench import serve_floor;"
+        [sys.executable, "-c", "import sys; from rlpacer.bench.reports import serve_floor;"
          " serve_floor(sys.argv[1], sys.argv[2], int(sys.argv[3]))", kubeconfig, cert_dir,
          str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

@@ -60,6 +60,7 @@ class OperatorProcess:
         self.env: dict[str, str] = {}
         self.log = tmp / "operator.log"
         self.starts = 0
+        self.pods = 0  # the Deployment's pods so far (a restart in place keeps its pod)
         self.report_host = "127.0.0.1"  # where the played pods reach its report endpoint
 
     @property
@@ -68,12 +69,17 @@ class OperatorProcess:
         release name alone when it already contains the chart's name)."""
         return self.release if "rlpacer" in self.release else f"{self.release}-rlpacer"
 
-    def start(self) -> None:
+    def start(self, new_pod: bool = True) -> None:
+        """Start the operator as a new pod of the Deployment (a rollout: a new pod name, so a
+        new Lease identity), or with ``new_pod`` False as its container restarted in place
+        after it exited (the same pod name and identity: it takes its own Lease back at
+        once, as in a cluster)."""
         self.starts += 1
+        if new_pod or not self.pods:
+            self.pods += 1
         dep = json.loads(self.cluster.kubectl(
             "get", "deploy", self.fullname, "-n", self.system, "-o", "json").stdout)
-        # A new pod name per start, as a Deployment rollout creates a new pod.
-        env = deployment_env(dep, pod_name=f"{self.fullname}-local-{self.starts}")
+        env = deployment_env(dep, pod_name=f"{self.fullname}-local-{self.pods}")
         # The kubelet mounts the serving certificate's Secret (webhooks and step reports).
         cert_dir = self.tmp / f"tls-{self.starts}"
         cert_dir.mkdir()
@@ -190,7 +196,7 @@ def cmd_up(a: argparse.Namespace) -> int:
               f"{d / 'supervisor.log'})", file=sys.stderr)
         with (d / "supervisor.log").open("ab") as log:
             sup = subprocess.Popen(
-                [sys.executable, "-m", "rlpacer.testing.devcluster", "serve", "--dir", str(d)],
+                [sys.executable, "-m", "rlpacer.devcluster", "serve", "--dir", str(d)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         state["supervisor"] = sup.pid
         (d / "dev-cluster.json").write_text(json.dumps(state))
@@ -247,7 +253,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         while not stop:
             if op.proc is not None and op.proc.poll() is not None:
                 print(f"operator exited ({op.proc.returncode}); restarting", flush=True)
-                op.start()
+                op.start(new_pod=False)  # the kubelet restarts the container in its pod
             for err in harness.errors[:]:
                 print(f"harness: {err}", flush=True)
                 harness.errors.remove(err)
@@ -309,7 +315,7 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rlpacer.testing.devcluster")
+    ap = argparse.ArgumentParser(prog="python -m rlpacer.devcluster")
     sub = ap.add_subparsers(dest="command", required=True)
     register(sub)
     a = ap.parse_args(["dev-cluster", *(argv if argv is not None else sys.argv[1:])])

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlpacer.operator.bench import (
+from rlpacer.bench.reports import (
     _cpu_seconds,
     _pct,
     _request_counts,
@@ -364,7 +364,7 @@ async def _measure(kubeconfig: str, op: Any, ns: str, steps: list[int], interval
                    settle_timeout: float) -> list[dict[str, Any]]:
     import aiohttp
 
-    from rlpacer.operator.bench import _driver
+    from rlpacer.bench.reports import _driver
     from rlpacer.operator.kube import Credentials, KubeClient
     from rlpacer.operator.main import freeze_startup_heap
 
@@ -624,7 +624,7 @@ def _table(results: list[dict[str, Any]], summary: dict[str, Any], interval: flo
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from rlpacer.operator.bench import install, start_operator
+    from rlpacer.bench.reports import install, start_operator
 
     steps = sorted({int(x) for x in str(args.jobs).split(",") if x.strip()})
     if not steps or steps[0] < 1:

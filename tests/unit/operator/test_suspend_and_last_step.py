@@ -1,0 +1,143 @@
+"""Step reports a job must not act on: while it is suspended (issue 32, defect 5), and the
+long round the last step's report asks for (issue 34)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from operator_fakekube import FakeKube
+from test_reports import NS, SPEC, Env, add_job, admitted, open_env, report, run
+
+from rlpacer.api import contract
+from rlpacer.api.status import ConditionType
+from rlpacer.operator import names
+from rlpacer.operator.kube import object_path
+from rlpacer.operator.runtime import job_path
+
+pytestmark = pytest.mark.unit
+
+
+def _set_spec(env: Env, name: str, **fields: Any) -> None:
+    """A user's edit of the spec (a new generation and resourceVersion)."""
+    obj = env.fk.objects[job_path(NS, name)]
+    obj["spec"] = {**obj["spec"], **fields}
+    obj["metadata"]["generation"] += 1
+    env.fk._bump(obj)
+
+
+def test_a_suspended_job_refuses_reports_409_and_resumes_at_the_right_step() -> None:
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            g = (await env.plan("job"))["groupSize"]
+            for step in range(3):
+                code, plan = await env.post("job", report(step, g, 20))
+                assert code == 200
+                g = plan["groupSize"]
+            _set_spec(env, "job", suspend=True)
+            state = env.status("job")["controllerState"]
+            # before the operator's pass saw the suspend (its write conflicts, it re-reads)
+            code, err = await env.post("job", report(3, g, 20))
+            assert code == 409 and err["reason"] == "JobSuspended", err
+            assert "suspended" in err["message"]
+            await env.jobs.reconcile(rt)
+            assert env.status("job")["summary"] == "Suspended"
+            # and after: refused, the step does not advance, nothing is written
+            code, err = await env.post("job", report(3, g, 20))
+            assert code == 409 and err["reason"] == "JobSuspended", err
+            st = env.status("job")
+            assert st["step"] == 3 and st["controllerState"] == state
+            # resumed: a new attempt, which continues from the step the job stood at
+            _set_spec(env, "job", suspend=False)
+            await env.jobs.reconcile(rt)
+            assert env.status("job")["attempt"] == 1
+            code, err = await env.post("job", report(3, g, 20))
+            assert code == 422 and err["reason"] == "AttemptMismatch"
+            code, plan = await env.post("job", report(3, g, 20, attempt=1))
+            assert code == 200 and plan["step"] == 4, plan
+            assert env.status("job")["step"] == 4
+        finally:
+            await close()
+
+    run(body)
+
+
+def test_the_last_steps_report_scales_nothing_up_for_a_round_that_never_runs() -> None:
+    """The planner asks for a long round next, but the step just reported was the job's
+    last (the plan says done): no scale-up, no LongRound, the StatefulSet stays as it is."""
+
+    async def body() -> None:
+        fk = FakeKube()
+        add_job(fk, "job", {**SPEC, "steps": 3})
+        env, close = await open_env(fk)
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            await env.jobs.reconcile(rt)
+            g = (await env.plan("job"))["groupSize"]
+            for step in range(2):
+                code, plan = await env.post("job", report(step, g, 20))
+                assert code == 200 and not plan["done"]
+                g = plan["groupSize"]
+            code, plan = await env.post("job", report(2, g, 20, nxt="Long"))
+            assert code == 200 and plan["done"] and plan["step"] == 3, plan
+            assert plan["rollout"]["desiredReplicas"] == 1, plan
+            assert plan["rollout"]["state"] == "Ready", plan
+            st = env.status("job")
+            assert st["rollout"]["desiredReplicas"] == 1 and st.get("scaleActions", []) == []
+            assert st.get("longRounds", 0) == 0
+            lr = next((c for c in st["conditions"]
+                       if c["type"] == ConditionType.LONG_ROUND.value), None)
+            assert lr is None or lr["status"] == "False", lr
+            await env.jobs.reconcile(rt)
+            sts = env.fk.objects[object_path(
+                "apps/v1", "statefulsets", NS, names.statefulset("job", contract.Role.ROLLOUT))]
+            assert sts["spec"]["replicas"] == 1
+            assert not [e for e in env.fk.of_kind("events") if e["reason"] == "ScalingUp"]
+        finally:
+            await close()
+
+    run(body)
+
+
+
+@pytest.mark.parametrize("nxt", ["Long", "Short"])
+def test_a_long_last_step_asks_for_no_more_capacity_and_gives_back_what_the_driver_released(
+    nxt: str,
+) -> None:
+    """The last step is a long round (scaled up for it). Its report asking for another long
+    round scales nothing up; one asking for a short round scales back down as on any step
+    (the driver released the long round's engines before it)."""
+
+    async def body() -> None:
+        fk = FakeKube()
+        add_job(fk, "job", {**SPEC, "steps": 3})
+        env, close = await open_env(fk)
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            await env.jobs.reconcile(rt)
+            g = (await env.plan("job"))["groupSize"]
+            _, plan = await env.post("job", report(0, g, 20))
+            _, plan = await env.post("job", report(1, plan["groupSize"], 20, nxt="Long"))
+            assert plan["rollout"]["desiredReplicas"] == 3  # step 2, the last, is long
+            code, plan = await env.post("job", report(2, plan["groupSize"], 20, kind="Long",
+                                                      nxt=nxt))
+            assert code == 200 and plan["done"], plan
+            st = env.status("job")
+            actions = [(a["reason"], a["step"]) for a in st["scaleActions"]]
+            if nxt == "Long":
+                assert actions == [("LongRound", 2)] and plan["rollout"]["desiredReplicas"] == 3
+            else:
+                assert actions == [("LongRound", 2), ("LongRoundDone", 3)]
+                assert plan["rollout"]["desiredReplicas"] == 1
+            assert st["longRounds"] == 1
+            lr = next(c for c in st["conditions"] if c["type"] == ConditionType.LONG_ROUND.value)
+            assert lr["status"] == "False", lr
+        finally:
+            await close()
+
+    run(body)
