@@ -2,7 +2,7 @@
 on unseen word problems, ``rlpacer run`` trains it from its path with the MathAnswer reward,
 and the checkpoint's Hugging Face directory loads in vLLM and transformers and scores exactly
 what the run scored. (The accuracy gain itself needs tens of steps per seed: its figures are
-the bench's, in the README.)"""
+the bench's, in docs/benchmarks.md.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """``rlpacer bench-operator`` end to end, small: it starts its own local control plane and
 operator, measures rounds of baseline and load, and checks that every answered report was
-persisted. The figures of the full run (50 jobs x 1/s) are in the issue notes and README."""
+persisted. The figures of the full run (50 jobs x 1/s) are in the issue notes and
+docs/benchmarks.md."""
 
 from __future__ import annotations
 

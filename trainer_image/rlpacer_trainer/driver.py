@@ -64,7 +64,7 @@ def length_summary(lengths: Sequence[int], aborted: int) -> LengthSummary:
 
 
 def reward_metrics(d: RewardStats) -> dict[str, Any]:
-    """A step's reward-pool fields of the metrics record (README "The per-step metrics
+    """A step's reward-pool fields of the metrics record (docs/metrics.md, "The per-step
     record")."""
     return {"reward_calls": d.calls, "reward_timeouts": d.timeouts,
             "reward_crashes": d.crashes, "reward_errors": d.errors,

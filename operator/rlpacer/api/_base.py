@@ -204,7 +204,7 @@ def format_decimal(value: float, digits: int = 6) -> str:
 # API server is another matter: written under another version of the schema (a newer one,
 # after an operator downgrade; fields a newer operator wrote into status), it must still be
 # read, never crash-loop the operator. These read it tolerantly: fields this version does not
-# know are left out (and named, for a log line); see README "API versions and stored objects".
+# know are left out (and named, for a log line); see docs/api-versions.md.
 
 
 def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:

@@ -206,7 +206,7 @@ class OverlongPenalty(APIModel):
     )
 
 
-#: Each preset's knobs (README "Algorithm presets"). GRPO (arXiv 2402.03300) as the
+#: Each preset's knobs (docs/job-spec.md, "Algorithm presets"). GRPO (arXiv 2402.03300) as the
 #: RollPacker and DeepSeekMath set-ups run it; DAPO (arXiv 2503.14476): clip-higher,
 #: token-level loss, dynamic sampling, overlong shaping, no KL term.
 PRESETS: dict[AlgorithmName, dict[str, Any]] = {
@@ -306,7 +306,7 @@ class RewardSpec(APIModel):
         description=(
             "A built-in reward (ExactMatch, ChainPrefix, MathAnswer, Regex) or a user reward"
             " module:function importable in the trainer image, called as"
-            " fn(response, answer, prompt, **meta) -> float (README \"Rewards\")."
+            " fn(response, answer, prompt, **meta) -> float (docs/rewards.md)."
         ),
     )
     timeout_seconds: int = Field(

@@ -12,10 +12,11 @@ trainer's client, and the in-process transport of ``rlpacer run``).
 Idempotency key: ``(attempt, step)``. Errors: 401 bad token, 404 unknown job, 413 body over
 64 KiB, 422 malformed or impossible report (including values the job's spec rules out and
 steps after the plan said done: charts/rlpacer/README.md "Step reports"); each answered
-with an :class:`ErrorBody` and no state change; 429 (``Retry-After``) over the job's request
-rate. 5xx only for what a retry can fix.
+with an :class:`ErrorBody` and no state change; 408 a body too slow, 409 a suspended job; 429
+(``Retry-After``) over the job's request rate. 5xx only for what a retry can fix (docs/protocol.md,
+"Answers and limits").
 
-Version tolerance (README "Step-report protocol: versions"): within ``/v1/`` a peer may add
+Version tolerance (docs/protocol.md, "Versions"): within ``/v1/`` a peer may add
 optional fields. Every model here ignores fields it does not know when reading (unlike the
 CRD's models, which reject them), so a newer trainer's report reaches an older operator and
 a newer operator's plan reaches an older trainer; :func:`unknown_fields` names what was
