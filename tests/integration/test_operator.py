@@ -852,6 +852,69 @@ def test_deleted_children_and_token_secret_come_back_and_the_driver_keeps_report
     assert code == 200, plan
 
 
+def test_a_leaked_token_is_revoked_by_the_documented_procedure_keeping_the_job(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    """docs/operations.md "Revoking a leaked step-report token", way 2 (keep the job)."""
+    name, sec = "rv", names.secret("rv")
+    apply(cluster, small_job(name, namespace))
+    leaked = token(cluster, namespace, name)
+    drv = Driver(operator, namespace, name, leaked)
+    pod0 = names.driver_pod(name, 0)
+    wait(cluster, lambda: (get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod0}") or {})
+         .get("status", {}).get("phase") == "Running", "driver 0 running", 90)
+    plan = drv.plan()
+    for step in range(2):
+        code, plan = drv.post(report(step, plan["groupSize"], 150.0))
+        assert code == 200, plan
+
+    def restart(*between: tuple[str, ...]) -> str:
+        """Stop the operator, run the kubectl commands, start it; the Secret's new token."""
+        operator.kill(signal.SIGTERM)
+        for args in between:
+            cluster.kubectl("-n", namespace, *args)
+        operator.start()
+        operator.wait_ready()
+        return token(cluster, namespace, name)
+
+    def refused(tok: str) -> bool:
+        get_code = http("GET", operator.base + plan_path(namespace, name), tok)[0]
+        return get_code == 401 and drv.post(report(3, 4, 150.0), tok=tok)[0] == 401
+
+    # Deleting the Secret alone revokes nothing: a new token, the leaked one still accepted.
+    minted = restart(("delete", "secret", sec))
+    assert minted != leaked and len(status(cluster, namespace, name)["tokenHashes"]) == 2
+    code, plan = drv.post(report(2, plan["groupSize"], 150.0))
+    assert code == 200 and drv.plan()["step"] == 3, plan
+    before = status(cluster, namespace, name)
+
+    # The procedure, with the docs' commands: every earlier token is refused from then on.
+    new = restart(("delete", "secret", sec),
+                  ("patch", "rltj", name, "--subresource=status", "--type=json",
+                   "-p", '[{"op": "remove", "path": "/status/tokenHashes"}]'))
+    assert new not in (leaked, minted)
+    st = wait(cluster, lambda: (s := status(cluster, namespace, name))["tokenHashes"] == [
+        _sha(new)] and s, "only the new token's hash")
+    assert refused(leaked) and refused(minted)
+    assert (st["step"], st["controllerState"]) == (3, before["controllerState"])
+    assert st.get("attempt", 0) == 0 and st.get("failures", 0) == 0, st
+
+    # The running driver's next report is refused and it exits 3: a failure, counted
+    # against backoffLimit; attempt 1 mounts the re-created Secret and continues at step 3.
+    cluster.mark_pod_exit(namespace, pod0, 3)
+    st = wait(cluster, lambda: (s := status(cluster, namespace, name)).get("attempt") == 1
+              and s, "attempt 1")
+    assert st["failures"] == 1 and st["step"] == 3, st
+    pod1 = wait(cluster, lambda: get(
+        cluster, f"/api/v1/namespaces/{namespace}/pods/{names.driver_pod(name, 1)}"), "driver 1")
+    assert sec in {v["secret"]["secretName"] for v in pod1["spec"]["volumes"] if "secret" in v}
+    assert token(cluster, namespace, name) == new
+    drv1 = Driver(operator, namespace, name, new)
+    code, plan = drv1.post(report(3, drv1.plan()["groupSize"], 150.0, attempt=1))
+    assert code == 200 and plan["step"] == 4, plan
+    assert refused(leaked)
+
+
 def _ray_token(cluster: LocalCluster, ns: str, name: str) -> tuple[str, str]:
     """(token, Secret uid) of the job's Ray-token Secret, once it exists."""
     sec = wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{ns}/secrets/"
