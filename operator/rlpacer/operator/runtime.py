@@ -142,7 +142,9 @@ class JobRuntime:
     #: name -> :func:`child_version` of the child as the last apply left it: a watch event
     #: with another version is someone else's change, re-applied on the next pass.
     applied_version: dict[str, str] = field(default_factory=dict)
-    applied_at: float = 0.0
+    #: time.monotonic() of the last full pass; -inf: the first pass is a full one, whatever
+    #: the machine's uptime (monotonic time starts at boot, and may be below reapply_seconds)
+    applied_at: float = float("-inf")
     #: (controllerState, the live controller in exactly that state): saves restoring the
     #: controller from JSON on every report. Taken (removed) by the writer that uses it, so
     #: a failed write can never leave a controller ahead of the persisted state.

@@ -66,7 +66,7 @@ def test_a_report_is_answered_503_while_the_status_write_hangs_then_counted_once
 
             fk.stalled.set()
             await stalled_post()  # its status write hangs
-            rt.applied_at = 0.0  # a full pass: it re-reads the job under the job's lock
+            rt.applied_at = float("-inf")  # a full pass: it re-reads the job under the job's lock
             pass_ = asyncio.create_task(env.jobs.reconcile(rt))
             await asyncio.sleep(0.05)
             assert rt.lock.locked()
