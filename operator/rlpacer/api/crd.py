@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,7 +167,7 @@ def rltrainingjob_crd() -> dict[str, Any]:
         },
         "x-kubernetes-validations": copy.deepcopy(ROOT_RULES),
     }
-    printer_columns = [
+    printer_columns: list[dict[str, Any]] = [
         {"name": "Status", "type": "string", "jsonPath": ".status.summary",
          "description": "One word derived from the conditions."},
         {"name": "Step", "type": "integer", "jsonPath": ".status.step",
@@ -186,34 +186,40 @@ def rltrainingjob_crd() -> dict[str, Any]:
          "description": "The trainer's incarnation."},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
+    return _crd(group=job_api.GROUP, version=job_api.VERSION, kind=job_api.KIND,
+                plural=job_api.PLURAL, singular=job_api.SINGULAR, short=job_api.SHORT_NAMES,
+                scope="Namespaced", root=root, columns=printer_columns, status=True)
+
+
+def _crd(*, group: str, version: str, kind: str, plural: str, singular: str,
+         short: Sequence[str], scope: str, root: dict[str, Any],
+         columns: list[dict[str, Any]], status: bool) -> dict[str, Any]:
+    """A CustomResourceDefinition document of one served, stored version (the project's
+    labels and category; a status subresource when ``status``)."""
+    ver: dict[str, Any] = {"name": version, "served": True, "storage": True,
+                           "schema": {"openAPIV3Schema": root}}
+    if status:
+        ver["subresources"] = {"status": {}}
+    ver["additionalPrinterColumns"] = columns
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{job_api.PLURAL}.{job_api.GROUP}",
+            "name": f"{plural}.{group}",
             "labels": {"app.kubernetes.io/name": "rlpacer", "app.kubernetes.io/part-of": "rlpacer"},
         },
         "spec": {
-            "group": job_api.GROUP,
+            "group": group,
             "names": {
-                "kind": job_api.KIND,
-                "listKind": f"{job_api.KIND}List",
-                "plural": job_api.PLURAL,
-                "singular": job_api.SINGULAR,
-                "shortNames": list(job_api.SHORT_NAMES),
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": singular,
+                "shortNames": list(short),
                 "categories": ["rlpacer"],
             },
-            "scope": "Namespaced",
-            "versions": [
-                {
-                    "name": job_api.VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": root},
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": printer_columns,
-                }
-            ],
+            "scope": scope,
+            "versions": [ver],
         },
     }
 
@@ -282,33 +288,9 @@ def _policy_crd(cluster: bool) -> dict[str, Any]:
          "description": "Most GPUs a job may hold at its peak."},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": f"{plural}.{policy_api.GROUP}",
-            "labels": {"app.kubernetes.io/name": "rlpacer", "app.kubernetes.io/part-of": "rlpacer"},
-        },
-        "spec": {
-            "group": policy_api.GROUP,
-            "names": {
-                "kind": kind,
-                "listKind": f"{kind}List",
-                "plural": plural,
-                "singular": singular,
-                "shortNames": list(short),
-                "categories": ["rlpacer"],
-            },
-            "scope": "Cluster" if cluster else "Namespaced",
-            "versions": [{
-                "name": policy_api.VERSION,
-                "served": True,
-                "storage": True,
-                "schema": {"openAPIV3Schema": root},
-                "additionalPrinterColumns": columns,
-            }],
-        },
-    }
+    return _crd(group=policy_api.GROUP, version=policy_api.VERSION, kind=kind, plural=plural,
+                singular=singular, short=short, scope="Cluster" if cluster else "Namespaced",
+                root=root, columns=columns, status=False)
 
 
 @dataclass(frozen=True)
