@@ -79,6 +79,8 @@ def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
     topo = json.loads((out / "topology.json").read_text())
     assert [e["replica"] for e in topo["engines"]] == [0, 1]
     assert [x["rank"] for x in topo["learners"]] == [0]
+    # one host runs the whole job: the learner trains on all of its cores (the engines wait)
+    assert topo["learners"][0]["threads"] == len(os.sched_getaffinity(0))
     pids = {e["pid"] for e in topo["engines"]} | {x["pid"] for x in topo["learners"]}
     # two engine actors and a learner actor, none of them the driver
     assert len(pids) == 3 and topo["driver"]["pid"] not in pids

@@ -1273,3 +1273,56 @@ def test_operator_killed_while_a_scale_up_pends_times_it_out_on_time(
     # on time: not before the deadline, and well before a deadline restarted with the new
     # operator would have been (8 s + its start later)
     assert timeout_s <= late < timeout_s + 6, late
+
+
+def test_straggler_slo_infeasible_condition_and_event(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    # Two jobs: in "hot" every step straggles at every G (max/median 8 > tau 4), so SAGC's
+    # smallest G fails too; in "calm" none does. Only "hot" gets StragglerSLOMet=False and
+    # one Warning Event per transition, with the measured rate per G in the message.
+    gc = {"stragglerRatio": "4", "targetStragglerRate": "0.2", "seed": 3, "dualStepSize": "1"}
+    for name in ("hot", "calm"):
+        apply(cluster, small_job(name, namespace, groupControl=gc))
+    spec = parse_spec(small_job("hot", namespace, groupControl=gc)["spec"])
+    lib = JobController(hosting.controller_config(spec))
+    infeasible_at = None
+    prev = None
+    drivers = {n: Driver(operator, namespace, n, token(cluster, namespace, n))
+               for n in ("hot", "calm")}
+    g = {n: drivers[n].plan()["groupSize"] for n in drivers}
+    for step in range(30):
+        for name, ratio in (("hot", 8.0), ("calm", 1.5)):
+            code, plan = drivers[name].post(report(step, g[name], 100.0 * ratio))
+            assert code == 200, plan
+            g[name] = plan["groupSize"]
+        lib.observe(hosting.to_data(StepReport.model_validate(report(step, lib.plan().group_size,
+                                                                     800.0))))
+        prev = lib.slo_verdict(prev).state
+        if prev.value == "Infeasible" and infeasible_at is None:
+            infeasible_at = step
+    assert infeasible_at is not None, "the library judges 30 straggling steps infeasible"
+
+    hot, calm = status(cluster, namespace, "hot"), status(cluster, namespace, "calm")
+    (c,) = [c for c in hot["conditions"] if c["type"] == "StragglerSLOMet"]
+    assert (c["status"], c["reason"]) == ("False", "Infeasible"), c
+    assert "no candidate G can meet targetStragglerRate 0.2 at stragglerRatio 4" in c["message"]
+    assert all(f"G={g} " in c["message"] for g in (4, 8, 16)), c["message"]
+    assert hot["stragglerRate"] == "1"
+    (ok,) = [c for c in calm["conditions"] if c["type"] == "StragglerSLOMet"]
+    assert (ok["status"], ok["reason"]) == ("True", "WithinTarget"), ok
+    assert calm["stragglerRate"] == "0"
+
+    def slo_events(name: str) -> list[dict[str, Any]]:
+        return [e for e in kube_events(cluster, namespace, name)
+                if e["reason"].startswith("StragglerSLO")]
+
+    evs = wait(cluster, lambda: (e := slo_events("hot")) and
+               {x["reason"] for x in e} >= {"StragglerSLOInfeasible"} and e, "SLO Events")
+    reasons = [e["reason"] for e in evs]
+    # once per transition: Exceeded while G=4 was untried, then Infeasible, never repeated
+    assert sorted(reasons) == ["StragglerSLOExceeded", "StragglerSLOInfeasible"], reasons
+    (inf,) = [e for e in evs if e["reason"] == "StragglerSLOInfeasible"]
+    assert inf["type"] == "Warning", inf
+    assert "G=4 " in inf["message"] and "0.2" in inf["message"]
+    assert slo_events("calm") == []

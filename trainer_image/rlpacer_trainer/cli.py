@@ -32,17 +32,25 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_run)
 
     b = subparsers.add_parser(
-        "bench-train", help="fixed G=16 vs SAGC + tail batching on the tiny task (real RL)",
-        description="Trains the same manifest with fixed G (no tail batching) and with SAGC +"
-        " tail batching, for several seeds, on the same prompts; prints wall clock, held-out"
-        " accuracy, tokens generated, engine busy fraction and the ratios.")
+        "bench-train", help="time to accuracy: fixed G, SAGC, tail batching, both (real RL)",
+        description="Trains the same manifest once per arm and seed, from the same warm start"
+        " and on the same prompts, evaluating a fixed held-out set every few steps (timed"
+        " apart from training); prints, per arm, the training wall clock it needs to reach the"
+        " baseline arm's final accuracy and its accuracy at the baseline's wall clock, paired"
+        " across seeds, and plots accuracy against training wall clock (docs/benchmarks.md).")
     b.add_argument("manifest", type=Path, nargs="?", default=Path("examples/tiny-local.yaml"))
+    b.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), metavar="ARM",
+                   help="fixed<N> (fixed G, no tail batching), tb<N> (fixed G, tail batching),"
+                   " sagc (no tail batching), sagc_tb (the product); default: %(default)s")
+    b.add_argument("--baseline", default="fixed16", help="the arm the others are measured"
+                   " against (its final accuracy is the target); default: %(default)s")
     b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    b.add_argument("--steps", type=int, default=None)
-    b.add_argument("--baseline-group-size", type=int, default=16)
-    b.add_argument("--tolerance", type=float, default=0.03,
-                   help="'equal accuracy' = within this of the baseline's mean (absolute)")
-    b.add_argument("--eval-prompts", type=int, default=256)
+    b.add_argument("--steps", type=int, default=None, help="override spec.steps")
+    b.add_argument("--eval-every", type=int, default=5, metavar="K",
+                   help="evaluate every K steps (and at the end)")
+    b.add_argument("--eval-prompts", type=int, default=None, metavar="N",
+                   help="held-out prompts: the builtin task's count (256 unset), or the first N"
+                   " of the manifest's held-out file (all of it unset)")
     b.add_argument("--out", type=Path, default=Path("runs/bench-train"))
     b.set_defaults(func=cmd_bench_train)
 
@@ -87,13 +95,20 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
     engine_start_s = time.perf_counter() - t_start  # engine start with the model's load
     metrics = report.MetricsWriter(out / "metrics.jsonl")
     bar = None
+    slo: list[Any] = [None]  # the last straggler-SLO verdict (its hysteresis starts there)
 
     def on_step(rec: dict[str, Any]) -> None:
+        verdict = _slo_verdict(drv.controller, slo[0])
+        if verdict is not None:
+            slo[0] = verdict
+            rec["straggler_slo"] = verdict.state.value
+            rec["long_round_straggler_rate"] = verdict.long_rate
         metrics.write(rec)
         assert bar is not None
         bar.update(1)
         bar.set_postfix(reward=f"{rec['reward']:.2f}", G=rec["group_size"],
-                        round=rec["round_kind"], stragglers=f"{rec['straggler_rate']:.2f}")
+                        round=rec["round_kind"], stragglers=f"{rec['straggler_rate']:.2f}",
+                        slo="?" if verdict is None else verdict.brief())
 
     t_start = time.perf_counter()
     learners = runtime.start_learners(cfg)
@@ -119,70 +134,182 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
         drv.save_checkpoint()
     if evaluate:
         extra["eval_accuracy_end"] = drv.evaluate(evalset)
+    final = _slo_verdict(drv.controller, slo[0])
+    if final is not None:
+        extra["straggler_slo"] = final.to_dict()
     metrics.close()
     drv.close()
     path = report.write_report(out, drv.records, extra)
     print(json.dumps(extra, indent=1))
+    if final is not None:
+        print(f"straggler SLO: {final.state.value}: {final.message()}")
     print(f"report: {path}")
     return 0
 
 
-def cmd_bench_train(args: argparse.Namespace) -> int:
-    from rlpacer_trainer import runtime
-    from rlpacer_trainer.config import RunConfig
+def _slo_verdict(controller: Any, previous: Any) -> Any:
+    """The in-process controller's straggler-SLO verdict (None for another controller)."""
+    from rlpacer.control.plan import JobController
 
-    arms = {
-        f"fixed{args.baseline_group_size}": dict(fixed_group_size=args.baseline_group_size,
-                                                 tail_batching=False),
-        "sagc_tail": dict(fixed_group_size=None, tail_batching=True),
-    }
-    base = RunConfig.load(args.manifest, steps=args.steps, eval_prompts=args.eval_prompts)
+    jc = getattr(controller, "jc", None)
+    if not isinstance(jc, JobController):
+        return None
+    return jc.slo_verdict(previous=None if previous is None else previous.state)
+
+
+#: ``rlpacer bench-train``'s arms: (fixed group size or None for SAGC, tail batching)
+DEFAULT_ARMS = ("fixed16", "fixed8", "sagc", "tb8", "sagc_tb")
+
+
+def parse_arm(name: str) -> tuple[int | None, bool]:
+    """An arm's (fixed group size, tail batching): fixed<N>, tb<N>, sagc, sagc_tb."""
+    if name == "sagc":
+        return None, False
+    if name == "sagc_tb":
+        return None, True
+    for prefix, tb in (("fixed", False), ("tb", True)):
+        if name.startswith(prefix) and name[len(prefix):].isdigit() and int(name[len(prefix):]):
+            return int(name[len(prefix):]), tb
+    raise ValueError(f"unknown arm {name!r}: use fixed<N>, tb<N>, sagc or sagc_tb (N >= 1)")
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from rlpacer.api.job import ManifestError
+    from rlpacer_trainer import runtime, tta
+    from rlpacer_trainer.config import ConfigError, RunConfig
+
+    try:
+        arms = {a: parse_arm(a) for a in dict.fromkeys(args.arms)}
+        if args.baseline not in arms:
+            raise ValueError(f"--baseline {args.baseline} is not one of --arms {list(arms)}")
+        if args.eval_every < 1:
+            raise ValueError("--eval-every must be >= 1")
+        kw: dict[str, Any] = {"steps": args.steps}
+        if args.eval_prompts is not None:
+            kw["eval_prompts"] = args.eval_prompts
+        base = RunConfig.load(args.manifest, **kw)
+    except (ValueError, ManifestError, ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}")
+        return 2
+    evalset = base.eval_problems()
+    if args.eval_prompts is not None:
+        evalset = evalset[: args.eval_prompts]
+    if not evalset:
+        print(f"error: {args.manifest} has no held-out set (spec.data.evalSource or"
+              " evalFraction): time to accuracy needs one")
+        return 2
+    import ray
+
     runtime.init_ray()
     engines = runtime.start_engines(base, count=int(base.spec.rollout.replicas))
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    evalset = base.eval_problems()
+    curves: dict[str, dict[int, list[dict[str, Any]]]] = {a: {} for a in arms}
+    start_acc: float | None = None  # the warm start's (every arm and seed starts there)
     for seed in args.seeds:
-        for arm, kw in arms.items():
-            cfg = RunConfig.load(args.manifest, steps=args.steps, seed=seed,
-                                 eval_prompts=args.eval_prompts, **kw)
-            drv = runtime.build_driver(cfg, engines)
+        for arm, (fixed, tb) in arms.items():
+            cfg = RunConfig.load(args.manifest, seed=seed, fixed_group_size=fixed,
+                                 tail_batching=tb, **kw)
+            learners = runtime.start_learners(cfg)
+            drv = runtime.build_driver(cfg, engines, learners=learners)
+            if start_acc is None:
+                start_acc = drv.evaluate(evalset)
+            curve = [{"train_s": 0.0, "step": 0, "accuracy": start_acc}]
             s0 = [e.stats() for e in engines]
-            t0 = time.perf_counter()
-            drv.run()
-            wall = time.perf_counter() - t0
+            train_s = eval_s = 0.0
+            while drv.step < cfg.total_steps:
+                before = drv.step
+                t0 = time.perf_counter()
+                drv.run(steps=args.eval_every)
+                train_s += time.perf_counter() - t0
+                if drv.step == before:
+                    break  # the data ran out (every epoch trained)
+                t0 = time.perf_counter()
+                acc = drv.evaluate(evalset)
+                eval_s += time.perf_counter() - t0
+                curve.append({"train_s": train_s, "step": drv.step, "accuracy": acc})
+                print(f"{arm} seed {seed}: step {drv.step} train {train_s:.1f} s"
+                      f" accuracy {acc:.3f}", flush=True)
             s1 = [e.stats() for e in engines]
-            busy = sum(b.busy_seconds - a.busy_seconds for a, b in zip(s0, s1, strict=True))
+            recs = drv.records
             row = {
-                "arm": arm, "seed": seed, "wall_s": wall,
-                "eval_accuracy": drv.evaluate(evalset),
+                "arm": arm, "seed": seed, "train_s": train_s, "eval_s": eval_s,
+                "steps": len(recs), "curve": curve,
+                "final_accuracy": curve[-1]["accuracy"],
                 "tokens": sum(b.tokens - a.tokens for a, b in zip(s0, s1, strict=True)),
-                "engine_busy_fraction": busy / (wall * len(engines)),
-                "rollout_s": sum(r["seconds_rollout"] for r in drv.records),
-                "train_s": sum(r["seconds_train"] for r in drv.records),
-                "long_rounds": sum(r["round_kind"] == "Long" for r in drv.records),
-                "straggler_steps": sum(bool(r.get("straggler")) for r in drv.records),
-                "group_sizes": sorted({r["group_size"] for r in drv.records}),
-                "steps": len(drv.records),
+                "rollout_s": sum(r["seconds_rollout"] for r in recs),
+                "train_step_s": sum(r["seconds_train"] for r in recs),
+                "long_rounds": sum(r["round_kind"] == "Long" for r in recs),
+                "short_straggler_steps": sum(bool(r.get("straggler")) for r in recs
+                                             if r["round_kind"] == "Short"),
+                "trained_samples": sum(int(r.get("learner_samples", 0)) for r in recs),
+                "group_sizes": sorted({r["group_size"] for r in recs}),
+                "per_round_kind": tta.seconds_per_informative_group(recs),
             }
             drv.close()
+            for a in learners.actors:
+                ray.kill(a)
+            curves[arm][seed] = curve
             rows.append(row)
-            print(json.dumps(row), flush=True)
-    (args.out / "bench-train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    names = list(arms)
-    mean = {a: {k: statistics.mean(r[k] for r in rows if r["arm"] == a)
-                for k in ("wall_s", "eval_accuracy", "tokens", "engine_busy_fraction")}
-            for a in names}
-    b, t = mean[names[0]], mean[names[1]]
-    result = {
-        "means": mean,
-        "speedup_wall": b["wall_s"] / t["wall_s"],
-        "token_ratio": t["tokens"] / b["tokens"],
-        "accuracy_delta": t["eval_accuracy"] - b["eval_accuracy"],
-        "equal_or_better_accuracy": t["eval_accuracy"] >= b["eval_accuracy"] - args.tolerance,
-        "tolerance": args.tolerance,
-        "seeds": args.seeds,
-    }
+            with (args.out / "bench-train.jsonl").open("a" if len(rows) > 1 else "w") as f:
+                f.write(json.dumps(row) + "\n")
+    result = tta.summarize(curves, args.baseline)
+    result.update(manifest=str(args.manifest), seeds=args.seeds, eval_prompts=len(evalset),
+                  eval_every=args.eval_every, start_accuracy=start_acc,
+                  mean={a: {k: statistics.mean(r[k] for r in rows if r["arm"] == a)
+                            for k in ("train_s", "final_accuracy", "tokens", "rollout_s",
+                                      "train_step_s", "long_rounds", "trained_samples")}
+                        for a in arms})
     (args.out / "bench-train.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    plot_path = plot_time_to_accuracy(curves, args.out / "time-to-accuracy.png",
+                                      title=f"{args.manifest.name}: held-out accuracy"
+                                      f" ({len(evalset)} prompts)")
+    print(format_tta(result))
+    print(f"results: {args.out / 'bench-train.json'}  plot: {plot_path}")
     return 0
+
+
+def format_tta(result: dict[str, Any]) -> str:
+    """The bench's table: per arm, time to the baseline's final accuracy and accuracy at the
+    baseline's wall clock (paired across seeds, 95% intervals)."""
+    b = result["baseline"]
+    lines = [f"time to accuracy against {b} (target: {b}'s final accuracy, per seed)",
+             f"{'arm':<10} {'reached':>7} {'time / ' + b:>22} {'acc delta at ' + b + ' wall':>28}"
+             f" {'final acc':>9} {'train s':>8}"]
+    gains = result.get("baseline_gain", {})
+    if gains and all(g <= 0 for g in gains.values()):
+        lines.insert(1, f"warning: {b} did not improve on the warm start (gain per seed:"
+                     f" {', '.join(f'{100 * g:+.1f} pt' for g in gains.values())}): its target"
+                     " is the warm start's accuracy; train longer or use a task where RL learns")
+    for arm, s in result["arms"].items():
+        r = s["ratio_to_baseline"]
+        ratio = "-" if r is None else f"{r['geomean']:.2f}x [{r['low']:.2f}, {r['high']:.2f}]"
+        d = s["delta_at_baseline_wall"]
+        delta = f"{100 * d['mean']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] pt"
+        lines.append(f"{arm:<10} {s['reached_target']:>7} {ratio:>22} {delta:>28}"
+                     f" {s['final_accuracy_mean']:>9.3f} {s['train_s_mean']:>8.1f}")
+    return "\n".join(lines)
+
+
+def plot_time_to_accuracy(curves: dict[str, dict[int, list[dict[str, Any]]]], out: Path,
+                          title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for k, (arm, by_seed) in enumerate(curves.items()):
+        colour = f"C{k}"
+        for j, (_seed, curve) in enumerate(sorted(by_seed.items())):
+            ax.plot([p["train_s"] for p in curve], [p["accuracy"] for p in curve],
+                    color=colour, marker="o", ms=3, alpha=0.8,
+                    label=arm if j == 0 else None)
+    ax.set_xlabel("training wall clock (s; evaluations excluded)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

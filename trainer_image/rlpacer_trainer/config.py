@@ -56,7 +56,10 @@ class RunConfig:
     kv_cache_gib: int = 1
     threads_bind: str = "slot:auto"  # one core per engine on a host (engine.resolve_threads_bind)
     engine_cpus: float = 0.5  # Ray actor CPUs per engine (fractional: engines and learner share)
-    learner_threads: int = 1
+    # torch threads per learner replica; 0: picked (learners.pick_threads): every core of this
+    # host when it runs the whole job (rlpacer run: the learner trains while the engine
+    # waits), 1 on a learner pod
+    learner_threads: int = 0
     learner_cpus: float = 0.5  # Ray actor CPUs per learner replica (fractional, as engines)
 
     def __post_init__(self) -> None:
@@ -238,6 +241,8 @@ class RunConfig:
             prompt_overprovision=decimal(tb.prompt_overprovision),
             extra_responses=int(tb.extra_responses_per_prompt),
             enabled=self.tail_batching_enabled,
+            activation=str(tb.activation.value).lower(),  # Adaptive|Always -> the planner's
+            straggler_ratio=decimal(self.spec.group_control.straggler_ratio),
         )
 
     def planner_epochs(self) -> int:

@@ -10,7 +10,10 @@ One step = one policy update. Per step:
 2. The driver owns the tail-batching planner: ``start_round(G)`` picks the prompts; requests
    go to the engines; each finished response is fed to the planner *in finish order*, and
    whatever it says to abort is aborted on the engines at once. Kept responses are scored as
-   they finish (rewards off the critical path).
+   they finish (rewards off the critical path). The planner's gate reads the lengths it is
+   given with each response: with ``tailBatching.activation: Adaptive`` a short round races
+   (over-provisioned, deferring) only while short rounds straggle; otherwise it is a plain
+   synchronous round.
 3. DAPO dynamic sampling (when on): groups whose rewards are all equal are dropped and, while
    the batch is short of P0 groups, up to ``max_refill_rounds`` more short rounds refill it
    (never a long round: a long round is its own step). Their lengths count in the report.
@@ -86,6 +89,7 @@ class RoundOutcome:
     kept: dict[int, list[Kept]]
     aborted: int
     rollout_s: float
+    overprovisioned: bool = False  # a short round that raced (the planner's gate was on)
 
 
 class EngineDied(RuntimeError):
@@ -208,7 +212,7 @@ class Driver:
                     continue  # aborted while this batch was in flight
                 e, p, i = self._pending.pop(f.request_id)
                 self._served[e] = self._served.get(e, 0) + 1
-                d = self.planner.on_response_finished(p, i)
+                d = self.planner.on_response_finished(p, i, len(f.token_ids))
                 if d.keep:
                     k = Kept(p, i, f.token_ids, f.finish_reason)
                     kept.setdefault(p, []).append(k)
@@ -227,7 +231,8 @@ class Driver:
         self.rollout_wall += rollout_s
         res = self.planner.finish_round()
         out = {p: [k for k in kept[p] if k.idx in set(idxs)] for p, idxs in res.kept.items()}
-        return RoundOutcome(res.kind, out, res.aborted_responses, rollout_s)
+        return RoundOutcome(res.kind, out, res.aborted_responses, rollout_s,
+                            res.overprovisioned)
 
     def _dispatch(self, reqs: Sequence[tuple[GenRequest, int, int]]) -> None:
         """Spreads requests over the round's engines by load: each goes to the engine with
@@ -346,6 +351,7 @@ class Driver:
         aborted = 0
         rollout_s = reward_s = 0.0
         dropped = refills = 0
+        overprovisioned = False  # any of the step's rounds raced (tail batching's gate on)
         rewards_all: list[float] = []
         t_join = time.perf_counter()
         used = self.use_plan(plan)
@@ -358,6 +364,7 @@ class Driver:
             rnd = self.run_round(g)
             rollout_s += rnd.rollout_s
             aborted += rnd.aborted
+            overprovisioned = overprovisioned or rnd.overprovisioned
             scores, waited = self.scorer.collect()
             reward_s += waited
             for p, ks in rnd.kept.items():
@@ -378,6 +385,7 @@ class Driver:
             refills += 1
         keys = list(groups)
         group_rewards = [[k.reward for k in groups[key]] for key in keys]
+        informative = algos.informative_groups(group_rewards)  # before any is dropped
         if self.cfg.dynamic_sampling:
             keep_idx = algos.informative_groups(group_rewards)
             dropped = len(keys) - len(keep_idx)
@@ -424,6 +432,8 @@ class Driver:
             "tau": float(self.cfg.spec.group_control.straggler_ratio),
             "engine_tokens": est.tokens, "engine_busy_s": est.busy_seconds,
             "rollout_wall_s": self.rollout_wall, "dropped_groups": dropped, "refills": refills,
+            "informative_groups": len(informative), "overprovisioned": overprovisioned,
+            "tail_gate_on": self.planner.gate.active and self.planner.config.enabled,
             **reward_metrics(self.scorer.stats.minus(reward_before)),
             "policy_version": self.policy_version, "engines": served, "replicas": used,
             **{f"learner_{k}": v for k, v in stats.items()},

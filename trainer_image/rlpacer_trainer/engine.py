@@ -12,8 +12,10 @@ reload from disk per step.
 
 CPU sizing (2 shared cores): each engine gets its KV cache from ``VLLM_CPU_KVCACHE_SPACE``
 (GiB) and binds its OpenMP threads with ``VLLM_CPU_OMP_THREADS_BIND`` (one core by default):
-on an oversubscribed machine, more threads than cores make every op spin and wait, so the
-engine and the learner each use one thread and take turns (the loop is synchronous).
+on an oversubscribed machine, more threads than cores make every op spin and wait. The loop is
+synchronous, so engine and learner take turns; on one host the learner trains on every core
+(learners.pick_threads), while a second engine thread was measured to buy nothing on these
+small models (docs/runtime.md).
 """
 
 from __future__ import annotations

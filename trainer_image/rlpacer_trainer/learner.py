@@ -147,9 +147,14 @@ class Learner:
                    ) -> dict[str, float]:
         """One policy update on ``samples`` (split into ``mini_batches`` optimizer steps).
 
-        The behaviour log-probabilities are recomputed by the learner before the first
-        optimizer step, so the first mini-batch is exactly on-policy (ratio 1) and later ones
-        are clipped with DAPO's low/high ratios.
+        The behaviour log-probabilities are the learner's own, taken before the first
+        optimizer step: the first mini-batch's are its forward pass's, detached (exactly
+        on-policy, ratio 1), the later ones' come from one no-grad pass over their samples
+        and are clipped with DAPO's low/high ratios. Passes per step: k forward and k
+        backward for ``k`` mini-batches, plus one no-grad forward over (k-1)/k of the batch
+        (none at k = 1), plus the reference model's forward with KL on. (The policy is in
+        train mode throughout; the models here have no dropout, so a no-grad pass and the
+        grad pass give the same log-probs.)
 
         With ``shard`` (data parallel), ``samples`` are this rank's part of a batch of
         ``shard.total``: mini-batches are formed by position in the whole batch, each loss is
@@ -178,20 +183,30 @@ class Learner:
                     positions: list[int]) -> dict[str, float]:
         cfg = self.cfg
         packed = old = ref = adv = None
+        k = max(1, min(cfg.mini_batches, n))
+        # a fixed (not random) split keeps the update deterministic for resume tests
+        chunks = [[i for i, g in enumerate(positions) if g % k == j] for j in range(k)]
         if samples:
             packed = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples])
             ids, attn, pos, tgt, mask = packed
             adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+            t = cfg.temperature
+            # behaviour log-probs: the first mini-batch's are its own forward's (detached,
+            # below: it runs before any optimizer step), so the no-grad pass covers only the
+            # later mini-batches' samples, at their own width (none with one mini-batch)
+            old = torch.zeros(tgt.shape, dtype=torch.float32)
+            later = [i for c in chunks[1:] for i in c]
             with torch.no_grad(), self._autocast():
-                t = cfg.temperature
-                old = sequence_logprobs(self.model, ids, attn, pos, tgt, t).float()
+                if later:
+                    sel = torch.tensor(later, dtype=torch.long)
+                    w = int(attn[sel].sum(dim=1).max())
+                    old[sel, : w - 1] = sequence_logprobs(
+                        self.model, ids[sel, :w], attn[sel, :w], pos[sel, :w],
+                        tgt[sel, : w - 1], t).float()
                 ref = (sequence_logprobs(self.ref, ids, attn, pos, tgt, t).float()
                        if self.ref is not None else None)
-        k = max(1, min(cfg.mini_batches, n))
-        # a fixed (not random) split keeps the update deterministic for resume tests
-        chunks = [[i for i, g in enumerate(positions) if g % k == j] for j in range(k)]
         stats = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0}
-        for idx in chunks:
+        for j, idx in enumerate(chunks):
             loss: torch.Tensor | None = None
             st = {"clipfrac": 0.0}
             kl_val = 0.0
@@ -214,8 +229,9 @@ class Learner:
                     logp = sequence_logprobs(self.model, ids[sel, :width], attn[sel, :width],
                                              pos[sel, :width], tgt[sel, : width - 1],
                                              cfg.temperature).float()
+                behaviour = logp.detach() if j == 0 else old[sel, : width - 1]
                 loss, st = algos.clipped_policy_loss(
-                    logp, old[sel, : width - 1], adv[sel], m,
+                    logp, behaviour, adv[sel], m,
                     clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                     aggregation=cfg.aggregation, denominator=denom,
                 )

@@ -155,7 +155,24 @@ class LearnerWorker:
         from rlpacer_trainer.engine import host_address, netns_inode
 
         return {"rank": self.rank, "address": host_address(), "hostname": socket.gethostname(),
-                "netns": netns_inode(), "pid": os.getpid(), "device": self.device}
+                "netns": netns_inode(), "pid": os.getpid(), "device": self.device,
+                "threads": torch.get_num_threads()}
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity: a pod's cpuset, else the machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def pick_threads(requested: int, *, pinned: bool, replicas: int) -> int:
+    """A learner replica's torch threads: ``requested`` when set (>= 1); 0 (auto): 1 on a
+    learner pod (``pinned``, as before), else this host's cores shared by the replicas."""
+    if requested >= 1:
+        return requested
+    return 1 if pinned else max(1, host_cores() // max(1, replicas))
 
 
 def shard_positions(n: int, world: int) -> list[list[int]]:
@@ -194,7 +211,10 @@ class InProcessLearners:
 
 
 class RayLearners:
-    """``replicas`` learner actors (see the module docstring)."""
+    """``replicas`` learner actors (see the module docstring). ``threads``: torch's intra-op
+    threads per replica; 0 picks them: 1 on learner pods (``pinned``), else this host's
+    cores divided among the replicas (``rlpacer run``: the learner trains while the engines
+    wait, so it gets the cores they generate on; docs/runtime.md has the measurements)."""
 
     def __init__(self, model_path: str, cfg: LearnerConfig, replicas: int, *,
                  num_cpus: float = 0.5, gpus: int = 0, threads: int = 1,
@@ -206,6 +226,7 @@ class RayLearners:
         if pinned is None:  # pin to learner pods when the cluster has them
             have = ray.cluster_resources()  # type: ignore[no-untyped-call]
             pinned = all(topology.pod_resource("learner", i) in have for i in range(replicas))
+        self.threads = threads = pick_threads(threads, pinned=pinned, replicas=replicas)
         actor_cls = ray.remote(LearnerWorker)
         self.actors: list[Any] = []
         for rank in range(replicas):

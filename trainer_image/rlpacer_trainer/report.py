@@ -1,5 +1,10 @@
 """Metrics (JSONL) and the run report: plots of reward, max/median length, group size,
-lambda, straggler events and long rounds, plus a short summary."""
+lambda, straggler events and long rounds, plus a short summary.
+
+The summary counts straggler steps of short rounds (the straggler SLO's) and of long rounds
+(stragglers by design) apart; with the controller's verdict (``extra["straggler_slo"]``, a
+``StragglerSLOVerdict.to_dict()``) the report says whether the SLO was met, with the
+measured rate per G (:func:`slo_lines`)."""
 
 from __future__ import annotations
 
@@ -46,7 +51,8 @@ def plot(records: Sequence[dict[str, Any]], out: Path, title: str = "rlpacer run
     ax[2].step(steps, [r["group_size"] for r in records], where="post")
     ax[2].set_ylabel("group size G")
     ax[3].plot(steps, [r["lambda"] for r in records], label="lambda")
-    ax[3].plot(steps, [r["straggler_rate"] for r in records], label="straggler rate")
+    ax[3].plot(steps, [r["straggler_rate"] for r in records],
+               label="straggler rate (short rounds)")
     ax[3].scatter(strag, [0.0] * len(strag), marker="|", color="red", s=200,
                   label="straggler step")
     ax[3].set_ylabel("SAGC")
@@ -73,6 +79,10 @@ def summarize(records: Sequence[dict[str, Any]], extra: dict[str, Any]) -> dict[
         "steps": n,
         "long_rounds": sum(r["round_kind"] == "Long" for r in records),
         "straggler_steps": sum(bool(r.get("straggler")) for r in records),
+        "short_round_straggler_steps": sum(
+            bool(r.get("straggler")) for r in records if r["round_kind"] != "Long"),
+        "long_round_straggler_steps": sum(
+            bool(r.get("straggler")) for r in records if r["round_kind"] == "Long"),
         "mean_reward_first5": sum(r["reward"] for r in records[:5]) / max(1, min(5, n)),
         "mean_reward_last5": sum(r["reward"] for r in records[-5:]) / max(1, min(5, n)),
         "group_sizes": sorted({r["group_size"] for r in records}),
@@ -83,12 +93,38 @@ def summarize(records: Sequence[dict[str, Any]], extra: dict[str, Any]) -> dict[
     }
 
 
+def slo_lines(verdict: dict[str, Any]) -> list[str]:
+    """The report's straggler-SLO section from a ``StragglerSLOVerdict.to_dict()``."""
+    state = verdict["state"]
+    word = {"Met": "met", "Exceeded": "NOT MET (exceeded)",
+            "Infeasible": "NOT MET: infeasible at this stragglerRatio",
+            "Unknown": "not judged (too few short rounds)"}.get(state, state)
+    lines = ["## Straggler SLO", "",
+             f"targetStragglerRate {verdict['target']:g} at stragglerRatio {verdict['tau']:g}"
+             f" ({verdict['mode']}): **{word}**.", "",
+             f"- short rounds (the SLO's): {verdict['short_stragglers']} of"
+             f" {verdict['short_rounds']} straggled (rate {verdict['rate']:.2f})"]
+    if verdict["long_rounds"]:
+        lines.append(f"- long rounds (stragglers by design, not in the SLO):"
+                     f" {verdict['long_stragglers']} of {verdict['long_rounds']} straggled")
+    lines += ["", "| G | short rounds | stragglers | rate | P(p > target) |",
+              "| --- | --- | --- | --- | --- |"]
+    for e in verdict["per_size"]:
+        rate = "-" if e["rate"] is None else f"{e['rate']:.2f}"
+        lines.append(f"| {e['group_size']} | {e['observations']} | {e['stragglers']} | {rate}"
+                     f" | {e['p_above_target']:.2f} |")
+    lines += ["", verdict["message"]]
+    return lines
+
+
 def write_report(out_dir: Path, records: Sequence[dict[str, Any]], extra: dict[str, Any]) -> Path:
     summary = summarize(records, extra)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     png = plot(records, out_dir / "report.png") if records else None
     lines = ["# rlpacer run report", ""]
-    lines += [f"- {k}: {v}" for k, v in summary.items()]
+    lines += [f"- {k}: {v}" for k, v in summary.items() if k != "straggler_slo"]
+    if isinstance(summary.get("straggler_slo"), dict):
+        lines += ["", *slo_lines(summary["straggler_slo"])]
     if png is not None:
         lines += ["", f"![run]({png.name})"]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")

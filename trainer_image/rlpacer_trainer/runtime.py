@@ -4,7 +4,9 @@ Locally Ray starts in-process with ``num_cpus=2`` (no dashboard); in a pod the d
 to the job's Ray cluster (:mod:`rlpacer_trainer.topology`). Engines (one per rollout replica)
 and learners (one per learner replica) are Ray actors with fractional CPUs, each placed on its
 own pod when the cluster's nodes advertise them; the driver holds no model weights. Threads
-are capped (see engine.py on why).
+are capped (see engine.py on why): ``OMP_NUM_THREADS=1`` for every actor, each engine its bound
+cores, and a learner on this host torch threads for all of its cores (it trains while the
+engines wait; :func:`rlpacer_trainer.learners.pick_threads`).
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def build_driver(
     pods have joined Ray): how the driver starts the engines of replicas that join later (a
     long round's, or one restarted after its engine died); None: the engine set is fixed."""
     learner = learners or InProcessLearners(LearnerWorker(
-        str(cfg.model_path), cfg.learner_config(), threads=cfg.learner_threads))
+        str(cfg.model_path), cfg.learner_config(), threads=cfg.learner_threads or 1))
     planner = TailBatchingPlanner(cfg.planner_config(), cfg.num_prompts, seed=cfg.data_seed,
                                   epochs=cfg.planner_epochs())
     if controller is None:

@@ -71,6 +71,11 @@ class GroupControlMode(enum.StrEnum):
     FIXED = "Fixed"
 
 
+class TailBatchingActivation(enum.StrEnum):
+    ADAPTIVE = "Adaptive"  # over-provision short rounds only while their lengths straggle
+    ALWAYS = "Always"  # over-provision every short round
+
+
 class ModelDType(enum.StrEnum):
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
@@ -589,6 +594,16 @@ class LongRoundSpec(APIModel):
 
 class TailBatchingSpec(APIModel):
     enabled: bool = Field(default=True, description="Defer long-tail prompts to long rounds.")
+    activation: TailBatchingActivation = Field(
+        default=TailBatchingActivation.ADAPTIVE,
+        description=(
+            "When short rounds are over-provisioned (and so defer prompts to long rounds)."
+            " Adaptive: only while the measured lengths of plain short rounds straggle"
+            " (max > groupControl.stragglerRatio x median in 2 of the last 4), switched off"
+            " again by plain probe rounds that do not; a workload without a long tail runs"
+            " plain synchronous rounds. Always: every short round."
+        ),
+    )
     prompt_overprovision: Annotated[Decimal, DecimalRange(1, 16)] = Field(
         default="1.25",
         description=(

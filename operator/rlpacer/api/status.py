@@ -63,6 +63,11 @@ class ConditionType(enum.StrEnum):
     #: judged on each step report. True reasons: StragglerRateAboveSLO, StepTimeAboveSLO;
     #: False reasons: WithinSLO, NotEnoughSteps, NoSLO. Absent while no policy sets an SLO.
     SLO_VIOLATED = "SLOViolated"
+    #: The job's own straggler SLO (groupControl.targetStragglerRate over short rounds),
+    #: judged on each step report from SAGC's evidence (rlpacer.control.plan). True reason:
+    #: WithinTarget; False reasons: Exceeded, Infeasible (no candidate G can meet it at
+    #: stragglerRatio). Absent until enough short rounds were seen.
+    STRAGGLER_SLO_MET = "StragglerSLOMet"
     #: status.controllerState was found unreadable or missing (edited by someone else) and
     #: the operator rebuilt it from the spec and the status's readable fields (step, attempt,
     #: group size, lambda, posteriors); True from then on, the message says what was kept.
@@ -111,6 +116,10 @@ class Reason(enum.StrEnum):
     WITHIN_SLO = "WithinSLO"
     NOT_ENOUGH_STEPS = "NotEnoughSteps"
     NO_SLO = "NoSLO"
+    # StragglerSLOMet (the values of rlpacer.control.plan.SLOState, Met as WithinTarget)
+    WITHIN_TARGET = "WithinTarget"
+    EXCEEDED = "Exceeded"
+    INFEASIBLE = "Infeasible"
 
 
 #: Reasons with which SLOViolated is True (one per metric series rlpacer_slo_violated{reason}).
@@ -271,7 +280,14 @@ class RLTrainingJobStatus(APIModel):
         default=None, alias="lambda", description="SAGC's dual variable (the straggler price)."
     )
     straggler_rate: Decimal | None = Field(
-        default=None, description="Straggler steps over the last groupControl.windowSteps steps."
+        default=None,
+        description="The straggler SLO's rate: straggler steps over the last"
+        " groupControl.windowSteps short rounds (long rounds are counted apart).",
+    )
+    long_round_straggler_rate: Decimal | None = Field(
+        default=None,
+        description="Straggler steps over the last groupControl.windowSteps long rounds (they"
+        " straggle by design and are not part of the SLO); absent before any long round.",
     )
     step_seconds: Decimal | None = Field(
         default=None,

@@ -33,12 +33,47 @@ trained-responses throughput are both better without feeding.
 A long round runs with the pending SAGC decision's G; when long rounds do not feed SAGC that
 decision stays pending and the next short round uses it.
 
-The straggler rate reported for logging is over the last ``straggler_window`` steps of every
-kind (long rounds included: it is what the user's steps actually did).
+**The straggler SLO is over short rounds only.** ``targetStragglerRate`` (delta) bounds the
+rate SAGC controls, so :attr:`JobController.straggler_rate` (the plan's ``stragglerRate``,
+``status.stragglerRate``) is the fraction of straggler steps among the last
+``straggler_window`` *short* rounds. Long rounds straggle by design and are reported apart:
+:attr:`JobController.long_round_straggler_rate` over the last ``straggler_window`` long rounds
+(``status.longRoundStragglerRate``); :attr:`JobController.all_steps_straggler_rate` keeps the
+rate over every kind. (Before, ``straggler_rate`` was over the last ``straggler_window`` steps
+of every kind; a state written then restores with empty short and long windows.)
+
+**SLO feasibility** (:func:`straggler_slo_verdict`, :meth:`JobController.slo_verdict`): from
+SAGC's own evidence, one of
+
+* ``Unknown``: fewer than :data:`SLO_MIN_OBSERVATIONS` short rounds in the window.
+* ``Infeasible`` (SAGC): no candidate can meet delta at the job's tau. The rule looks at the
+  smallest candidate G0 only: a step's max/median ratio is a maximum over P x G responses, so
+  its straggler probability does not fall as G grows, and G0 is the most conservative choice
+  SAGC has. Infeasible when G0 ran at least :data:`SLO_MIN_AT_SMALLEST` (3) short rounds
+  and SAGC's posterior of p(G0) (the Beta with forgetting, prior centred on delta) puts
+  P(p(G0) > delta) >= :data:`SLO_CONFIDENCE` (0.95). The posterior makes it robust to noise:
+  at delta 0.25, 3 stragglers in 3 rounds is enough (P = 0.98), 2 in 3 is not (P = 0.86 to
+  0.88, by their order), nor 3 in 5 (0.89 to 0.93). The bar on G0's rounds is low on
+  purpose: when every G straggles, each G pays the same price lambda * p, so SAGC goes back
+  to the largest G and visits G0 rarely. A larger G that straggles says nothing about G0, so
+  a G0 tried fewer than 3 times is never judged infeasible (the verdict is then at most
+  Exceeded, the message says how much G0 was tried). And the window's short-round rate must
+  not be below delta with P > 0.5: a workload that drifted back within the target is Met,
+  whatever G0's old evidence says.
+* ``Exceeded``: the short-round rate is above delta with P >= 0.95 under the same prior
+  (Beta(alpha0 + s, beta0 + n - s) over the window's n short rounds, s stragglers), and G0 is
+  not shown infeasible (SAGC is still correcting; in Fixed mode: the fixed G is over the target).
+* ``Met``: otherwise.
+
+Hysteresis keeps the verdict from flapping near the threshold: once ``Infeasible`` (or
+``Exceeded``) it stays while the same probability is >= :data:`SLO_RELEASE` (0.5). The
+previous verdict is an argument, so the function stays pure: the operator reads it from the
+job's ``StragglerSLOMet`` condition, ``rlpacer run`` keeps it in memory.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -57,13 +92,22 @@ from rlpacer.control.sagc import (
 )
 
 __all__ = [
+    "SLO_CONFIDENCE",
+    "SLO_MIN_AT_SMALLEST",
+    "SLO_MIN_OBSERVATIONS",
+    "SLO_RELEASE",
     "ControlPlan",
     "JobController",
     "JobControllerConfig",
     "LengthStats",
     "ReportRejected",
+    "SLOState",
+    "SizeEvidence",
     "StepReportData",
     "StepSecondsData",
+    "StragglerSLOVerdict",
+    "beta_above",
+    "straggler_slo_verdict",
 ]
 
 _STATE_VERSION = 1
@@ -214,6 +258,224 @@ class ControlPlan:
         return cls(**{**data, "round_kind": RoundKind(data["round_kind"])})
 
 
+#: Short rounds in the window before any SLO verdict.
+SLO_MIN_OBSERVATIONS = 5
+#: Short rounds at the smallest candidate before it may be judged infeasible.
+SLO_MIN_AT_SMALLEST = 3
+#: Posterior probability of "over the target" that makes a verdict Exceeded / Infeasible.
+SLO_CONFIDENCE = 0.95
+#: ... and below which a verdict already given is released (hysteresis).
+SLO_RELEASE = 0.5
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 400):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)),
+                   -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-12:
+            break
+    return h
+
+
+def beta_above(x: float, a: float, b: float) -> float:
+    """``P(p > x)`` for ``p ~ Beta(a, b)`` (1 - the regularised incomplete beta I_x(a, b))."""
+    if x <= 0.0:
+        return 1.0
+    if x >= 1.0:
+        return 0.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        cdf = front * _betacf(a, b, x) / a
+    else:
+        cdf = 1.0 - front * _betacf(b, a, 1.0 - x) / b
+    return min(1.0, max(0.0, 1.0 - cdf))
+
+
+class SLOState(enum.StrEnum):
+    """The straggler SLO's verdict (see the module docstring)."""
+
+    UNKNOWN = "Unknown"
+    MET = "Met"
+    EXCEEDED = "Exceeded"
+    INFEASIBLE = "Infeasible"
+
+
+@dataclass(frozen=True)
+class SizeEvidence:
+    """What SAGC measured at one candidate G (short rounds, unless long rounds feed SAGC)."""
+
+    group_size: int
+    observations: int
+    stragglers: int
+    posterior_mean: float
+    p_above_target: float
+    """The posterior probability that p(G) exceeds the target."""
+
+    @property
+    def rate(self) -> float | None:
+        return self.stragglers / self.observations if self.observations else None
+
+
+@dataclass(frozen=True)
+class StragglerSLOVerdict:
+    """Whether the job meets its straggler SLO, with the evidence (pure values)."""
+
+    state: SLOState
+    mode: GroupControlMode
+    target: float
+    tau: float
+    short_rounds: int
+    """Short rounds in the window (the SLO's rate is over these)."""
+    short_stragglers: int
+    long_rounds: int
+    """Long rounds in their own window (excluded from the SLO)."""
+    long_stragglers: int
+    p_above_target: float
+    """Posterior probability that the short-round rate exceeds the target."""
+    sizes: tuple[SizeEvidence, ...] = ()
+
+    @property
+    def rate(self) -> float:
+        return self.short_stragglers / self.short_rounds if self.short_rounds else 0.0
+
+    @property
+    def long_rate(self) -> float | None:
+        return self.long_stragglers / self.long_rounds if self.long_rounds else None
+
+    @property
+    def met(self) -> bool | None:
+        """True / False, or None while Unknown."""
+        if self.state is SLOState.UNKNOWN:
+            return None
+        return self.state is SLOState.MET
+
+    def per_size_text(self) -> str:
+        parts = []
+        for e in self.sizes:
+            r = "untried" if e.rate is None else f"{e.stragglers}/{e.observations} ({e.rate:.2f})"
+            parts.append(f"G={e.group_size} {r}")
+        return ", ".join(parts)
+
+    def message(self) -> str:
+        """One paragraph for a condition, an Event or a report."""
+        t = f"{self.target:g}"
+        head = {
+            SLOState.UNKNOWN: f"not judged yet (fewer than {SLO_MIN_OBSERVATIONS} short rounds)",
+            SLOState.MET: f"short-round straggler rate within targetStragglerRate {t}",
+            SLOState.EXCEEDED: f"short-round straggler rate above targetStragglerRate {t}",
+            SLOState.INFEASIBLE: (f"no candidate G can meet targetStragglerRate {t} at"
+                                  f" stragglerRatio {self.tau:g}"),
+        }[self.state]
+        text = (f"{head}: rate {self.rate:.2f} over the last {self.short_rounds} short rounds"
+                f" (P(rate > {t}) = {self.p_above_target:.2f}); stragglers per G:"
+                f" {self.per_size_text()}")
+        if self.long_rounds:
+            text += (f"; long rounds (excluded, stragglers by design): {self.long_stragglers}/"
+                     f"{self.long_rounds}")
+        if self.state is SLOState.INFEASIBLE:
+            g0 = self.sizes[0]
+            text += (f". The smallest candidate G={g0.group_size} straggles with P(p > {t}) ="
+                     f" {g0.p_above_target:.2f}; raise stragglerRatio or targetStragglerRate,"
+                     " or add a smaller candidate")
+        elif self.state is SLOState.EXCEEDED and self.mode is GroupControlMode.FIXED:
+            text += ". Fixed mode: a smaller G (or mode SAGC) may meet it"
+        elif self.state is SLOState.EXCEEDED and self.sizes:
+            g0 = self.sizes[0]
+            text += (f". Not yet known whether the smallest candidate G={g0.group_size} can meet"
+                     f" it ({g0.observations} short rounds, P(p > {t}) ="
+                     f" {g0.p_above_target:.2f})")
+        return text
+
+    def brief(self) -> str:
+        """A few characters for a progress line."""
+        if self.state is SLOState.UNKNOWN:
+            return "?"
+        if self.state is SLOState.MET:
+            return "met"
+        return f"{self.state.value.upper()} {self.rate:.2f}>{self.target:g}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "mode": self.mode.value,
+            "target": self.target,
+            "tau": self.tau,
+            "rate": self.rate,
+            "short_rounds": self.short_rounds,
+            "short_stragglers": self.short_stragglers,
+            "long_rounds": self.long_rounds,
+            "long_stragglers": self.long_stragglers,
+            "long_rate": self.long_rate,
+            "p_above_target": self.p_above_target,
+            "per_size": [
+                {"group_size": e.group_size, "observations": e.observations,
+                 "stragglers": e.stragglers, "rate": e.rate,
+                 "posterior_mean": e.posterior_mean, "p_above_target": e.p_above_target}
+                for e in self.sizes
+            ],
+            "message": self.message(),
+        }
+
+
+def straggler_slo_verdict(
+    *,
+    mode: GroupControlMode,
+    target: float,
+    tau: float,
+    prior: tuple[float, float],
+    short_window: tuple[int, int],
+    long_window: tuple[int, int] = (0, 0),
+    sizes: dict[int, tuple[int, int, float, float]],
+    previous: SLOState | None = None,
+) -> StragglerSLOVerdict:
+    """The straggler SLO's verdict (rule in the module docstring). Pure.
+
+    ``prior``: (alpha0, beta0) of the window's rate; ``short_window`` / ``long_window``:
+    (rounds, stragglers); ``sizes``: ``{G: (observations, stragglers, alpha, beta)}`` of
+    every candidate (Fixed: the one G); ``previous``: the last verdict, for hysteresis.
+    """
+    n, s = short_window
+    p_rate = beta_above(target, prior[0] + s, prior[1] + (n - s))
+    evidence = tuple(
+        SizeEvidence(group_size=g, observations=obs, stragglers=k,
+                     posterior_mean=a / (a + b), p_above_target=beta_above(target, a, b))
+        for g, (obs, k, a, b) in sorted(sizes.items())
+    )
+
+    def over(p: float, state: SLOState) -> bool:
+        return p >= (SLO_RELEASE if previous is state else SLO_CONFIDENCE)
+
+    state = SLOState.UNKNOWN
+    if n >= SLO_MIN_OBSERVATIONS:
+        g0 = evidence[0] if evidence else None
+        if (mode is GroupControlMode.SAGC and g0 is not None
+                and g0.observations >= SLO_MIN_AT_SMALLEST
+                and over(g0.p_above_target, SLOState.INFEASIBLE)
+                and p_rate >= SLO_RELEASE):
+            state = SLOState.INFEASIBLE
+        elif over(p_rate, SLOState.EXCEEDED):
+            state = SLOState.EXCEEDED
+        else:
+            state = SLOState.MET
+    return StragglerSLOVerdict(
+        state=state, mode=mode, target=float(target), tau=float(tau), short_rounds=n,
+        short_stragglers=s, long_rounds=long_window[0], long_stragglers=long_window[1],
+        p_above_target=p_rate, sizes=evidence,
+    )
+
+
 def _finite_nonneg(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ReportRejected("InvalidReport", f"{name} must be a number, got {value!r}")
@@ -237,7 +499,11 @@ class JobController:
         self._next_step = 0
         self._attempt = 0
         self._next_kind = RoundKind.SHORT
+        #: Straggler flags of the last steps of every kind, of short rounds (the SLO's) and
+        #: of long rounds, each the last ``straggler_window`` of its kind.
         self._window: deque[bool] = deque(maxlen=self._cfg.straggler_window)
+        self._short_window: deque[bool] = deque(maxlen=self._cfg.straggler_window)
+        self._long_window: deque[bool] = deque(maxlen=self._cfg.straggler_window)
         #: Wall-clock seconds of the steps in the same window (the step-time SLO).
         self._seconds: deque[float] = deque(maxlen=self._cfg.straggler_window)
         self._steps_observed = 0
@@ -274,8 +540,37 @@ class JobController:
 
     @property
     def straggler_rate(self) -> float:
-        """Fraction of straggler steps among the last ``straggler_window`` steps."""
+        """The SLO's rate: straggler steps among the last ``straggler_window`` short rounds."""
+        w = self._short_window
+        return sum(w) / len(w) if w else 0.0
+
+    @property
+    def long_round_straggler_rate(self) -> float | None:
+        """Straggler steps among the last ``straggler_window`` long rounds (None before
+        any): long rounds straggle by design and are not part of the SLO."""
+        w = self._long_window
+        return sum(w) / len(w) if w else None
+
+    @property
+    def all_steps_straggler_rate(self) -> float:
+        """Straggler steps among the last ``straggler_window`` steps of every kind."""
         return sum(self._window) / len(self._window) if self._window else 0.0
+
+    def slo_verdict(self, previous: SLOState | None = None) -> StragglerSLOVerdict:
+        """The straggler SLO's verdict from this job's evidence (see the module docstring);
+        ``previous``: the verdict last shown, for hysteresis. Pure."""
+        ctl = self._ctl
+        post = ctl.posterior()
+        counts = ctl.per_size()
+        sizes = {g: (*counts.get(g, (0, 0)), a, b) for g, (a, b) in post.items()}
+        cfg = self._cfg.sagc
+        return straggler_slo_verdict(
+            mode=self._cfg.mode, target=cfg.delta, tau=ctl.tau,
+            prior=(cfg.alpha0, cfg.beta0),
+            short_window=(len(self._short_window), sum(self._short_window)),
+            long_window=(len(self._long_window), sum(self._long_window)),
+            sizes=sizes, previous=previous,
+        )
 
     @property
     def mean_step_seconds(self) -> float | None:
@@ -413,6 +708,10 @@ class JobController:
             straggler = self._ctl.is_straggler(ln.max, ln.median)
         self._ctl.decide()
         self._window.append(straggler)
+        if report.round_kind is RoundKind.LONG:
+            self._long_window.append(straggler)
+        else:
+            self._short_window.append(straggler)
         s = report.seconds
         self._seconds.append(float(s.rollout + s.reward + s.train + s.sync))
         self._steps_observed += 1
@@ -439,6 +738,8 @@ class JobController:
             "attempt": self._attempt,
             "next_round_kind": self._next_kind.value,
             "window": [bool(x) for x in self._window],
+            "short_window": [bool(x) for x in self._short_window],
+            "long_window": [bool(x) for x in self._long_window],
             "step_seconds": list(self._seconds),
             "steps_observed": self._steps_observed,
             "long_rounds": self._long_rounds,
@@ -467,6 +768,12 @@ class JobController:
             jc._attempt = int(state["attempt"])
             jc._next_kind = RoundKind(state["next_round_kind"])
             jc._window = deque((bool(x) for x in state["window"]), maxlen=cfg.straggler_window)
+            # Absent in states written before the short-round SLO rate: empty windows (the
+            # old window mixed the kinds; which steps were long is not known).
+            jc._short_window = deque((bool(x) for x in state.get("short_window", [])),
+                                     maxlen=cfg.straggler_window)
+            jc._long_window = deque((bool(x) for x in state.get("long_window", [])),
+                                    maxlen=cfg.straggler_window)
             # Absent in states written before the step-time SLO: an empty window.
             jc._seconds = deque((float(x) for x in state.get("step_seconds", [])),
                                 maxlen=cfg.straggler_window)

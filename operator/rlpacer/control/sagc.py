@@ -207,6 +207,8 @@ class GroupController(Protocol):
     def decide(self) -> int: ...
     def observe(self, g: int, max_len: float, median_len: float) -> bool: ...
     def posterior_means(self) -> dict[int, float]: ...
+    def posterior(self) -> dict[int, tuple[float, float]]: ...
+    def per_size(self) -> dict[int, tuple[int, int]]: ...
     def state_dict(self) -> dict[str, Any]: ...
 
 
@@ -314,6 +316,10 @@ class SAGCController:
         return {
             g: (a, b) for g, a, b in zip(self._cfg.candidates, self._alpha, self._beta, strict=True)
         }
+
+    def per_size(self) -> dict[int, tuple[int, int]]:
+        """``{G: (steps observed, straggler steps)}`` per candidate, over the whole run."""
+        return {g: (v[0], v[1]) for g, v in self._counters.per_size.items()}
 
     def allowed(self) -> tuple[int, ...]:
         """Candidates reachable from the current G under the local-search radius."""
@@ -560,6 +566,10 @@ class FixedController:
     def posterior(self) -> dict[int, tuple[float, float]]:
         """``{G: (alpha, beta)}`` of the one size."""
         return {self._cfg.group_size: (self._alpha, self._beta)}
+
+    def per_size(self) -> dict[int, tuple[int, int]]:
+        """``{G: (steps observed, straggler steps)}`` of the one size."""
+        return {self._cfg.group_size: (self._steps, self._stragglers)}
 
     def is_straggler(self, max_len: float, median_len: float) -> bool:
         return is_straggler(max_len, median_len, self._cfg.tau)

@@ -41,11 +41,23 @@ Decisions taken here:
 * The data order of epoch ``e`` is ``Generator(PCG64([seed, e])).permutation(N)``: the
   state holds the seed, the epoch and the position instead of a generator state, so it
   stays small for any N and restores exactly.
+* **Over-provisioning only where there is a tail** (``activation="adaptive"``): an
+  :class:`OverprovisionGate` decides, short round by short round, whether the round is
+  over-provisioned (ceil(eta * P0) prompts x (G + extra), deferral) or plain (P0 prompts x
+  G, nothing aborted, exactly the ``enabled=False`` round). It starts off and looks only at
+  the lengths of the responses each short round keeps (given to
+  :meth:`TailBatchingPlanner.on_response_finished`). So on a workload without a long tail
+  nothing is ever aborted or deferred and no long round runs; once the tail shows, the
+  rounds race and the queue fills as above. Long rounds are never gated: whatever is queued
+  drains as before. ``activation="always"`` (the default of this class, and of every state
+  written before the gate existed) over-provisions every short round.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -54,9 +66,12 @@ import numpy as np
 from rlpacer.api.protocol import RoundKind
 from rlpacer.control._validate import require_bool, require_float, require_int
 from rlpacer.control.errors import ConfigError, StateError
+from rlpacer.control.sagc import is_straggler
 
 __all__ = [
+    "ACTIVATIONS",
     "Decision",
+    "OverprovisionGate",
     "PlannerError",
     "RoundKind",
     "RoundPlan",
@@ -65,7 +80,11 @@ __all__ = [
     "TailBatchingPlanner",
 ]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the gate's state and config; 1 (no gate) still loads
+
+#: ``TailBatchingConfig.activation``: ``always`` over-provisions every short round (the
+#: planner before the gate); ``adaptive`` lets :class:`OverprovisionGate` decide.
+ACTIVATIONS = ("always", "adaptive")
 
 
 class PlannerError(RuntimeError):
@@ -84,6 +103,20 @@ class TailBatchingConfig:
     """Responses launched beyond G per prompt in a short round (>= 0)."""
     enabled: bool = True
     """False: a plain synchronous batcher (the baseline)."""
+    activation: str = "always"
+    """``always``: every short round is over-provisioned; ``adaptive``: only while the
+    :class:`OverprovisionGate` is on (see there)."""
+    straggler_ratio: float = 4.0
+    """tau of the gate's straggler test ``max > tau * median`` (SAGC's, sagc.is_straggler)."""
+    gate_window: int = 4
+    """W: the gate remembers its last W observations (>= 1)."""
+    gate_on: int = 2
+    """Straggling short rounds among the last W observed that switch the gate on (1..W)."""
+    gate_off: int = 2
+    """Consecutive non-straggling observations (probes) that switch the gate off (>= 1)."""
+    probe_every: int = 8
+    """While on: after this many over-provisioned rounds whose kept lengths did not
+    straggle, the next short round is a plain probe (>= 1)."""
 
     def __post_init__(self) -> None:
         require_int("prompts_per_step", self.prompts_per_step, minimum=1)
@@ -93,6 +126,19 @@ class TailBatchingConfig:
         )
         require_int("extra_responses", self.extra_responses, minimum=0)
         require_bool("enabled", self.enabled)
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(
+                "activation", f"must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}"
+            )
+        require_float("straggler_ratio", self.straggler_ratio, low=1.0)
+        require_int("gate_window", self.gate_window, minimum=1)
+        require_int("gate_on", self.gate_on, minimum=1)
+        if self.gate_on > self.gate_window:
+            raise ConfigError(
+                "gate_on", f"must be <= gate_window ({self.gate_window}), got {self.gate_on}"
+            )
+        require_int("gate_off", self.gate_off, minimum=1)
+        require_int("probe_every", self.probe_every, minimum=1)
 
     @property
     def launched_prompts(self) -> int:
@@ -117,6 +163,9 @@ class RoundPlan:
     target_prompts: int
     """Groups the round trains (the rest of a short round's prompts are deferred)."""
     epoch: int
+    overprovisioned: bool = False
+    """A short round that races ceil(eta * P0) prompts x (G + extra); False: a plain round
+    (every launched response runs to completion and is kept) or a long round."""
 
 
 @dataclass(frozen=True)
@@ -141,14 +190,123 @@ class RoundResult:
     """Prompts that went to the long queue."""
     aborted_responses: int
     """Responses launched and not kept (aborted or discarded late finishers)."""
+    overprovisioned: bool = False
+    """The round was an over-provisioned short round (:attr:`RoundPlan.overprovisioned`)."""
+    straggled: bool | None = None
+    """What the gate observed from this short round's kept lengths: True/False, or None
+    when it took nothing from it (a long round, lengths not given, an over-provisioned
+    round that did not straggle, ``activation="always"``)."""
+
+
+class OverprovisionGate:
+    """Decides, short round by short round, whether the round is over-provisioned.
+
+    Pure: it sees only the kept response lengths of each short round, in order.
+
+    * **Off** (the start): every short round is plain, so every response runs to completion
+      and its kept lengths are the uncensored ones. Each such round is one observation:
+      straggled = ``max > tau * median`` (SAGC's test, with SAGC's tau). The gate switches
+      on when at least ``gate_on`` of its last ``gate_window`` observations straggled
+      (default 2 of 4: one odd round does not switch it, a real tail does within W rounds).
+    * **On**: short rounds are over-provisioned. Their kept lengths are censored (the race
+      aborts the slowest responses and prompts), so they prove a tail but cannot disprove
+      one: a round whose kept lengths still straggle is an observation (True); one that does
+      not is no observation, only counted. After ``probe_every`` such quiet rounds in a row
+      the next short round is a plain **probe** (uncensored, one observation). The gate
+      switches off after ``gate_off`` non-straggling observations in a row since it switched
+      on (default 2 clean probes, so at least 2 * probe_every rounds on: the hysteresis).
+      While the tail is there, probes are rare: every censored straggle, and every
+      straggling probe, restarts the quiet count.
+    * Every switch clears the observations, so the new state needs fresh evidence to flip
+      back; the gate cannot flap from round to round.
+
+    With ``activation="always"`` it is always on and never probes (the planner before the
+    gate). Its state is a few integers (:meth:`state_dict`), restored exactly.
+    """
+
+    def __init__(self, cfg: TailBatchingConfig) -> None:
+        self._cfg = cfg
+        self._active = False
+        self._history: list[bool] = []  # observations since the last switch, the last W
+        self._quiet = 0  # over-provisioned rounds since the last observation
+        self._switches = 0
+
+    @property
+    def adaptive(self) -> bool:
+        return self._cfg.activation == "adaptive"
+
+    @property
+    def active(self) -> bool:
+        """On: short rounds are over-provisioned (but for a probe)."""
+        return True if not self.adaptive else self._active
+
+    @property
+    def switches(self) -> int:
+        """How often the gate switched (on or off) so far."""
+        return self._switches
+
+    @property
+    def history(self) -> list[bool]:
+        return list(self._history)
+
+    def overprovision_next(self) -> bool:
+        """Whether the next short round is over-provisioned (False: plain, or a probe)."""
+        if not self.adaptive:
+            return True
+        return self._active and self._quiet < self._cfg.probe_every
+
+    def observe(self, lengths: Sequence[int], *, overprovisioned: bool) -> bool | None:
+        """A short round finished with these kept lengths; returns the observation (None:
+        none taken). Switches the gate as the class docstring says."""
+        if not self.adaptive or not lengths:
+            return None
+        cfg = self._cfg
+        straggled = is_straggler(float(max(lengths)), float(statistics.median(lengths)),
+                                 cfg.straggler_ratio)
+        if overprovisioned and not straggled:
+            self._quiet += 1
+            return None
+        self._quiet = 0
+        self._history = [*self._history, straggled][-cfg.gate_window :]
+        if not self._active and sum(self._history) >= cfg.gate_on:
+            self._switch(True)
+        elif (self._active and len(self._history) >= cfg.gate_off
+              and not any(self._history[-cfg.gate_off :])):
+            self._switch(False)
+        return straggled
+
+    def _switch(self, on: bool) -> None:
+        self._active = on
+        self._history = []
+        self._quiet = 0
+        self._switches += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"active": self._active, "history": list(self._history),
+                "quiet": self._quiet, "switches": self._switches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        active, history = state["active"], state["history"]
+        if not isinstance(active, bool) or not isinstance(history, list) or not all(
+            isinstance(x, bool) for x in history
+        ):
+            raise StateError("gate: active and history must be booleans")
+        if len(history) > self._cfg.gate_window:
+            raise StateError("gate: history longer than gate_window")
+        quiet, switches = int(state["quiet"]), int(state["switches"])
+        if quiet < 0 or switches < 0:
+            raise StateError("gate: negative counters")
+        self._active, self._history = active, list(history)
+        self._quiet, self._switches = quiet, switches
 
 
 class _PromptRun:
-    __slots__ = ("aborted", "finished", "kept")
+    __slots__ = ("aborted", "finished", "kept", "lengths")
 
     def __init__(self) -> None:
         self.finished: set[int] = set()
         self.kept: list[int] = []
+        self.lengths: list[int | None] = []  # of the kept responses, as reported
         self.aborted = False
 
 
@@ -181,6 +339,7 @@ class TailBatchingPlanner:
         self._consumed = 0
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._round: _Round | None = None
+        self._gate = OverprovisionGate(cfg)
 
     # --- views ----------------------------------------------------------------------------
     @property
@@ -230,6 +389,16 @@ class TailBatchingPlanner:
         return self._n * self._epochs
 
     @property
+    def gate(self) -> OverprovisionGate:
+        """The over-provisioning gate (read it; the planner feeds it)."""
+        return self._gate
+
+    @property
+    def overprovision_next(self) -> bool:
+        """Whether the next short round is over-provisioned (False when disabled)."""
+        return self._cfg.enabled and self._gate.overprovision_next()
+
+    @property
     def in_round(self) -> bool:
         return self._round is not None
 
@@ -272,11 +441,14 @@ class TailBatchingPlanner:
             plan = RoundPlan(kind, self._rounds, prompts, g, g, len(prompts), self._epoch)
         else:
             order = self._order(self._epoch)
-            launched = min(cfg.launched_prompts, self._n - self._position)
+            over = self.overprovision_next
+            full = cfg.launched_prompts if over else p0
+            launched = min(full, self._n - self._position)
             prompts = [int(x) for x in order[self._position : self._position + launched]]
-            per_prompt = g + cfg.extra_responses if cfg.enabled else g
+            per_prompt = g + cfg.extra_responses if over else g
             plan = RoundPlan(
-                kind, self._rounds, prompts, per_prompt, g, min(p0, launched), self._epoch
+                kind, self._rounds, prompts, per_prompt, g, min(p0, launched), self._epoch,
+                overprovisioned=over,
             )
         self._round = _Round(plan)
         return plan
@@ -285,8 +457,12 @@ class TailBatchingPlanner:
     def current_round(self) -> RoundPlan | None:
         return None if self._round is None else self._round.plan
 
-    def on_response_finished(self, prompt_id: int, response_index: int) -> Decision:
-        """A response finished (events in finish order). Returns what to keep and abort."""
+    def on_response_finished(
+        self, prompt_id: int, response_index: int, length: int | None = None
+    ) -> Decision:
+        """A response finished (events in finish order). Returns what to keep and abort.
+        ``length``: its length in tokens, which the gate reads (``activation="adaptive"``
+        observes only rounds whose kept responses all came with one)."""
         rnd = self._round
         if rnd is None:
             raise PlannerError("no round in progress: call start_round() first")
@@ -301,11 +477,16 @@ class TailBatchingPlanner:
             )
         if response_index in run.finished:
             raise PlannerError(f"response {response_index} of prompt {prompt_id} reported twice")
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int)
+                                   or length < 0):
+            raise PlannerError(f"length of response {response_index} of prompt {prompt_id}"
+                               f" must be a token count >= 0, got {length!r}")
         run.finished.add(response_index)
         g = plan.keep_per_prompt
         if rnd.complete or run.aborted or len(run.kept) >= g:
             return Decision(keep=False, round_complete=rnd.complete)
         run.kept.append(response_index)
+        run.lengths.append(length)
         if len(run.kept) < g:
             return Decision(keep=True)
         # This prompt's group is complete.
@@ -341,12 +522,17 @@ class TailBatchingPlanner:
             )
         plan = rnd.plan
         kept = {p: list(rnd.runs[p].kept) for p in rnd.complete_order}
+        straggled: bool | None = None
         if plan.kind is RoundKind.LONG:
             del self._queue[: len(plan.prompts)]
             self._long_rounds += 1
         else:
             self._position += len(plan.prompts)
             self._queue.extend(rnd.deferred)
+            lengths = [n for p in rnd.complete_order for n in rnd.runs[p].lengths]
+            known = [n for n in lengths if n is not None]
+            if self._cfg.enabled and len(known) == len(lengths):
+                straggled = self._gate.observe(known, overprovisioned=plan.overprovisioned)
         self._consumed += len(kept)
         self._rounds += 1
         self._round = None
@@ -358,6 +544,8 @@ class TailBatchingPlanner:
             kept=kept,
             deferred=list(rnd.deferred),
             aborted_responses=launched - sum(len(v) for v in kept.values()),
+            overprovisioned=plan.overprovisioned,
+            straggled=straggled,
         )
 
     def abort_round(self) -> None:
@@ -387,13 +575,14 @@ class TailBatchingPlanner:
             "rounds": self._rounds,
             "long_rounds": self._long_rounds,
             "consumed": self._consumed,
+            "gate": self._gate.state_dict(),
         }
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> TailBatchingPlanner:
         if not isinstance(state, dict) or state.get("kind") != "tail_batching":
             raise StateError("not a tail-batching planner state")
-        if state.get("version") != _STATE_VERSION:
+        if state.get("version") not in (1, _STATE_VERSION):
             raise StateError(f"unsupported state version {state.get('version')!r}")
         try:
             cfg = TailBatchingConfig(**state["config"])
@@ -404,7 +593,9 @@ class TailBatchingPlanner:
             planner._rounds = int(state["rounds"])
             planner._long_rounds = int(state["long_rounds"])
             planner._consumed = int(state["consumed"])
-        except (KeyError, TypeError) as exc:
+            if "gate" in state:  # version 1 has none: a fresh gate (its config: "always")
+                planner._gate.load_state_dict(state["gate"])
+        except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"cannot restore TailBatchingPlanner: {exc!r}") from exc
         n = planner._n
         if not (0 <= planner._epoch < planner._epochs and 0 <= planner._position <= n):

@@ -409,8 +409,9 @@ def rebuild_state(
     The controller stands at ``status.step`` and ``status.attempt`` with ``status.groupSize``
     pending (the G the running driver was given), so the driver's next report is accepted.
     With ``readable``, the status's lambda, Beta posteriors, straggler rate and mean step time
-    are put back too (the straggler window as that many straggler steps of the last
-    ``windowSteps``). Raises ``ValueError`` if even that cannot make a valid state.
+    are put back too (the straggler windows, short and long rounds, as that many straggler
+    steps of the last ``windowSteps``). Raises ``ValueError`` if even that cannot make a
+    valid state.
     """
     cfg = hosting.controller_config(spec)
     d: dict[str, Any] = JobController(cfg).state_dict()
@@ -438,7 +439,17 @@ def rebuild_state(
             k = min(n, max(0, round(rate * n)))
             d["window"] = [True] * k + [False] * (n - k)
             inner["stragglers"] = k
+            # the SLO's rate is over short rounds; the long rounds' is apart
+            ns = min(max(0, step - status.long_rounds), cfg.straggler_window)
+            ks = min(ns, max(0, round(rate * ns)))
+            d["short_window"] = [True] * ks + [False] * (ns - ks)
             kept.append(f"straggler rate {status.straggler_rate}")
+        long_rate = _finite(status.long_round_straggler_rate)
+        nl = min(status.long_rounds, cfg.straggler_window)
+        if long_rate is not None and nl > 0:
+            kl = min(nl, max(0, round(long_rate * nl)))
+            d["long_window"] = [True] * kl + [False] * (nl - kl)
+            kept.append(f"long-round straggler rate {status.long_round_straggler_rate}")
         mean = _finite(status.step_seconds)
         if mean is not None and mean >= 0 and n > 0:
             d["step_seconds"] = [mean] * n

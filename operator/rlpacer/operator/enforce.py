@@ -12,6 +12,9 @@ RLTrainingPolicies of the job's namespace (cached by ``rlpacer.operator.policies
   the controller's windowed straggler rate and mean step time, with an Event on transitions.
 * :func:`record_notes`: the clamps and warnings in ``status.policyNotes``, with an Event
   whenever they change.
+* :func:`judge_straggler_slo`: the job's own straggler SLO (``targetStragglerRate`` over
+  short rounds, policy or not) into the StragglerSLOMet condition from
+  ``JobController.slo_verdict``, with an Event on each transition.
 
 Decision (restart safety): a clamped SAGC configuration is **persisted in the controller
 state** (the state carries its config), not re-derived on load. The clamp is a deterministic
@@ -41,11 +44,13 @@ from rlpacer.api.status import (
     MAX_POLICY_NOTES,
     ConditionStatus,
     ConditionType,
+    Reason,
     RLTrainingJobStatus,
     find,
     set_condition,
     truncate,
 )
+from rlpacer.control.plan import JobController, SLOState
 from rlpacer.control.policy import SLOReason, SLOStatus, clamp, clamp_job, slo_status
 from rlpacer.control.sagc import SAGCConfig
 from rlpacer.operator import hosting, scaler
@@ -137,6 +142,47 @@ def judge_slo(
     return slo, events
 
 
+_SLO_REASON = {SLOState.MET: Reason.WITHIN_TARGET, SLOState.EXCEEDED: Reason.EXCEEDED,
+               SLOState.INFEASIBLE: Reason.INFEASIBLE}
+
+
+def judge_straggler_slo(
+    st: RLTrainingJobStatus, ctl: JobController, *, now: str, generation: int | None
+) -> list[Event]:
+    """Set StragglerSLOMet on ``st`` (in place) from the controller's SLO verdict; an Event
+    on each transition (into Exceeded or Infeasible, between them, back to WithinTarget).
+
+    The condition stays absent while the verdict is Unknown; its message follows the
+    current numbers (the rates per G, the target). The verdict's hysteresis starts from the
+    condition as stored, so a restarted operator judges as the running one would.
+    """
+    cur = find(st.conditions, ConditionType.STRAGGLER_SLO_MET)
+    previous = None
+    if cur is not None and cur.status == ConditionStatus.FALSE:
+        previous = {Reason.EXCEEDED.value: SLOState.EXCEEDED,
+                    Reason.INFEASIBLE.value: SLOState.INFEASIBLE}.get(cur.reason)
+    verdict = ctl.slo_verdict(previous=previous)
+    if verdict.state is SLOState.UNKNOWN:
+        return []
+    reason = _SLO_REASON[verdict.state]
+    met = verdict.state is SLOState.MET
+    message = verdict.message()
+    want = ConditionStatus.TRUE if met else ConditionStatus.FALSE
+    if cur is not None and (cur.status, cur.reason, cur.message, cur.observed_generation) == (
+        want, reason.value, truncate(message), generation
+    ):
+        return []
+    st.conditions, _ = set_condition(st.conditions, ConditionType.STRAGGLER_SLO_MET, want,
+                                     reason, message, now, generation)
+    if cur is not None and cur.reason == reason.value:
+        return []  # the same verdict, new numbers
+    if not met:
+        return [Event("Warning", f"StragglerSLO{reason.value}", message)]
+    if cur is not None:  # back within the target after a breach
+        return [Event("Normal", "StragglerSLOMet", message)]
+    return []
+
+
 def record_notes(st: RLTrainingJobStatus, notes: Sequence[str]) -> list[Event]:
     """Keep the policy notes in ``st`` (in place); an Event when they change."""
     kept = [truncate(n, MAX_NOTE) for n in notes][:MAX_POLICY_NOTES]
@@ -149,4 +195,4 @@ def record_notes(st: RLTrainingJobStatus, notes: Sequence[str]) -> list[Event]:
     return [Event("Warning", "PolicyClamped" if clamped else "PolicyWarning", "; ".join(kept))]
 
 
-__all__ = ["Limits", "judge_slo", "limits", "record_notes"]
+__all__ = ["Limits", "judge_slo", "judge_straggler_slo", "limits", "record_notes"]

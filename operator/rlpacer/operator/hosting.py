@@ -110,6 +110,8 @@ def fill_status(st: RLTrainingJobStatus, ctl: JobController, cp: ControlPlan) ->
     st.round_kind = cp.round_kind.value
     st.lambda_ = format_decimal(cp.lambda_)
     st.straggler_rate = format_decimal(cp.straggler_rate)
+    long_rate = ctl.long_round_straggler_rate
+    st.long_round_straggler_rate = None if long_rate is None else format_decimal(long_rate)
     mean = ctl.mean_step_seconds
     st.step_seconds = None if mean is None else format_decimal(mean)
     st.posteriors = posteriors(ctl)

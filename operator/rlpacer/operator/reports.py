@@ -193,6 +193,7 @@ def accept_report(
             st, policies, straggler_rate=cp.straggler_rate, step_seconds=ctl.mean_step_seconds,
             steps=ctl.steps_observed, now=t, generation=gen)
         events = [*events, *enforce.record_notes(st, lim.notes), *slo_events]
+    events = [*events, *enforce.judge_straggler_slo(st, ctl, now=t, generation=gen)]
     st.summary = summarize(st.conditions)
     # Only the fields this report replaced: the rest is ``status`` as the API server stored
     # it (so within its schema), and checking the whole status on every report cost more

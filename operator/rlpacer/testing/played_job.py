@@ -62,6 +62,7 @@ def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: in
         spec["rollout"]["maxResponseTokens"] = max_tokens
     spec["tailBatching"]["longRound"]["rolloutReplicas"] = 2
     spec["tailBatching"]["promptOverprovision"] = "2"
+    spec["tailBatching"]["activation"] = "Always"  # race every short round (step 1 long)
     spec["algorithm"]["dynamicSampling"] = False
     spec["steps"] = steps
     spec["promptsPerStep"] = prompts

@@ -147,6 +147,7 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "groupControl.windowSteps": (20, None),
     "groupControl.seed": (1, None),
     "tailBatching.enabled": (False, None),
+    "tailBatching.activation": ("Always", None),
     "tailBatching.promptOverprovision": ("1.5", None),
     "tailBatching.extraResponsesPerPrompt": (2, None),
     "tailBatching.longRound.rolloutReplicas": (3, None),

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from rlpacer.api.job import TailBatchingActivation
 from rlpacer.api.protocol import Plan, RolloutCapacity, RolloutState, RoundKind, StepReport
 from rlpacer.control.plan import ControlPlan
 from rlpacer_trainer import runtime, task, tiny, weights
@@ -108,9 +109,12 @@ def _close_drivers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         drv.close()
 
 
-def _cfg(**kw: object) -> RunConfig:
+def _cfg(activation: str = "Always", **kw: object) -> RunConfig:
+    """The tiny example at 4 prompts per step; tail batching races every short round
+    (``Always``) unless ``activation="Adaptive"`` (the gate; the spec's default)."""
     cfg = RunConfig.load(EXAMPLE, **kw)  # type: ignore[arg-type]
     cfg.job.spec.prompts_per_step = 4
+    cfg.job.spec.tail_batching.activation = TailBatchingActivation(activation)
     return cfg
 
 
@@ -160,6 +164,95 @@ def test_no_tail_batching_never_aborts() -> None:
     drv.run()
     assert all(r["aborted"] == 0 and r["round_kind"] == "Short" for r in drv.records)
     assert all(r["group_size"] == 4 for r in drv.records)
+
+
+class TailEngine(ScriptedEngine):
+    """The scripted engine with a long tail: one response in 8 (by its seed) rambles on to
+    the token limit, so a plain round's longest response is many times its median."""
+
+    def _tokens(self, r: GenRequest) -> tuple[int, ...]:
+        toks = super()._tokens(r)
+        if r.seed is not None and r.seed % 8 == 0:
+            toks = (*toks[:-1], *([toks[0]] * r.max_tokens))[: r.max_tokens]
+        return toks
+
+
+class FlatEngine(ScriptedEngine):
+    """The scripted engine without a tail: every response is 20-27 tokens (by its seed)."""
+
+    def _tokens(self, r: GenRequest) -> tuple[int, ...]:
+        n = 20 + (r.seed or 0) % 8
+        return (*tiny.encode("1," * n)[: n - 1], tiny.EOS_ID)
+
+
+def test_adaptive_tail_batching_without_a_tail_runs_plain_rounds() -> None:
+    """No tail (every response 20-27 tokens, as capped word-problem answers are: max/median
+    under tau): the gate stays off, so every round is a plain synchronous one: P0 prompts x G,
+    nothing aborted, deferred or long."""
+    eng = FlatEngine()
+    cfg = _cfg("Adaptive", steps=6)
+    cfg.job.spec.algorithm.dynamic_sampling = False  # the flat answers all score 0
+    drv = runtime.build_driver(cfg, [eng])
+    drv.run()
+    recs = drv.records
+    assert len(recs) == 6
+    for r in recs:
+        assert r["len_max"] <= 4 * r["len_median"], r  # the workload really has no tail
+        assert r["round_kind"] == "Short" and r["aborted"] == 0 and r["long_queue"] == 0, r
+        assert r["overprovisioned"] is False and r["tail_gate_on"] is False, r
+        assert r["kept"] == r["group_size"] * len(r["prompts"]), r
+        assert 0 <= r["informative_groups"] <= len(r["prompts"]), r
+    assert not eng.aborted_ids and drv.planner.gate.switches == 0
+    assert drv.planner.long_rounds == 0
+
+
+def test_adaptive_tail_batching_with_a_tail_races_and_defers() -> None:
+    """A long tail: the first plain rounds straggle, the gate turns on within its window, and
+    from then on short rounds race (aborts, deferrals) and the queue feeds a long round."""
+    eng = TailEngine()
+    drv = runtime.build_driver(_cfg("Adaptive", steps=8, fixed_group_size=8), [eng])
+    drv.run()
+    recs = drv.records
+    assert recs[0]["overprovisioned"] is False and recs[0]["aborted"] == 0
+    assert recs[0]["len_max"] > 4 * recs[0]["len_median"]  # the tail is measured
+    on = [r["step"] for r in recs if r["overprovisioned"]]
+    assert on and on[0] <= 2, [(r["step"], r["overprovisioned"]) for r in recs]
+    assert all(r["aborted"] > 0 for r in recs if r["overprovisioned"])
+    assert eng.aborted_ids and drv.planner.gate.active
+    assert any(r["round_kind"] == "Long" for r in recs)
+
+
+class HalfHopelessEngine(ScriptedEngine):
+    """Prompts of odd n are always answered wrong (all-equal groups); the rest as scripted."""
+
+    def _tokens(self, r: GenRequest) -> tuple[int, ...]:
+        text = tiny.decode(list(r.prompt_ids[1:]))
+        n = int(text.rstrip(":").split("-")[0])
+        if n % 2:
+            return (*tiny.encode("9," * 3), tiny.EOS_ID)
+        return super()._tokens(r)
+
+
+@pytest.mark.parametrize("dynamic_sampling", [True, False])
+def test_informative_groups_counts_groups_before_dynamic_sampling(
+    dynamic_sampling: bool,
+) -> None:
+    """``informative_groups``: the kept groups whose rewards differ, counted before DAPO's
+    dynamic sampling drops the others (with it on, exactly the groups trained on; with it
+    off, fewer than the groups trained on when some are all-equal)."""
+    cfg = _cfg(steps=3, fixed_group_size=4)
+    cfg.job.spec.algorithm.dynamic_sampling = dynamic_sampling
+    drv = runtime.build_driver(cfg, [HalfHopelessEngine()])
+    drv.run()
+    for r in drv.records:
+        trained = r["learner_samples"] // r["group_size"]
+        assert trained == len(r["prompts"]) - r["dropped_groups"], r
+        if dynamic_sampling:
+            assert r["informative_groups"] == trained, r
+        else:
+            assert r["dropped_groups"] == 0 and r["informative_groups"] <= trained, r
+    assert sum(len(r["prompts"]) - r["informative_groups"] for r in drv.records) > 0
+    assert sum(r["informative_groups"] for r in drv.records) > 0
 
 
 def test_resume_from_checkpoint_continues_identically(tmp_path: Path) -> None:

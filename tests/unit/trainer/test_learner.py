@@ -98,3 +98,113 @@ def test_small_batches_take_sqrt_scaled_steps() -> None:
     assert learner.opt.param_groups[0]["lr"] == pytest.approx(5e-4)
     learner.train_step(_samples() * 8)  # 16 >= 8: the full rate, never more
     assert learner.opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+class _ReferenceLearner(Learner):
+    """The update as it was computed before the old-log-prob pass was trimmed: one no-grad
+    forward over the whole batch for every mini-batch's behaviour log-probs."""
+
+    def _train_step(self, samples, shard, n, positions):  # type: ignore[no-untyped-def]
+        from rlpacer_trainer import algos
+
+        cfg = self.cfg
+        packed = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        ids, attn, pos, tgt, mask = packed
+        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+        with torch.no_grad():
+            old = sequence_logprobs(self.model, ids, attn, pos, tgt, cfg.temperature)
+            ref = (sequence_logprobs(self.ref, ids, attn, pos, tgt, cfg.temperature)
+                   if self.ref is not None else None)
+        k = max(1, min(cfg.mini_batches, n))
+        for j in range(k):
+            sel = torch.tensor([i for i, g in enumerate(positions) if g % k == j])
+            width = int(attn[sel].sum(dim=1).max())
+            m = mask[sel, : width - 1]
+            logp = sequence_logprobs(self.model, ids[sel, :width], attn[sel, :width],
+                                     pos[sel, :width], tgt[sel, : width - 1], cfg.temperature)
+            loss, _ = algos.clipped_policy_loss(
+                logp, old[sel, : width - 1], adv[sel], m, clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high, aggregation=cfg.aggregation)
+            if ref is not None:
+                loss = loss + cfg.kl_coef * algos.aggregate(
+                    algos.kl_k3(logp, ref[sel, : width - 1]), m, cfg.aggregation)
+            self._set_lr(n)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            self.opt.step()
+            self.updates += 1
+        return {}
+
+
+def _random_batch(n: int, seed: int) -> list[Sample]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [tiny.BOS_ID, *tiny.encode(f"{rng.randint(10, 99)}-{rng.randint(1, 9)}:")]
+        resp = tiny.encode("".join(rng.choice("0123456789,") for _ in range(rng.randint(2, 30))))
+        out.append(Sample(prompt, resp, rng.uniform(-1.5, 1.5)))
+    return out
+
+
+def _rows_through(model: torch.nn.Module) -> list[tuple[int, bool]]:
+    """Records (rows, grad enabled) of every forward pass of ``model``."""
+    seen: list[tuple[int, bool]] = []
+
+    def hook(_m: torch.nn.Module, _args: object, kwargs: dict[str, torch.Tensor]) -> None:
+        seen.append((int(kwargs["input_ids"].shape[0]), torch.is_grad_enabled()))
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize(("k", "kl", "aggregation"), [
+    (1, 0.0, "TokenMean"), (2, 0.0, "TokenMean"), (1, 0.05, "TokenMean"),
+    (2, 0.05, "TokenMean"), (2, 0.05, "SequenceMeanTokenMean"), (3, 0.0, "TokenMean")])
+def test_update_equals_the_full_old_logprob_pass_with_fewer_passes(
+        k: int, kl: float, aggregation: str) -> None:
+    """The first mini-batch's behaviour log-probs are its own forward's (detached), so the
+    no-grad pass covers mini-batches 2..k only; the update is the one the full pass gives (up
+    to float rounding), over several steps (the later mini-batches do go off-policy: the
+    clipped ratios matter). The data-parallel ranks equal this learner (test_learner_dp)."""
+    cfg = LearnerConfig(learning_rate=3e-3, mini_batches=k, kl_coef=kl, clip_low=0.2,
+                        clip_high=0.28, aggregation=aggregation)
+    new, ref = Learner(tiny.new_model(1), cfg), _ReferenceLearner(tiny.new_model(1), cfg)
+    start = {name: t.clone() for name, t in new.model.state_dict().items()}
+    rows = _rows_through(new.model)
+    n = 12
+    for step in range(3):
+        rows.clear()
+        new.train_step(_random_batch(n, step))
+        ref.train_step(_random_batch(n, step))
+        # policy passes: k grad forwards over the batch, one no-grad over (k-1)/k of it
+        assert sorted(rows) == sorted([(n // k, True)] * k
+                                      + ([(n - n // k, False)] if k > 1 else []))
+    got, want = new.model.state_dict(), ref.model.state_dict()
+    moved = sum(float((want[p] - start[p]).pow(2).sum()) for p in want) ** 0.5
+    diff = sum(float((got[p] - want[p]).pow(2).sum()) for p in want) ** 0.5
+    assert moved > 1e-2
+    assert diff < 1e-4 * moved, (diff, moved)
+
+
+def test_local_learners_get_the_hosts_cores_and_pods_keep_one() -> None:
+    import os
+    from pathlib import Path
+
+    from rlpacer_trainer.learners import LearnerWorker, host_cores, pick_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert host_cores() == cores
+    assert pick_threads(0, pinned=False, replicas=1) == cores  # rlpacer run: every core
+    assert pick_threads(0, pinned=False, replicas=2) == max(1, cores // 2)  # DP on one host
+    assert pick_threads(0, pinned=True, replicas=1) == 1  # a learner pod: as before
+    assert pick_threads(3, pinned=True, replicas=1) == 3  # an explicit setting wins
+    before = torch.get_num_threads()
+    try:
+        asset = Path(__file__).parents[3] / "trainer_image/rlpacer_trainer/assets"
+        LearnerWorker(str(asset / "wordproblems-qwen2"), LearnerConfig(), threads=2)
+        assert torch.get_num_threads() == 2  # the worker's process trains on two threads
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,56 @@
+"""``rlpacer bench-train`` as users run it: two arms from one warm start on real vLLM and a
+Ray learner, a held-out evaluation every step timed apart from training, and the
+time-to-accuracy summary computed from the curves it recorded."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlpacer_trainer import contract as c
+from rlpacer_trainer import tta
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def test_bench_train_records_accuracy_against_training_wall_clock(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != c.ENV_RAY_ADDRESS}
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [str(BIN / "rlpacer"), "bench-train", "examples/tiny-local.yaml", "--arms", "fixed16",
+         "sagc_tb", "--seeds", "0", "--steps", "3", "--eval-every", "1", "--eval-prompts", "48",
+         "--out", str(out)],
+        cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["arm"]: r for r in map(json.loads, (out / "bench-train.jsonl").read_text()
+                                     .splitlines())}
+    assert set(rows) == {"fixed16", "sagc_tb"}
+    for arm, row in rows.items():
+        curve = row["curve"]
+        assert [p["step"] for p in curve] == [0, 1, 2, 3], arm
+        # one warm start for every arm; the clock only moves while training
+        assert curve[0] == {"train_s": 0.0, "step": 0, "accuracy": rows["fixed16"]["curve"][0]
+                            ["accuracy"]}
+        assert all(b["train_s"] > a["train_s"] for a, b in itertools.pairwise(curve))
+        # the training clock holds the steps' rollout and learner time, not the evaluations
+        assert row["train_s"] >= row["rollout_s"] + row["train_step_s"]
+        assert row["eval_s"] > 0 and row["train_s"] == pytest.approx(curve[-1]["train_s"])
+        assert row["per_round_kind"]["Short"]["rounds"] >= 1
+    assert rows["fixed16"]["group_sizes"] == [16] and rows["fixed16"]["long_rounds"] == 0
+    # SAGC starts at the example's initial G (8): fewer tokens than fixed G=16 for 3 steps
+    assert min(rows["sagc_tb"]["group_sizes"]) < 16
+    assert rows["sagc_tb"]["tokens"] < rows["fixed16"]["tokens"]
+    res = json.loads((out / "bench-train.json").read_text())
+    want = tta.summarize({a: {0: r["curve"]} for a, r in rows.items()}, "fixed16")
+    assert res["arms"] == want["arms"] and res["eval_prompts"] == 48
+    assert (out / "time-to-accuracy.png").stat().st_size > 10_000
+    assert "time to accuracy against fixed16" in proc.stdout

@@ -1,0 +1,66 @@
+"""``rlpacer run``'s report: the straggler SLO's verdict with the measured rate per G."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlpacer.api.protocol import RoundKind
+from rlpacer.control.plan import JobController, JobControllerConfig, LengthStats, StepReportData
+from rlpacer.control.sagc import SAGCConfig
+from rlpacer_trainer import report
+
+pytestmark = pytest.mark.unit
+
+
+def records_and_verdict(ratio_short: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """30 steps through the real controller, every third a long round (ratio 9)."""
+    jc = JobController(JobControllerConfig(sagc=SAGCConfig(tau=4.0, delta=0.25, dual_step=1.0)))
+    records, prev = [], None
+    for i in range(30):
+        p = jc.plan()
+        kind = RoundKind.LONG if i % 3 == 2 else RoundKind.SHORT
+        ratio = 9.0 if kind is RoundKind.LONG else ratio_short
+        cp = jc.observe(StepReportData(
+            attempt=0, step=i, group_size=p.group_size, round_kind=kind,
+            lengths=LengthStats(max=20.0 * ratio, median=20.0, p90=20.0 * ratio, count=8),
+            next_round_kind=RoundKind.LONG if i % 3 == 1 else RoundKind.SHORT))
+        prev = jc.slo_verdict(prev).state
+        records.append({"step": i, "round_kind": kind.value, "group_size": p.group_size,
+                        "straggler": cp.straggler, "straggler_rate": cp.straggler_rate,
+                        "reward": 0.5, "len_max": 20.0 * ratio, "len_median": 20.0,
+                        "lambda": cp.lambda_, "seconds_rollout": 1.0, "seconds_train": 1.0})
+    return records, jc.slo_verdict(prev).to_dict()
+
+
+def test_the_report_says_when_the_slo_is_infeasible_with_the_rate_per_g(tmp_path: Path) -> None:
+    records, verdict = records_and_verdict(8.0)
+    assert verdict["state"] == "Infeasible"
+    md = report.write_report(tmp_path, records, {"straggler_slo": verdict}).read_text()
+    assert "## Straggler SLO" in md
+    assert ("targetStragglerRate 0.25 at stragglerRatio 4 (SAGC): **NOT MET: infeasible at"
+            " this stragglerRatio**") in md
+    assert "short rounds (the SLO's): 20 of 20 straggled (rate 1.00)" in md
+    assert "long rounds (stragglers by design, not in the SLO): 10 of 10 straggled" in md
+    for e in verdict["per_size"]:
+        rate = "-" if e["rate"] is None else f"{e['rate']:.2f}"
+        assert f"| {e['group_size']} | {e['observations']} | {e['stragglers']} | {rate} |" in md
+    assert "no candidate G can meet targetStragglerRate 0.25" in md
+    assert "straggler_slo:" not in md  # a section, not a dict dumped on one line
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["straggler_slo"]["state"] == "Infeasible"
+    assert (summary["short_round_straggler_steps"], summary["long_round_straggler_steps"]) == (
+        20, 10)
+
+
+def test_the_report_says_met_when_short_rounds_keep_the_target(tmp_path: Path) -> None:
+    records, verdict = records_and_verdict(1.5)
+    md = report.write_report(tmp_path, records, {"straggler_slo": verdict}).read_text()
+    assert "(SAGC): **met**" in md and "0 of 20 straggled (rate 0.00)" in md
+    assert "NOT MET" not in md
+    # without a verdict (e.g. a remote controller) there is no section
+    md = report.write_report(tmp_path, records, {}).read_text()
+    assert "Straggler SLO" not in md

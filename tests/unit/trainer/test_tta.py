@@ -1,0 +1,103 @@
+"""Time-to-accuracy analysis (rlpacer_trainer.tta) and bench-train's arms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlpacer_trainer import tta
+from rlpacer_trainer.cli import format_tta, parse_arm
+
+pytestmark = pytest.mark.unit
+
+
+def curve(*pts: tuple[float, float]) -> list[dict[str, float]]:
+    return [{"train_s": t, "step": i, "accuracy": a} for i, (t, a) in enumerate(pts)]
+
+
+def test_time_to_interpolates_the_first_crossing() -> None:
+    c = curve((0, 0.30), (10, 0.34), (20, 0.40), (30, 0.38), (40, 0.45))
+    assert tta.time_to(c, 0.37) == pytest.approx(15.0)  # halfway between 10 s and 20 s
+    assert tta.time_to(c, 0.30) == 0.0  # the warm start is already there
+    assert tta.time_to(c, 0.45) == pytest.approx(40.0)
+    assert tta.time_to(c, 0.46) is None  # never reached
+
+
+def test_accuracy_at_is_the_last_evaluation_at_or_before() -> None:
+    c = curve((0, 0.30), (10, 0.34), (20, 0.40))
+    assert tta.accuracy_at(c, 9.99) == 0.30
+    assert tta.accuracy_at(c, 10.0) == 0.34
+    assert tta.accuracy_at(c, 1e9) == 0.40
+
+
+def test_a_curve_whose_clock_runs_backwards_is_refused() -> None:
+    with pytest.raises(ValueError, match="must not decrease"):
+        tta.time_to(curve((0, 0.1), (5, 0.2), (4, 0.3)), 0.2)
+
+
+def test_intervals() -> None:
+    mean, lo, hi = tta.interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and hi - mean == pytest.approx(4.303 * 1.0 / math.sqrt(3))
+    assert tta.interval([0.5]) == (0.5, 0.5, 0.5)
+    g, lo, hi = tta.log_ratio_interval([0.5, 0.5])
+    assert g == pytest.approx(0.5) and lo == pytest.approx(0.5) and hi == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        tta.log_ratio_interval([0.5, 0.0])
+
+
+def test_summary_pairs_seeds_against_the_baseline() -> None:
+    curves = {
+        # the baseline reaches 0.40 at 100 s (seed 0) and 0.50 at 80 s (seed 1)
+        "fixed16": {0: curve((0, 0.30), (50, 0.35), (100, 0.40)),
+                    1: curve((0, 0.30), (40, 0.45), (80, 0.50))},
+        # twice as fast on seed 0, 4x on seed 1; ahead at the baseline's wall clock
+        "sagc_tb": {0: curve((0, 0.30), (25, 0.35), (50, 0.40), (100, 0.44)),
+                    1: curve((0, 0.30), (20, 0.50), (80, 0.52))},
+        # never gets there on seed 1
+        "fixed8": {0: curve((0, 0.30), (60, 0.40)), 1: curve((0, 0.30), (60, 0.40))},
+    }
+    s = tta.summarize(curves, "fixed16")
+    base = s["arms"]["fixed16"]
+    assert base["ratio_to_baseline"]["geomean"] == pytest.approx(1.0)
+    assert base["delta_at_baseline_wall"]["mean"] == pytest.approx(0.0)
+    prod = s["arms"]["sagc_tb"]
+    assert prod["per_seed"]["0"]["seconds_to_target"] == pytest.approx(50.0)
+    assert prod["per_seed"]["1"]["seconds_to_target"] == pytest.approx(20.0)
+    assert prod["ratio_to_baseline"]["geomean"] == pytest.approx(math.sqrt(0.5 * 0.25))
+    assert prod["delta_at_baseline_wall"]["mean"] == pytest.approx((0.04 + 0.02) / 2)
+    slow = s["arms"]["fixed8"]
+    assert slow["reached_target"] == "1/2" and slow["ratio_to_baseline"] is None
+    assert slow["per_seed"]["0"]["ratio_to_baseline"] == pytest.approx(0.6)
+    table = format_tta(s)
+    assert "sagc_tb" in table and "0.35x" in table and "1/2" in table
+
+
+def test_summary_needs_the_baselines_seeds() -> None:
+    with pytest.raises(ValueError, match="seed 3"):
+        tta.summarize({"fixed16": {0: curve((0, 0.1))}, "sagc": {3: curve((0, 0.1))}},
+                      "fixed16")
+
+
+def test_rollout_seconds_per_informative_group_by_round_kind() -> None:
+    recs = [
+        {"round_kind": "Short", "seconds_rollout": 2.0, "informative_groups": 10},
+        {"round_kind": "Short", "seconds_rollout": 2.0, "informative_groups": 6},
+        {"round_kind": "Long", "seconds_rollout": 3.0, "informative_groups": 0},
+        {"round_kind": "Long", "seconds_rollout": 1.0},  # an older record: skipped
+    ]
+    out = tta.seconds_per_informative_group(recs)
+    assert out["Short"]["rollout_s_per_informative_group"] == pytest.approx(4.0 / 16)
+    assert out["Long"]["rounds"] == 1 and out["Long"]["rollout_s_per_informative_group"] is None
+
+
+@pytest.mark.parametrize(("name", "want"), [("fixed16", (16, False)), ("tb8", (8, True)),
+                                            ("sagc", (None, False)), ("sagc_tb", (None, True))])
+def test_arms(name: str, want: tuple[int | None, bool]) -> None:
+    assert parse_arm(name) == want
+
+
+@pytest.mark.parametrize("name", ["fixed", "fixed0", "tbx", "sagc-tb", "g16"])
+def test_unknown_arms_are_refused_naming_the_forms(name: str) -> None:
+    with pytest.raises(ValueError, match="fixed<N>, tb<N>, sagc or sagc_tb"):
+        parse_arm(name)
