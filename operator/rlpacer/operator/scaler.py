@@ -62,7 +62,8 @@ def plan_round(
     cur = rollout.desired_replicas
     t = fmt_time(now)
     if target > cur:
-        ready = rollout.ready_replicas >= target
+        ready = _ready_within(rollout.model_copy(update={"desired_replicas": target}),
+                              rollout.ready_replicas) >= target
         new = rollout.model_copy(update={
             "desired_replicas": target,
             "state": RolloutState.READY.value if ready else RolloutState.SCALING_UP.value,
@@ -114,7 +115,7 @@ def observe(
                             f"the namespace's policy now allows {cap} rollout replicas for a"
                             f" long round: pending scale-up {new.desired_replicas} -> {cap}"))
         new = new.model_copy(update={"desired_replicas": cap})
-    if ready >= new.desired_replicas:
+    if _ready_within(new, ready) >= new.desired_replicas:
         started = parse_time(new.scale_up_started_at) if new.scale_up_started_at else now
         secs = max(0.0, (now - started).total_seconds())
         new = new.model_copy(update={"state": RolloutState.READY.value,
@@ -143,6 +144,16 @@ def observe(
                                      "scale_up_started_at": None})
         return new, [*actions, action], [*events, ev]
     return new, actions, events
+
+
+def _ready_within(rollout: RolloutStatus, ready: int) -> int:
+    """Ready replicas a round of ``rollout.desired_replicas`` can use: the ready ordinals
+    below that count when they are known. The StatefulSet's ``readyReplicas`` also counts a
+    ready replica above it (2 of 0..2 came up first while 1 pends; a cut to 2 deletes it), so
+    counting that one would call a scale-up Ready that is one replica short."""
+    if rollout.ready_ordinals is None:
+        return ready
+    return sum(1 for i in set(rollout.ready_ordinals) if i < rollout.desired_replicas)
 
 
 def timed_out_replicas(rollout: RolloutStatus, spec: RLTrainingJobSpec, ready: int) -> int:

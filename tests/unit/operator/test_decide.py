@@ -238,6 +238,36 @@ def test_a_policy_tightened_while_a_scale_up_pends_cuts_it_at_once() -> None:
     assert [a.to_replicas for a in acts] == [short]
 
 
+def test_a_ready_replica_above_a_cut_scale_up_does_not_make_it_ready() -> None:
+    """1 -> 3 replicas with Parallel pods: 0 and 2 come up, 1 pends; a policy then cuts the
+    scale-up to 2. The StatefulSet counts 2 ready, but the cut deletes replica 2: the round
+    would run one short. Ready only once 0 and 1 are."""
+    spec = _spec(rollout={"replicas": 1}, tailBatching={"longRound": {"rolloutReplicas": 3}})
+    ro = RLTrainingJobStatus().rollout.model_copy(
+        update={"desired_replicas": 1, "ready_replicas": 1, "ready_ordinals": [0]})
+    ro, _, _ = scaler.plan_round(ro, spec, RoundKind.LONG, 3, T0)
+    assert ro.state == "ScalingUp" and ro.desired_replicas == 3
+    cut, acts, _ = scaler.observe(ro, spec, 2, 3, T0, ordinals=[0, 2], long_cap=2)
+    assert [a.reason for a in acts] == ["PolicyClamped"] and cut.desired_replicas == 2
+    assert cut.state == "ScalingUp", "replica 2 goes with the cut; 1 is not ready yet"
+    # the StatefulSet deletes 2 (its ready count drops to 1); then 1 comes up
+    gone, _, evs = scaler.observe(cut, spec, 1, 3, T0 + timedelta(seconds=3), ordinals=[0],
+                                  long_cap=2)
+    assert gone.state == "ScalingUp" and not evs
+    done, _, evs = scaler.observe(gone, spec, 2, 3, T0 + timedelta(seconds=9),
+                                  ordinals=[0, 1], long_cap=2)
+    assert done.state == "Ready" and [e.reason for e in evs] == ["ScaledUp"]
+    assert scaler.capacity(done).usable_replicas == [0, 1]
+    # scaled back to 1, replicas 1 and 2 still terminating: the StatefulSet may still count
+    # them ready, the ordinals (never a deleting pod) do not; the next long round waits
+    back = done.model_copy(update={"desired_replicas": 1, "state": "Ready",
+                                   "ready_replicas": 3, "ready_ordinals": [0]})
+    again, _, _ = scaler.plan_round(back, spec, RoundKind.LONG, 4, T0 + timedelta(seconds=20))
+    assert again.state == "ScalingUp"
+    up, _, _ = scaler.observe(again, spec, 3, 4, T0 + timedelta(seconds=21), ordinals=[0])
+    assert up.state == "ScalingUp"
+
+
 @pytest.mark.parametrize("exit_code", [contract.EXIT_DATA_INVALID, 1, 2, 137, None])
 def test_bad_data_fails_the_job_at_once_other_exits_retry(exit_code: int | None) -> None:
     spec = _spec(backoffLimit=3, ttlSecondsAfterFinished=60)

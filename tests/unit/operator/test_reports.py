@@ -356,6 +356,8 @@ def test_long_round_plan_scales_and_reports_ready() -> None:
             )
             assert env.fk.objects[sts_path]["spec"]["replicas"] == 3
             env.fk.objects[sts_path]["status"] = {"readyReplicas": 3}
+            for i in range(3):
+                _rollout_pod(env.fk, i, True)
             rt.children_changed = True  # the StatefulSet's watch event (Kopf's handler)
             await env.jobs.reconcile(rt)
             plan = await env.plan("job")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -193,7 +196,7 @@ def test_local_learners_get_the_hosts_cores_and_pods_keep_one() -> None:
     import os
     from pathlib import Path
 
-    from rlpacer_trainer.learners import LearnerWorker, host_cores, pick_threads
+    from rlpacer_trainer.learners import host_cores, pick_threads
 
     cores = len(os.sched_getaffinity(0))
     assert host_cores() == cores
@@ -201,10 +204,15 @@ def test_local_learners_get_the_hosts_cores_and_pods_keep_one() -> None:
     assert pick_threads(0, pinned=False, replicas=2) == max(1, cores // 2)  # DP on one host
     assert pick_threads(0, pinned=True, replicas=1) == 1  # a learner pod: as before
     assert pick_threads(3, pinned=True, replicas=1) == 3  # an explicit setting wins
-    before = torch.get_num_threads()
-    try:
-        asset = Path(__file__).parents[3] / "trainer_image/rlpacer_trainer/assets"
-        LearnerWorker(str(asset / "wordproblems-qwen2"), LearnerConfig(), threads=2)
-        assert torch.get_num_threads() == 2  # the worker's process trains on two threads
-    finally:
-        torch.set_num_threads(before)
+    # the worker's process trains on two threads: a fresh process, as a learner actor's is
+    # (this one's OpenMP state depends on what ran before it, e.g. an engine's thread binding)
+    asset = Path(__file__).parents[3] / "trainer_image/rlpacer_trainer/assets"
+    code = ("import torch\n"
+            "from rlpacer_trainer.learners import LearnerWorker\n"
+            "from rlpacer_trainer.learner import LearnerConfig\n"
+            f"w = LearnerWorker({str(asset / 'wordproblems-qwen2')!r}, LearnerConfig(),"
+            " threads=2)\n"
+            "print(torch.get_num_threads(), w.info()['threads'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["2", "2"], out
