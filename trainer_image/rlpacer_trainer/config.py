@@ -243,11 +243,15 @@ class RunConfig:
             enabled=self.tail_batching_enabled,
             activation=str(tb.activation.value).lower(),  # Adaptive|Always -> the planner's
             straggler_ratio=decimal(self.spec.group_control.straggler_ratio),
+            min_yield_ratio=decimal(tb.long_round.min_yield_ratio),
         )
 
     def planner_epochs(self) -> int:
         """Enough epochs that the planner never runs dry before ``total_steps``."""
-        need = self.total_steps * int(self.spec.prompts_per_step) * (self.max_refill_rounds + 1)
+        # a step takes at most a full short round's fresh prompts per round (retired long
+        # rounds take no step, but their prompts were launched by short rounds)
+        per_round = self.planner_config().launched_prompts
+        need = self.total_steps * per_round * (self.max_refill_rounds + 1)
         return max(1, math.ceil(need / self.num_prompts))
 
     def controller_config(self) -> JobControllerConfig:

@@ -17,7 +17,11 @@ One step = one policy update. Per step:
 3. DAPO dynamic sampling (when on): groups whose rewards are all equal are dropped and, while
    the batch is short of P0 groups, up to ``max_refill_rounds`` more short rounds refill it
    (never a long round: a long round is its own step). Their lengths count in the report.
-4. Group-relative advantages, one policy update, weights pushed to every engine in place.
+4. The step's informative groups (rewards not all equal) and rollout seconds feed the
+   planner's long-round yield; a due long round whose yield does not pay
+   (``tailBatching.longRound.minYieldRatio``) is retired before the report, so the next
+   round is short and nothing scales up for it.
+   Group-relative advantages, one policy update, weights pushed to every engine in place.
    After a long round (the next one short) the added engines are released first.
 5. The step report (lengths max/median/p90/count/aborted, seconds, long queue, the planner's
    next round kind, mean reward) goes to the controller; its answer is the next plan.
@@ -399,6 +403,10 @@ class Driver:
             for k, a in zip(groups[key], adv, strict=True):
                 samples.append(Sample(prompt, list(k.tokens), float(a)))
         served = self._served_by_engine(stats_before) + self._died_served
+        # long rounds that do not pay: measured per kind, a due one retired before the report
+        # says what comes next (so the operator never scales up for a round that won't run)
+        self.planner.observe_yield(kind, len(informative), rollout_s)
+        retired = self.planner.retire_due_long_rounds()
         if self.planner.next_round_kind is not RoundKind.LONG:
             self.release_extras()  # before the report that lets the operator scale down
         t0 = time.perf_counter()
@@ -433,6 +441,7 @@ class Driver:
             "engine_tokens": est.tokens, "engine_busy_s": est.busy_seconds,
             "rollout_wall_s": self.rollout_wall, "dropped_groups": dropped, "refills": refills,
             "informative_groups": len(informative), "overprovisioned": overprovisioned,
+            "retired_prompts": len(retired), "retired_total": self.planner.retired,
             "tail_gate_on": self.planner.gate.active and self.planner.config.enabled,
             **reward_metrics(self.scorer.stats.minus(reward_before)),
             "policy_version": self.policy_version, "engines": served, "replicas": used,

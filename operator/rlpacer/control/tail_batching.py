@@ -51,6 +51,15 @@ Decisions taken here:
   rounds race and the queue fills as above. Long rounds are never gated: whatever is queued
   drains as before. ``activation="always"`` (the default of this class, and of every state
   written before the gate existed) over-provisions every short round.
+* **Long rounds that do not pay are retired** (``min_yield_ratio > 0``): the driver gives
+  each step's informative groups and rollout seconds to :meth:`observe_yield`; between
+  rounds :meth:`retire_due_long_rounds` takes a due long round's prompts out of the queue
+  ungenerated when its measured yield is under ``min_yield_ratio`` of the short rounds'
+  (:class:`~rlpacer.control.long_rounds.LongRoundYield`: the first long round always runs,
+  and every ``yield_probe_every``-th due one runs to re-measure). Retired prompts are done
+  for their epoch (``retired``; ``done`` counts them), never trained in it, and offered again
+  as fresh prompts in the next; no step is spent on them. With 0 (this class's default)
+  nothing is retired and every policy trains the same prompts.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ import numpy as np
 from rlpacer.api.protocol import RoundKind
 from rlpacer.control._validate import require_bool, require_float, require_int
 from rlpacer.control.errors import ConfigError, StateError
+from rlpacer.control.long_rounds import LongRoundYield, YieldConfig
 from rlpacer.control.sagc import is_straggler
 
 __all__ = [
@@ -80,7 +90,7 @@ __all__ = [
     "TailBatchingPlanner",
 ]
 
-_STATE_VERSION = 2  # 2: the gate's state and config; 1 (no gate) still loads
+_STATE_VERSION = 3  # 3: long-round yields and retired prompts; 2: the gate; 1 still loads
 
 #: ``TailBatchingConfig.activation``: ``always`` over-provisions every short round (the
 #: planner before the gate); ``adaptive`` lets :class:`OverprovisionGate` decide.
@@ -117,6 +127,13 @@ class TailBatchingConfig:
     probe_every: int = 8
     """While on: after this many over-provisioned rounds whose kept lengths did not
     straggle, the next short round is a plain probe (>= 1)."""
+    min_yield_ratio: float = 0.0
+    """A due long round runs only when its measured yield (informative groups per rollout
+    second) is at least this fraction of the short rounds'; otherwise its prompts are retired
+    for the epoch (:class:`~rlpacer.control.long_rounds.LongRoundYield`). 0: every due long
+    round runs (the planner before yields were kept)."""
+    yield_probe_every: int = 4
+    """After this many due long rounds retired in a row, the next one runs to re-measure."""
 
     def __post_init__(self) -> None:
         require_int("prompts_per_step", self.prompts_per_step, minimum=1)
@@ -139,6 +156,10 @@ class TailBatchingConfig:
             )
         require_int("gate_off", self.gate_off, minimum=1)
         require_int("probe_every", self.probe_every, minimum=1)
+        YieldConfig(min_ratio=self.min_yield_ratio, probe_every=self.yield_probe_every)
+
+    def yield_config(self) -> YieldConfig:
+        return YieldConfig(min_ratio=self.min_yield_ratio, probe_every=self.yield_probe_every)
 
     @property
     def launched_prompts(self) -> int:
@@ -340,6 +361,8 @@ class TailBatchingPlanner:
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._round: _Round | None = None
         self._gate = OverprovisionGate(cfg)
+        self._yield = LongRoundYield(cfg.yield_config())
+        self._retired = 0  # prompts whose due long round was retired (not trained)
 
     # --- views ----------------------------------------------------------------------------
     @property
@@ -385,6 +408,17 @@ class TailBatchingPlanner:
         return self._consumed
 
     @property
+    def retired(self) -> int:
+        """Prompts (over all epochs) whose due long round was retired: never generated, not
+        trained in that epoch (:meth:`retire_due_long_rounds`)."""
+        return self._retired
+
+    @property
+    def yields(self) -> LongRoundYield:
+        """Informative groups per rollout second per round kind (the driver feeds it)."""
+        return self._yield
+
+    @property
     def total_prompts(self) -> int:
         return self._n * self._epochs
 
@@ -404,8 +438,8 @@ class TailBatchingPlanner:
 
     @property
     def done(self) -> bool:
-        """Every prompt of every epoch has been trained exactly once."""
-        return self._consumed == self.total_prompts
+        """Every prompt of every epoch has been trained exactly once (or retired)."""
+        return self._consumed + self._retired == self.total_prompts
 
     @property
     def next_round_kind(self) -> RoundKind:
@@ -548,6 +582,32 @@ class TailBatchingPlanner:
             straggled=straggled,
         )
 
+    def observe_yield(self, kind: RoundKind, informative_groups: int, rollout_s: float) -> None:
+        """A finished step's informative groups (groups whose rewards are not all equal) and
+        rollout seconds, for the long-round yield (a step's refill rounds summed)."""
+        self._yield.observe(kind, informative_groups, rollout_s)
+
+    def retire_due_long_rounds(self) -> list[int]:
+        """Between rounds: while the next round is a long one that its measured yield does
+        not pay for (:meth:`LongRoundYield.should_run_long`), take its prompts out of the
+        queue without generating them; they count as done for this epoch (the next epoch
+        offers them again). Returns the retired prompt ids (none when
+        ``min_yield_ratio`` is 0). Call it after :meth:`finish_round` and before reporting
+        the next round's kind."""
+        if self._round is not None:
+            raise PlannerError("a round is in progress: retire long rounds between rounds")
+        out: list[int] = []
+        p0 = self._cfg.prompts_per_step
+        while (not self.done and self.next_round_kind is RoundKind.LONG
+               and not self._yield.should_run_long()):
+            batch = self._queue[:p0]
+            del self._queue[:p0]
+            self._retired += len(batch)
+            self._yield.note_retired()
+            out.extend(batch)
+            self._maybe_next_epoch()
+        return out
+
     def abort_round(self) -> None:
         """Drop the round in progress (a failure or restart): nothing is lost or duplicated.
         A no-op when no round is in progress."""
@@ -576,13 +636,15 @@ class TailBatchingPlanner:
             "long_rounds": self._long_rounds,
             "consumed": self._consumed,
             "gate": self._gate.state_dict(),
+            "yield": self._yield.state_dict(),
+            "retired": self._retired,
         }
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> TailBatchingPlanner:
         if not isinstance(state, dict) or state.get("kind") != "tail_batching":
             raise StateError("not a tail-batching planner state")
-        if state.get("version") not in (1, _STATE_VERSION):
+        if state.get("version") not in (1, 2, _STATE_VERSION):
             raise StateError(f"unsupported state version {state.get('version')!r}")
         try:
             cfg = TailBatchingConfig(**state["config"])
@@ -595,9 +657,14 @@ class TailBatchingPlanner:
             planner._consumed = int(state["consumed"])
             if "gate" in state:  # version 1 has none: a fresh gate (its config: "always")
                 planner._gate.load_state_dict(state["gate"])
+            # versions 1-2 kept no yields (their config has min_yield_ratio 0: none retired)
+            planner._yield = LongRoundYield.from_state_dict(state.get("yield"), cfg.yield_config())
+            planner._retired = int(state.get("retired", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"cannot restore TailBatchingPlanner: {exc!r}") from exc
         n = planner._n
+        if not 0 <= planner._consumed + planner._retired <= planner.total_prompts:
+            raise StateError("consumed + retired prompts out of range")
         if not (0 <= planner._epoch < planner._epochs and 0 <= planner._position <= n):
             raise StateError("epoch/position out of range")
         if len(set(planner._queue)) != len(planner._queue) or any(

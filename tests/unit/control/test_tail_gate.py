@@ -182,7 +182,7 @@ def test_state_round_trip_continues_identically(at: int) -> None:
         run_round(a, rng_rounds[k])
         run_round(b, rng_rounds[k])
     state = json.loads(json.dumps(a.state_dict()))
-    assert state["version"] == 2 and "gate" in state
+    assert state["version"] == 3 and "gate" in state and "yield" in state
     c = TailBatchingPlanner.from_state_dict(state)
     assert c.state_dict() == a.state_dict()
     for k in range(at, 40):
@@ -212,7 +212,9 @@ def test_a_state_written_before_the_gate_loads_and_races_every_round() -> None:
     lambda s: s["gate"].update(history=[True] * 9),
     lambda s: s["gate"].update(quiet=-1),
     lambda s: s["gate"].pop("switches"),
-    lambda s: s.update(version=3),
+    lambda s: s.update(version=4),
+    lambda s: s["yield"].update(retired_rounds="many"),
+    lambda s: s.update(retired=11),  # more than the 10 prompts
 ])
 def test_corrupt_gate_state_is_rejected(mutate: Any) -> None:
     state = TailBatchingPlanner(_cfg(), num_prompts=10).state_dict()

@@ -152,6 +152,7 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "tailBatching.extraResponsesPerPrompt": (2, None),
     "tailBatching.longRound.rolloutReplicas": (3, None),
     "tailBatching.longRound.scaleUpTimeoutSeconds": (30, None),  # the scenario waits 61 s
+    "tailBatching.longRound.minYieldRatio": ("0", None),
     "checkpoint.volumeClaim": ("checkpoints", None),
     "checkpoint.everySteps": (5, None),
     **_role("driver"),

@@ -233,6 +233,52 @@ class HalfHopelessEngine(ScriptedEngine):
         return super()._tokens(r)
 
 
+class HopelessTailEngine(ScriptedEngine):
+    """As on the tiny task: the prompts of odd n ramble (the longest responses, so they lose
+    the short rounds' race and run in long rounds) and are always wrong (no group trains)."""
+
+    def _tokens(self, r: GenRequest) -> tuple[int, ...]:
+        text = tiny.decode(list(r.prompt_ids[1:]))
+        if int(text.rstrip(":").split("-")[0]) % 2:
+            return (*tiny.encode("9," * 40), tiny.EOS_ID)[: r.max_tokens]
+        return super()._tokens(r)
+
+
+def test_long_rounds_that_train_nothing_are_retired_and_their_steps_train() -> None:
+    """Long rounds of hopeless prompts give (almost) no informative group. With
+    ``longRound.minYieldRatio`` 0 every due long round runs (a step each, nothing trained);
+    at 0.25 the first runs, the next due ones are retired before the report (which then
+    says Short, so nothing would scale up) and those steps train short rounds instead."""
+    runs = {}
+    for ratio in ("0", "0.25"):
+        cfg = _cfg(steps=14, fixed_group_size=4)
+        cfg.job.spec.tail_batching.prompt_overprovision = "2"
+        cfg.job.spec.tail_batching.long_round.min_yield_ratio = ratio  # type: ignore[assignment]
+        drv = runtime.build_driver(cfg, [HopelessTailEngine()])
+        reports: list[StepReport] = []
+        real = drv.controller.report
+        drv.controller.report = lambda rep, _r=real, _l=reports: (_l.append(rep), _r(rep))[1]
+        drv.run()
+        runs[ratio] = (drv.records, reports, drv.planner)
+    recs0, _, p0 = runs["0"]
+    recs, reports, planner = runs["0.25"]
+    longs0 = [r for r in recs0 if r["round_kind"] == "Long"]
+    longs = [r for r in recs if r["round_kind"] == "Long"]
+    # off: half the steps are long rounds, and they train little (4 prompts x 4 each)
+    assert len(longs0) >= 3 and sum(r["informative_groups"] for r in longs0) <= len(longs0)
+    assert p0.retired == 0 and all(r["retired_prompts"] == 0 for r in recs0)
+    assert 1 <= len(longs) < len(longs0)
+    retiring = [r for r in recs if r["retired_prompts"] > 0]
+    assert retiring and planner.retired == sum(r["retired_prompts"] for r in recs) > 0
+    for r in retiring:  # retired before its report: the report announces a short round
+        assert r["next_round_kind"] == "Short" and reports[r["step"]].next_round_kind \
+            is RoundKind.SHORT, r
+    # the steps the long rounds took now train: more informative groups and samples
+    assert sum(r["informative_groups"] for r in recs) > sum(
+        r["informative_groups"] for r in recs0)
+    assert sum(r["learner_samples"] for r in recs) > sum(r["learner_samples"] for r in recs0)
+
+
 @pytest.mark.parametrize("dynamic_sampling", [True, False])
 def test_informative_groups_counts_groups_before_dynamic_sampling(
     dynamic_sampling: bool,
