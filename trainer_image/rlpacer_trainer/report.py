@@ -48,7 +48,7 @@ def plot(records: Sequence[dict[str, Any]], out: Path, title: str = "rlpacer run
     ax[1].plot(steps, [r["len_median"] for r in records], label="median")
     ax[1].set_ylabel("response tokens")
     ax[1].set_yscale("log")
-    ax[2].step(steps, [r["group_size"] for r in records], where="post")
+    ax[2].step(steps, [r["group_size"] for r in records], where="post", label="group size G")
     ax[2].set_ylabel("group size G")
     ax[3].plot(steps, [r["lambda"] for r in records], label="lambda")
     ax[3].plot(steps, [r["straggler_rate"] for r in records],
@@ -88,6 +88,15 @@ def summarize(records: Sequence[dict[str, Any]], extra: dict[str, Any]) -> dict[
         "group_sizes": sorted({r["group_size"] for r in records}),
         "engine_tokens": last.get("engine_tokens", 0),
         "rollout_seconds": sum(r["seconds_rollout"] for r in records),
+        "long_round_rollout_seconds": sum(
+            r["seconds_rollout"] for r in records if r["round_kind"] == "Long"),
+        # groups that train (rewards not all equal) per round kind, and the long rounds'
+        # prompts retired for not paying (tailBatching.longRound.minYieldRatio)
+        "informative_groups_short": sum(
+            r.get("informative_groups", 0) for r in records if r["round_kind"] != "Long"),
+        "informative_groups_long": sum(
+            r.get("informative_groups", 0) for r in records if r["round_kind"] == "Long"),
+        "retired_long_round_prompts": last.get("retired_total", 0),
         "train_seconds": sum(r["seconds_train"] for r in records),
         **extra,
     }

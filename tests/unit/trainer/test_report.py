@@ -64,3 +64,24 @@ def test_the_report_says_met_when_short_rounds_keep_the_target(tmp_path: Path) -
     # without a verdict (e.g. a remote controller) there is no section
     md = report.write_report(tmp_path, records, {}).read_text()
     assert "Straggler SLO" not in md
+
+
+def test_the_plot_has_a_label_for_every_panel_and_the_summary_counts_long_rounds(
+        tmp_path: Path) -> None:
+    """No empty legend (matplotlib warns "No artists with labels found" and draws none); the
+    summary splits rollout seconds and informative groups by round kind and counts retired
+    long-round prompts."""
+    import warnings
+
+    records, verdict = records_and_verdict(1.5)
+    for i, r in enumerate(records):
+        r["informative_groups"] = 0 if r["round_kind"] == "Long" else 3
+        r["retired_total"] = i // 10 * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report.write_report(tmp_path, records, {"straggler_slo": verdict})
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["long_round_rollout_seconds"] == 10.0 and summary["rollout_seconds"] == 30.0
+    assert (summary["informative_groups_short"], summary["informative_groups_long"]) == (60, 0)
+    assert summary["retired_long_round_prompts"] == 8
