@@ -37,7 +37,9 @@ def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
     """Two rollout replicas: two engine actors, each bound to its own core, both generating
     at the learner's weights (from their own reports in the metrics). The reward is a user
     module:function on the Python path (ExactMatch under another name), which the reward
-    pool's worker processes import."""
+    pool's worker processes import. ``--baseline 16`` then trains the same steps at a fixed
+    G=16 without tail batching on the same engines, from the same warm start, and the report
+    compares the two."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["rollout"]["replicas"] = 2
     doc["spec"]["tailBatching"]["longRound"]["rolloutReplicas"] = 2
@@ -53,7 +55,7 @@ def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
         [str(BIN / "rlpacer"), "run", str(manifest), "--steps", "4", "--out", str(out),
-         "--eval-prompts", "64"],
+         "--eval-prompts", "64", "--baseline", "16"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -95,6 +97,20 @@ def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
     assert (out / "report.png").stat().st_size > 10_000
     assert (out / "checkpoints" / "latest").exists()
     assert "G=" in proc.stderr and "stragglers=" in proc.stderr  # the progress bar
+    # the baseline: the same 4 steps at G=16, plain rounds, from the same warm start (the
+    # engines were reset to it: the same held-out score before training)
+    base = summary["baseline"]
+    assert (base["group_size"], base["steps"], base["tail_batching"]) == (16, 4, False)
+    assert base["eval_accuracy_start"] == summary["eval_accuracy_start"]
+    assert base["wall_seconds"] > 0 and summary["wall_seconds"] > 0 and base["engine_tokens"] > 0
+    brecs = [json.loads(x) for x in (out / "baseline" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in brecs] == [0, 1, 2, 3]
+    assert all(r["group_size"] == 16 and r["round_kind"] == "Short" and r["aborted"] == 0
+               for r in brecs), brecs
+    md = (out / "report.md").read_text()
+    assert "## Against the baseline (fixed G=16, no tail batching)" in md
+    ratio = summary["wall_seconds"] / base["wall_seconds"]
+    assert f"This run trained in **{ratio:.2f}x** the baseline's wall clock" in md
 
 
 @pytest.fixture

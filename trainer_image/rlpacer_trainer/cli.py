@@ -29,6 +29,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     p.add_argument("--eval-prompts", type=int, default=256)
+    p.add_argument("--baseline", type=int, default=None, metavar="G",
+                   help="then train the same manifest again with a fixed group size G and no"
+                   " tail batching (same steps, data, seed and warm start; into OUT/baseline)"
+                   " and compare training wall clock and held-out accuracy in the report")
     p.set_defaults(func=cmd_run)
 
     b = subparsers.add_parser(
@@ -74,14 +78,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {err}")
         return 2
     cfg.out_dir = args.out or Path("runs") / cfg.job.metadata.name
+    baseline = None
+    if args.baseline is not None:
+        if args.no_eval or args.resume:
+            print("error: --baseline compares held-out accuracy from the warm start: it cannot"
+                  " be combined with --no-eval or --resume")
+            return 2
+        try:
+            baseline = RunConfig.load(
+                args.manifest, fixed_group_size=args.baseline, tail_batching=False,
+                steps=args.steps, seed=args.seed, eval_prompts=args.eval_prompts)
+        except (ManifestError, ConfigError) as err:
+            print(f"error: --baseline {args.baseline}: {err}")
+            return 2
+        if not baseline.eval_problems():
+            print(f"error: --baseline needs a held-out set ({args.manifest} has none:"
+                  " spec.data.evalSource or evalFraction)")
+            return 2
     try:
-        return run_local(cfg, resume=args.resume, evaluate=not args.no_eval)
+        return run_local(cfg, resume=args.resume, evaluate=not args.no_eval,
+                         baseline=baseline)
     except ConfigError as err:  # found at start, e.g. a user reward the workers cannot import
         print(f"error: {err}")
         return 2
 
 
-def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
+def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True,
+              baseline: Any = None) -> int:
+    """Runs ``cfg`` locally; with ``baseline`` (a RunConfig of the same manifest, fixed G and
+    no tail batching) then trains that from the same warm start on the same engines and adds
+    the comparison to the report."""
     from rlpacer_trainer import report, runtime
 
     out: Path = cfg.out_dir
@@ -126,9 +152,12 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
     if evaluate:
         extra["eval_accuracy_start"] = drv.evaluate(evalset)
     bar = _progress(cfg.total_steps, drv.step)
+    s0 = [e.stats() for e in engines]
     t0 = time.perf_counter()
     drv.run()
     extra["wall_seconds"] = time.perf_counter() - t0
+    extra["run_engine_tokens"] = sum(
+        b.tokens - a.tokens for a, b in zip(s0, [e.stats() for e in engines], strict=True))
     bar.close()
     if drv.checkpoint_dir is not None:
         drv.save_checkpoint()
@@ -139,12 +168,63 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True) -> int:
         extra["straggler_slo"] = final.to_dict()
     metrics.close()
     drv.close()
+    if baseline is not None and evaluate:
+        _kill_actors(learners)  # its CPU and memory go to the baseline's learner
+        extra["baseline"] = _run_baseline(baseline, engines, evalset, out / "baseline")
     path = report.write_report(out, drv.records, extra)
     print(json.dumps(extra, indent=1))
     if final is not None:
         print(f"straggler SLO: {final.state.value}: {final.message()}")
     print(f"report: {path}")
     return 0
+
+
+def _kill_actors(learners: Any) -> None:
+    import ray
+
+    for a in getattr(learners, "actors", []):
+        ray.kill(a)
+
+
+def _run_baseline(cfg: Any, engines: list[Any], evalset: Any, out: Path) -> dict[str, Any]:
+    """The baseline arm of ``rlpacer run --baseline``: the same steps from the same warm start
+    on the same engines (reset to the warm start's weights), its training wall clock timed as
+    the run's (steps only, evaluations apart). Its records go to ``out/metrics.jsonl``."""
+    from rlpacer_trainer import report, runtime
+
+    out.mkdir(parents=True, exist_ok=True)
+    fixed = cfg.fixed_group_size
+    print(f"baseline: fixed G={fixed}, no tail batching, {cfg.total_steps} steps -> {out}")
+    learners = runtime.start_learners(cfg)
+    metrics = report.MetricsWriter(out / "metrics.jsonl")
+    bar = _progress(cfg.total_steps)
+
+    def on_step(rec: dict[str, Any]) -> None:
+        metrics.write(rec)
+        bar.update(1)
+        bar.set_postfix(reward=f"{rec['reward']:.2f}", G=rec["group_size"])
+
+    drv = runtime.build_driver(cfg, engines, on_step=on_step, learners=learners)
+    try:
+        start = drv.evaluate(evalset)
+        s0 = [e.stats() for e in engines]
+        t0 = time.perf_counter()
+        drv.run()
+        wall = time.perf_counter() - t0
+        bar.close()
+        s1 = [e.stats() for e in engines]
+        end = drv.evaluate(evalset)
+    finally:
+        metrics.close()
+        drv.close()
+        _kill_actors(learners)
+    recs = drv.records
+    return {"group_size": fixed, "tail_batching": False, "steps": len(recs),
+            "wall_seconds": wall, "eval_accuracy_start": start, "eval_accuracy_end": end,
+            "engine_tokens": sum(b.tokens - a.tokens for a, b in zip(s0, s1, strict=True)),
+            "rollout_seconds": sum(r["seconds_rollout"] for r in recs),
+            "train_seconds": sum(r["seconds_train"] for r in recs),
+            "metrics": str(out / "metrics.jsonl")}
 
 
 def _slo_verdict(controller: Any, previous: Any) -> Any:

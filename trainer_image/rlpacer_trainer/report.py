@@ -126,12 +126,51 @@ def slo_lines(verdict: dict[str, Any]) -> list[str]:
     return lines
 
 
+def baseline_lines(summary: dict[str, Any]) -> list[str]:
+    """The report's comparison with ``rlpacer run --baseline G``: the same steps, data, seed
+    and warm start at a fixed G without tail batching (``summary["baseline"]``)."""
+    b = summary["baseline"]
+    run_s, base_s = float(summary["wall_seconds"]), float(b["wall_seconds"])
+    acc0, acc1 = summary.get("eval_accuracy_start"), summary.get("eval_accuracy_end")
+    bacc1 = b["eval_accuracy_end"]
+    sizes = summary.get("group_sizes") or []
+    g = f"G {'-'.join(str(x) for x in (sizes[0], sizes[-1]))}" if len(sizes) > 1 else (
+        f"G={sizes[0]}" if sizes else "G ?")
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    lines = [f"## Against the baseline (fixed G={b['group_size']}, no tail batching)", "",
+             "The same steps, data, seed and warm start; training wall clock is the steps'"
+             " (held-out evaluations apart).", "",
+             "| run | training wall clock | rollout s | learner s | engine tokens |"
+             " held-out accuracy |", "| --- | --- | --- | --- | --- | --- |",
+             f"| this run ({g}, long rounds: {summary.get('long_rounds', 0)}) | {run_s:.1f} s"
+             f" | {summary.get('rollout_seconds', 0.0):.1f}"
+             f" | {summary.get('train_seconds', 0.0):.1f}"
+             f" | {summary.get('run_engine_tokens', '-')} | {pct(acc0)} -> {pct(acc1)} |",
+             f"| baseline (G={b['group_size']}) | {base_s:.1f} s | {b['rollout_seconds']:.1f}"
+             f" | {b['train_seconds']:.1f} | {b['engine_tokens']}"
+             f" | {pct(b['eval_accuracy_start'])} -> {pct(bacc1)} |", ""]
+    if acc1 is not None and base_s > 0:
+        delta = 100 * (float(acc1) - float(bacc1))
+        side = "above" if delta > 0 else "below" if delta < 0 else "level with"
+        lines.append(f"This run trained in **{run_s / base_s:.2f}x** the baseline's wall clock"
+                     f" and ended {abs(delta):.1f} points {side} it"
+                     + ("." if delta >= 0 else
+                        ": not the same model sooner (see docs/benchmarks.md for seeds and"
+                        " time to accuracy)."))
+    return lines
+
+
 def write_report(out_dir: Path, records: Sequence[dict[str, Any]], extra: dict[str, Any]) -> Path:
     summary = summarize(records, extra)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     png = plot(records, out_dir / "report.png") if records else None
     lines = ["# rlpacer run report", ""]
-    lines += [f"- {k}: {v}" for k, v in summary.items() if k != "straggler_slo"]
+    lines += [f"- {k}: {v}" for k, v in summary.items() if k not in ("straggler_slo", "baseline")]
+    if isinstance(summary.get("baseline"), dict) and "wall_seconds" in summary:
+        lines += ["", *baseline_lines(summary)]
     if isinstance(summary.get("straggler_slo"), dict):
         lines += ["", *slo_lines(summary["straggler_slo"])]
     if png is not None:

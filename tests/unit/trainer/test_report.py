@@ -85,3 +85,24 @@ def test_the_plot_has_a_label_for_every_panel_and_the_summary_counts_long_rounds
     assert summary["long_round_rollout_seconds"] == 10.0 and summary["rollout_seconds"] == 30.0
     assert (summary["informative_groups_short"], summary["informative_groups_long"]) == (60, 0)
     assert summary["retired_long_round_prompts"] == 8
+
+
+@pytest.mark.parametrize(("end", "words"), [
+    (0.62, "ended 2.0 points above it."),
+    (0.58, "ended 2.0 points below it: not the same model sooner"),
+])
+def test_the_report_compares_the_run_with_its_baseline(tmp_path: Path, end: float,
+                                                       words: str) -> None:
+    records, verdict = records_and_verdict(1.5)
+    extra = {"straggler_slo": verdict, "wall_seconds": 50.0, "eval_accuracy_start": 0.5,
+             "eval_accuracy_end": end, "run_engine_tokens": 1000,
+             "baseline": {"group_size": 16, "tail_batching": False, "steps": 30,
+                          "wall_seconds": 100.0, "eval_accuracy_start": 0.5,
+                          "eval_accuracy_end": 0.6, "engine_tokens": 3000,
+                          "rollout_seconds": 80.0, "train_seconds": 20.0}}
+    md = report.write_report(tmp_path, records, extra).read_text()
+    assert "## Against the baseline (fixed G=16, no tail batching)" in md
+    assert "| baseline (G=16) | 100.0 s | 80.0 | 20.0 | 3000 | 50.0% -> 60.0% |" in md
+    assert f"| 1000 | 50.0% -> {100 * end:.1f}% |" in md
+    assert f"This run trained in **0.50x** the baseline's wall clock and {words}" in md
+    assert "- baseline:" not in md  # a section, not a dict on one line
