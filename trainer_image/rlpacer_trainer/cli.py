@@ -150,6 +150,7 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True,
     evalset = cfg.eval_problems()
     evaluate = evaluate and bool(evalset)  # a file run without a held-out set: no evaluation
     if evaluate:
+        extra["eval_prompts"] = len(evalset)
         extra["eval_accuracy_start"] = drv.evaluate(evalset)
     bar = _progress(cfg.total_steps, drv.step)
     s0 = [e.stats() for e in engines]

@@ -9,6 +9,7 @@ measured rate per G (:func:`slo_lines`)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -153,13 +154,23 @@ def baseline_lines(summary: dict[str, Any]) -> list[str]:
              f" | {b['train_seconds']:.1f} | {b['engine_tokens']}"
              f" | {pct(b['eval_accuracy_start'])} -> {pct(bacc1)} |", ""]
     if acc1 is not None and base_s > 0:
-        delta = 100 * (float(acc1) - float(bacc1))
+        a, b1 = float(acc1), float(bacc1)
+        delta = 100 * (a - b1)
         side = "above" if delta > 0 else "below" if delta < 0 else "level with"
-        lines.append(f"This run trained in **{run_s / base_s:.2f}x** the baseline's wall clock"
-                     f" and ended {abs(delta):.1f} points {side} it"
-                     + ("." if delta >= 0 else
-                        ": not the same model sooner (see docs/benchmarks.md for seeds and"
-                        " time to accuracy)."))
+        head = (f"This run trained in **{run_s / base_s:.2f}x** the baseline's wall clock and"
+                f" ended {abs(delta):.1f} points {side} it")
+        n = int(summary.get("eval_prompts") or 0)
+        # two standard errors of the difference of two accuracies on n held-out prompts
+        noise = 200 * math.sqrt((a * (1 - a) + b1 * (1 - b1)) / n) if n else 0.0
+        if n and abs(delta) <= noise:
+            lines.append(f"{head}, within the held-out set's noise ({noise:.1f} points: two"
+                         f" standard errors on {n} prompts): one seed cannot tell the two"
+                         " models apart (docs/benchmarks.md: seeds and time to accuracy).")
+        elif delta >= 0:
+            lines.append(f"{head}.")
+        else:
+            lines.append(f"{head}: not the same model sooner (docs/benchmarks.md: seeds and"
+                         " time to accuracy).")
     return lines
 
 

@@ -87,14 +87,18 @@ def test_the_plot_has_a_label_for_every_panel_and_the_summary_counts_long_rounds
     assert summary["retired_long_round_prompts"] == 8
 
 
-@pytest.mark.parametrize(("end", "words"), [
-    (0.62, "ended 2.0 points above it."),
-    (0.58, "ended 2.0 points below it: not the same model sooner"),
+@pytest.mark.parametrize(("end", "n", "words"), [
+    (0.70, 4096, "ended 10.0 points above it."),
+    (0.50, 4096, "ended 10.0 points below it: not the same model sooner"),
+    # two standard errors of the difference on 256 prompts: 8.7 points
+    (0.58, 256, "ended 2.0 points below it, within the held-out set's noise (8.7 points: two"
+     " standard errors on 256 prompts): one seed cannot tell"),
 ])
-def test_the_report_compares_the_run_with_its_baseline(tmp_path: Path, end: float,
+def test_the_report_compares_the_run_with_its_baseline(tmp_path: Path, end: float, n: int,
                                                        words: str) -> None:
     records, verdict = records_and_verdict(1.5)
     extra = {"straggler_slo": verdict, "wall_seconds": 50.0, "eval_accuracy_start": 0.5,
+             "eval_prompts": n,
              "eval_accuracy_end": end, "run_engine_tokens": 1000,
              "baseline": {"group_size": 16, "tail_batching": False, "steps": 30,
                           "wall_seconds": 100.0, "eval_accuracy_start": 0.5,
