@@ -17,10 +17,10 @@ One step = one policy update. Per step:
 3. DAPO dynamic sampling (when on): groups whose rewards are all equal are dropped and, while
    the batch is short of P0 groups, up to ``max_refill_rounds`` more short rounds refill it
    (never a long round: a long round is its own step). Their lengths count in the report.
-4. The step's informative groups (rewards not all equal) and rollout seconds feed the
-   planner's long-round yield; a due long round whose yield does not pay
-   (``tailBatching.longRound.minYieldRatio``) is retired before the report, so the next
-   round is short and nothing scales up for it.
+4. The step's informative groups (rewards not all equal) and its rounds' critical path
+   (longest kept response per round, in tokens) feed the planner's long-round yield; a due
+   long round whose yield does not pay (``tailBatching.longRound.minYieldRatio``) is retired
+   before the report, so the next round is short and nothing scales up for it.
    Group-relative advantages, one policy update, weights pushed to every engine in place.
    After a long round (the next one short) the added engines are released first.
 5. The step report (lengths max/median/p90/count/aborted, seconds, long queue, the planner's
@@ -354,6 +354,7 @@ class Driver:
         lengths: list[int] = []
         aborted = 0
         rollout_s = reward_s = 0.0
+        path_tokens = 0  # each round's longest kept response: its decode steps, summed
         dropped = refills = 0
         overprovisioned = False  # any of the step's rounds raced (tail batching's gate on)
         rewards_all: list[float] = []
@@ -367,6 +368,8 @@ class Driver:
         while True:
             rnd = self.run_round(g)
             rollout_s += rnd.rollout_s
+            path_tokens += max((len(k.tokens) for ks in rnd.kept.values() for k in ks),
+                               default=0)
             aborted += rnd.aborted
             overprovisioned = overprovisioned or rnd.overprovisioned
             scores, waited = self.scorer.collect()
@@ -404,8 +407,11 @@ class Driver:
                 samples.append(Sample(prompt, list(k.tokens), float(a)))
         served = self._served_by_engine(stats_before) + self._died_served
         # long rounds that do not pay: measured per kind, a due one retired before the report
-        # says what comes next (so the operator never scales up for a round that won't run)
-        self.planner.observe_yield(kind, len(informative), rollout_s)
+        # says what comes next (so the operator never scales up for a round that won't run).
+        # The cost is the rounds' critical path in decode steps (a synchronous round lasts as
+        # long as its longest response), not seconds: deterministic, so a resumed run retires
+        # exactly what the straight run did.
+        self.planner.observe_yield(kind, len(informative), float(path_tokens))
         retired = self.planner.retire_due_long_rounds()
         if self.planner.next_round_kind is not RoundKind.LONG:
             self.release_extras()  # before the report that lets the operator scale down
@@ -442,6 +448,7 @@ class Driver:
             "rollout_wall_s": self.rollout_wall, "dropped_groups": dropped, "refills": refills,
             "informative_groups": len(informative), "overprovisioned": overprovisioned,
             "retired_prompts": len(retired), "retired_total": self.planner.retired,
+            "critical_path_tokens": path_tokens,
             "tail_gate_on": self.planner.gate.active and self.planner.config.enabled,
             **reward_metrics(self.scorer.stats.minus(reward_before)),
             "policy_version": self.policy_version, "engines": served, "replicas": used,

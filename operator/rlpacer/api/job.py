@@ -594,9 +594,10 @@ class LongRoundSpec(APIModel):
         default="0.25",
         description=(
             "A due long round runs only when its measured yield (informative groups, whose"
-            " rewards are not all equal, per rollout second) is at least this fraction of the"
-            " short rounds'; otherwise its prompts are retired for the epoch (not generated,"
-            " not trained; offered again next epoch) and no step is spent on them. The first"
+            " rewards are not all equal, per token of its critical path, the longest response"
+            " of each round) is at least this fraction of the short rounds'; otherwise its"
+            " prompts are retired for the epoch (not generated, not trained; offered again"
+            " next epoch) and no step is spent on them. The first"
             " long round always runs, and after 4 retired in a row the next runs to"
             " re-measure. 0: every due long round runs."
         ),

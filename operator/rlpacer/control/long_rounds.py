@@ -7,8 +7,9 @@ zero advantage). Measured on the tiny task (examples/tiny-local.yaml, 30 steps):
 rounds took 34% of the rollout time and gave 1.6% of the trained samples, mean reward 0.005.
 
 :class:`LongRoundYield` keeps, per round kind, the *yield*: informative groups (kept groups
-whose rewards are not all equal: the ones that train) per rollout second, as exponentially
-weighted sums (``smoothing`` the newest round's weight). When a long round is due, it runs if
+whose rewards are not all equal: the ones that train) per unit of rollout cost, as
+exponentially weighted sums (``smoothing`` the newest round's weight). When a long round is
+due, it runs if
 
 * no long round has been measured yet (there is nothing to predict from), or
 * ``probe_every`` due long rounds in a row were retired (the next one runs to re-measure: the
@@ -22,7 +23,12 @@ at most once per epoch. The step is not consumed: the next round is a short one,
 ``spec.steps`` steps trains more groups instead of spending steps on rounds that teach
 nothing. ``min_ratio = 0`` turns retirement off (every due long round runs, as before).
 
-Pure and deterministic: no clocks (the driver passes the measured rollout seconds), state in
+The cost is whatever the caller measures a round's duration in. The trainer's driver passes
+each step's critical path: the longest kept response of each of its rounds, in tokens (a
+synchronous round lasts as long as its longest response), which, unlike seconds, is the same
+when a run is repeated or resumed, so retirement decisions are too.
+
+Pure and deterministic: no clocks, state in
 :meth:`state_dict` (kept in the planner's state, so in the checkpoint).
 """
 
@@ -58,29 +64,29 @@ class YieldConfig:
 
 
 class LongRoundYield:
-    """Informative groups per rollout second, per round kind; see the module docstring."""
+    """Informative groups per unit of rollout cost, per round kind; see the module docstring."""
 
     def __init__(self, cfg: YieldConfig | None = None) -> None:
         self.cfg = cfg or YieldConfig()
-        # per kind: [weighted informative groups, weighted rollout seconds, rounds seen]
+        # per kind: [weighted informative groups, weighted rollout cost, rounds seen]
         self._sums: dict[str, list[float]] = {k.value: [0.0, 0.0, 0.0] for k in RoundKind}
         self.retired_in_a_row = 0
         self.retired_rounds = 0
 
-    def observe(self, kind: RoundKind, informative_groups: int, rollout_s: float) -> None:
+    def observe(self, kind: RoundKind, informative_groups: int, cost: float) -> None:
         """One finished round (a step's refill rounds may be summed into one observation)."""
-        if informative_groups < 0 or not math.isfinite(rollout_s) or rollout_s < 0:
-            raise ValueError(f"impossible round: {informative_groups} groups in {rollout_s} s")
+        if informative_groups < 0 or not math.isfinite(cost) or cost < 0:
+            raise ValueError(f"impossible round: {informative_groups} groups at cost {cost}")
         w = self.cfg.smoothing
         s = self._sums[RoundKind(kind).value]
         s[0] = (1 - w) * s[0] + w * informative_groups
-        s[1] = (1 - w) * s[1] + w * rollout_s
+        s[1] = (1 - w) * s[1] + w * cost
         s[2] += 1
         if RoundKind(kind) is RoundKind.LONG:
             self.retired_in_a_row = 0
 
     def yield_per_s(self, kind: RoundKind) -> float | None:
-        """Informative groups per rollout second (None before any round of ``kind``)."""
+        """Informative groups per unit of cost (None before any round of ``kind``)."""
         groups, secs, n = self._sums[RoundKind(kind).value]
         if n == 0:
             return None

@@ -52,7 +52,7 @@ Decisions taken here:
   drains as before. ``activation="always"`` (the default of this class, and of every state
   written before the gate existed) over-provisions every short round.
 * **Long rounds that do not pay are retired** (``min_yield_ratio > 0``): the driver gives
-  each step's informative groups and rollout seconds to :meth:`observe_yield`; between
+  each step's informative groups and rollout cost to :meth:`observe_yield`; between
   rounds :meth:`retire_due_long_rounds` takes a due long round's prompts out of the queue
   ungenerated when its measured yield is under ``min_yield_ratio`` of the short rounds'
   (:class:`~rlpacer.control.long_rounds.LongRoundYield`: the first long round always runs,
@@ -582,10 +582,11 @@ class TailBatchingPlanner:
             straggled=straggled,
         )
 
-    def observe_yield(self, kind: RoundKind, informative_groups: int, rollout_s: float) -> None:
+    def observe_yield(self, kind: RoundKind, informative_groups: int, cost: float) -> None:
         """A finished step's informative groups (groups whose rewards are not all equal) and
-        rollout seconds, for the long-round yield (a step's refill rounds summed)."""
-        self._yield.observe(kind, informative_groups, rollout_s)
+        rollout cost (the driver: each round's longest kept response in tokens, summed over
+        the step's refill rounds), for the long-round yield."""
+        self._yield.observe(kind, informative_groups, cost)
 
     def retire_due_long_rounds(self) -> list[int]:
         """Between rounds: while the next round is a long one that its measured yield does

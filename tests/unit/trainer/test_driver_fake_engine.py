@@ -279,6 +279,24 @@ def test_long_rounds_that_train_nothing_are_retired_and_their_steps_train() -> N
     assert sum(r["learner_samples"] for r in recs) > sum(r["learner_samples"] for r in recs0)
 
 
+def test_a_resumed_run_retires_the_long_rounds_the_straight_run_retired(tmp_path: Path) -> None:
+    """The yield's cost is each round's critical path in tokens, not seconds: a run resumed
+    from a checkpoint (the yields restored with the planner) makes the same decisions."""
+    cfg = _cfg(steps=12, fixed_group_size=4)
+    cfg.job.spec.tail_batching.prompt_overprovision = "2"
+    cfg.job.spec.checkpoint.every_steps = 4
+    a = runtime.build_driver(cfg, [HopelessTailEngine()], checkpoint_dir=tmp_path)
+    a.run()
+    assert any(r["retired_prompts"] for r in a.records[4:])  # decisions after the resume
+    assert all(r["critical_path_tokens"] > 0 for r in a.records)
+    b = runtime.build_driver(cfg, [HopelessTailEngine()], checkpoint_dir=tmp_path)
+    assert b.load_checkpoint(tmp_path / "step-000004") and b.step == 4
+    b.run()
+    keys = ("round_kind", "prompts", "retired_prompts", "retired_total", "critical_path_tokens")
+    assert [{k: r[k] for k in keys} for r in b.records[4:]] == \
+        [{k: r[k] for k in keys} for r in a.records[4:]]
+
+
 @pytest.mark.parametrize("dynamic_sampling", [True, False])
 def test_informative_groups_counts_groups_before_dynamic_sampling(
     dynamic_sampling: bool,
