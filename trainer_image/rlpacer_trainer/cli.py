@@ -157,8 +157,7 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True,
     t0 = time.perf_counter()
     drv.run()
     extra["wall_seconds"] = time.perf_counter() - t0
-    extra["run_engine_tokens"] = sum(
-        b.tokens - a.tokens for a, b in zip(s0, [e.stats() for e in engines], strict=True))
+    extra["run_engine_tokens"] = _tokens_since(engines, s0)
     bar.close()
     if drv.checkpoint_dir is not None:
         drv.save_checkpoint()
@@ -178,6 +177,11 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True,
         print(f"straggler SLO: {final.state.value}: {final.message()}")
     print(f"report: {path}")
     return 0
+
+
+def _tokens_since(engines: list[Any], before: list[Any]) -> int:
+    """Tokens the engines generated since their ``stats()`` were ``before``."""
+    return sum(e.stats().tokens - b.tokens for e, b in zip(engines, before, strict=True))
 
 
 def _kill_actors(learners: Any) -> None:
@@ -213,7 +217,7 @@ def _run_baseline(cfg: Any, engines: list[Any], evalset: Any, out: Path) -> dict
         drv.run()
         wall = time.perf_counter() - t0
         bar.close()
-        s1 = [e.stats() for e in engines]
+        tokens = _tokens_since(engines, s0)
         end = drv.evaluate(evalset)
     finally:
         metrics.close()
@@ -222,7 +226,7 @@ def _run_baseline(cfg: Any, engines: list[Any], evalset: Any, out: Path) -> dict
     recs = drv.records
     return {"group_size": fixed, "tail_batching": False, "steps": len(recs),
             "wall_seconds": wall, "eval_accuracy_start": start, "eval_accuracy_end": end,
-            "engine_tokens": sum(b.tokens - a.tokens for a, b in zip(s0, s1, strict=True)),
+            "engine_tokens": tokens,
             "rollout_seconds": sum(r["seconds_rollout"] for r in recs),
             "train_seconds": sum(r["seconds_train"] for r in recs),
             "metrics": str(out / "metrics.jsonl")}
@@ -279,7 +283,6 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         print(f"error: {args.manifest} has no held-out set (spec.data.evalSource or"
               " evalFraction): time to accuracy needs one")
         return 2
-    import ray
 
     runtime.init_ray()
     engines = runtime.start_engines(base, count=int(base.spec.rollout.replicas))
@@ -311,13 +314,13 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 curve.append({"train_s": train_s, "step": drv.step, "accuracy": acc})
                 print(f"{arm} seed {seed}: step {drv.step} train {train_s:.1f} s"
                       f" accuracy {acc:.3f}", flush=True)
-            s1 = [e.stats() for e in engines]
+            tokens = _tokens_since(engines, s0)
             recs = drv.records
             row = {
                 "arm": arm, "seed": seed, "train_s": train_s, "eval_s": eval_s,
                 "steps": len(recs), "curve": curve,
                 "final_accuracy": curve[-1]["accuracy"],
-                "tokens": sum(b.tokens - a.tokens for a, b in zip(s0, s1, strict=True)),
+                "tokens": tokens,
                 "rollout_s": sum(r["seconds_rollout"] for r in recs),
                 "train_step_s": sum(r["seconds_train"] for r in recs),
                 "long_rounds": sum(r["round_kind"] == "Long" for r in recs),
@@ -328,8 +331,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 "per_round_kind": tta.seconds_per_informative_group(recs),
             }
             drv.close()
-            for a in learners.actors:
-                ray.kill(a)
+            _kill_actors(learners)
             curves[arm][seed] = curve
             rows.append(row)
             with (args.out / "bench-train.jsonl").open("a" if len(rows) > 1 else "w") as f:

@@ -135,7 +135,7 @@ def baseline_lines(summary: dict[str, Any]) -> list[str]:
     acc0, acc1 = summary.get("eval_accuracy_start"), summary.get("eval_accuracy_end")
     bacc1 = b["eval_accuracy_end"]
     sizes = summary.get("group_sizes") or []
-    g = f"G {'-'.join(str(x) for x in (sizes[0], sizes[-1]))}" if len(sizes) > 1 else (
+    g = f"G {sizes[0]}-{sizes[-1]}" if len(sizes) > 1 else (
         f"G={sizes[0]}" if sizes else "G ?")
 
     def pct(x: float | None) -> str:

@@ -58,7 +58,7 @@ class YieldConfig:
     def __post_init__(self) -> None:
         require_float("min_ratio", self.min_ratio, low=0.0,
                       hint="0 runs every long round; 0.25 retires long rounds that train"
-                      " under a quarter as much per second as short rounds")
+                      " under a quarter as much per unit of cost as short rounds")
         require_int("probe_every", self.probe_every, minimum=1)
         require_float("smoothing", self.smoothing, low=0.0, high=1.0, low_open=True)
 

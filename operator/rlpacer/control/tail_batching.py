@@ -415,7 +415,7 @@ class TailBatchingPlanner:
 
     @property
     def yields(self) -> LongRoundYield:
-        """Informative groups per rollout second per round kind (the driver feeds it)."""
+        """Informative groups per unit of rollout cost per round kind (the driver feeds it)."""
         return self._yield
 
     @property
