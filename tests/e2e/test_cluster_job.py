@@ -395,10 +395,17 @@ def test_helm_upgrade_and_operator_restart_keep_the_controller_state(run: Run) -
     assert run.job["status"]["attempt"] == 0
 
 
-def test_the_job_gets_slo_violated_and_every_verdict_matches_its_numbers(run: Run) -> None:
-    # Every status write carries the SLO verdict and the number it was judged on
-    # (stepSeconds, the mean over the job's window): they must agree in every snapshot.
-    limit = float(yaml.safe_load(POLICY.read_text())["spec"]["stepTimeSLO"]["maxSeconds"])
+def test_every_slo_verdict_of_the_job_matches_its_numbers(run: Run) -> None:
+    """Every status write carries the SLO verdict and the numbers it was judged on
+    (stepSeconds and stragglerRate, each over the policy's window): they agree in every
+    snapshot. Whether this job breaks an SLO depends on the machine (its steps take 0.4-2.2 s
+    against the 1 s minimum step-time SLO) and on the seeds (tail batching keeps its short
+    rounds free of stragglers); the job that breaks one for sure is the next one
+    (test_a_job_without_tail_batching_breaks_the_namespaces_straggler_slo)."""
+    spec = yaml.safe_load(POLICY.read_text())["spec"]
+    limit = float(spec["stepTimeSLO"]["maxSeconds"])
+    max_rate = float(spec["stragglerSLO"]["maxTargetStragglerRate"])
+    window = int(spec["stragglerSLO"]["windowSteps"])
     judged = [(float(s["stepSeconds"]), c) for s in run.statuses if s.get("stepSeconds")
               for c in s.get("conditions", []) if c["type"] == "SLOViolated"]
     assert judged, run.statuses[-1]
@@ -407,23 +414,19 @@ def test_the_job_gets_slo_violated_and_every_verdict_matches_its_numbers(run: Ru
             continue
         assert (c["status"] == "True") == (mean > limit), (mean, c)
         assert c["reason"] == ("StepTimeAboveSLO" if mean > limit else "WithinSLO"), (mean, c)
-    # The job is reported as violating its namespace's SLOs: condition and Event. Which SLO
-    # depends on the machine for the step time (the tiny job's steps take 0.4-2.2 s against
-    # the 1 s minimum SLO, so its window mean crosses 1 s on a loaded machine and not always
-    # on a quiet one), while its straggler steps are fixed by the seeds (the straggler SLO is
-    # broken in every run). Either way every snapshot's verdict must match its numbers:
-    # status.sloBreaches names the step-time breach exactly when stepSeconds is above it.
-    seen = [c for _, c in judged if c["status"] == "True"]
-    events = {e["reason"] for e in run.events}
-    assert seen, f"no SLOViolated=True; window means {sorted({m for m, _ in judged})}"
+    # status.sloBreaches names a breach exactly when its number is above the limit
     checked = 0
     for s in run.statuses:
         if s.get("stepSeconds") and s.get("sloBreaches") is not None:
             over = float(s["stepSeconds"]) > limit
             assert ("StepTimeAboveSLO" in s["sloBreaches"]) == over, s
+            if s.get("stragglerRate") is not None and s.get("step", 0) >= window:
+                assert ("StragglerRateAboveSLO" in s["sloBreaches"]) == \
+                    (float(s["stragglerRate"]) > max_rate), s
             checked += 1
     assert checked, [(s.get("stepSeconds"), s.get("sloBreaches")) for s in run.statuses]
-    assert "SLOViolated" in events, events
+    if any(c["status"] == "True" for _, c in judged):
+        assert "SLOViolated" in {e["reason"] for e in run.events}, run.events
 
 
 def test_dead_learner_then_dead_driver_each_attempt_resumes_from_the_last_checkpoint(
@@ -512,6 +515,35 @@ def test_dead_learner_then_dead_driver_each_attempt_resumes_from_the_last_checkp
     prompts = [p for r in kept for p in r["prompts"]]
     assert len(prompts) == len(set(prompts)), prompts
     assert (ckpt / "latest").read_text().strip() == f"step-{STEPS:06d}"
+
+
+def test_a_job_without_tail_batching_breaks_the_namespaces_straggler_slo(
+    release: Release,
+) -> None:
+    """The second job (the example with tail batching off) straggles on every step: each
+    round's longest response is more than stragglerRatio (6) times its median (80-192 tokens
+    against 6-12), so its straggler rate is 1 against the namespace policy's 0.3 and its own
+    target of 0.2. The operator says so where a platform team looks: the SLOViolated
+    condition (reason StragglerRateAboveSLO, naming the policy), status.sloBreaches, a
+    Warning Event; and the job's own StragglerSLOMet is False. Beside the example job (tail
+    batching on, straggler rate 0 on the same prompts' distribution), this is the SLO the
+    feature exists to keep."""
+    rel = release
+    st = rel.get("rltj", RESUME, "-n", rel.jobs)["status"]
+    assert st["summary"] == "Succeeded", st
+    assert float(st["stragglerRate"]) == 1.0, st
+    assert "StragglerRateAboveSLO" in st["sloBreaches"], st
+    slo = next(c for c in st["conditions"] if c["type"] == "SLOViolated")
+    assert (slo["status"], slo["reason"]) == ("True", "StragglerRateAboveSLO"), slo
+    assert "straggler rate" in slo["message"] and \
+        f"RLTrainingPolicy {rel.jobs}/team-limits" in slo["message"], slo
+    own = next(c for c in st["conditions"] if c["type"] == "StragglerSLOMet")
+    assert (own["status"], own["reason"]) == ("False", "Exceeded"), own
+    ev = rel.get("events", "-n", rel.jobs, "--field-selector",
+                 f"involvedObject.kind=RLTrainingJob,involvedObject.name={RESUME}")
+    warnings = [e for e in (ev or {}).get("items", []) if e["reason"] == "SLOViolated"]
+    assert warnings and all(e["type"] == "Warning" for e in warnings), ev
+    assert any("StragglerRateAboveSLO" in e["message"] for e in warnings), warnings
 
 
 def _bound_claim(rel: Release, claim: str, mode: str = "ReadOnlyMany") -> None:

@@ -325,9 +325,13 @@ class Driver:
         lost = [(self._requests[rid_], p, i) for rid_, (e, p, i) in self._pending.items()
                 if e == r]
         self._forget(r, "died")
+        if self._died_served and self._died_served[-1]["replica"] == r:
+            self._died_served[-1]["redispatched"] = len(lost)
         for req, _, _ in lost:
             del self._pending[req.request_id]
         if lost:
+            print(f"rollout replica {r}: {len(lost)} unfinished requests re-dispatched",
+                  flush=True)
             self._dispatch(lost)
 
     def _abort(self, rid: Callable[[int, int], str], pairs: Sequence[tuple[int, int]]) -> int:

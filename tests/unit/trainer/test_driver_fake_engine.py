@@ -588,6 +588,7 @@ def test_an_engine_dying_mid_round_loses_nothing_and_restarts() -> None:
     assert ("died", 1) in drv.events and rec["replicas"] == [0, 1] and Dies.lost > 0
     died = [e for e in rec["engines"] if e.get("died")]
     assert [e["replica"] for e in died] == [1] and died[0]["responses"] > 0
+    assert died[0]["redispatched"] == Dies.lost  # each unfinished request went on, counted
     assert sum(e["responses"] for e in rec["engines"]) == rec["kept"]
     drv.run()  # the next step starts replica 1's engine again (its pod is still offered)
     assert [r.replica for r in made] == [1] and drv.pool[1] is made[0]
