@@ -370,6 +370,11 @@ class Jobs:
         if obj is None:
             raise JobGone(f"{rt.namespace}/{rt.name}")
         rt.absorb(obj)
+        if rt.live is not None and rt.live[0] != rt.status.controller_state:
+            # Someone else wrote the controller state, read here (e.g. on a write's conflict,
+            # mid-pass): its resourceVersion is now known, so the watch's event of it wakes
+            # nothing; the job's next pass, at once, checks it (and rebuilds it if broken).
+            rt.wake.set()
 
     # --- the one status write path ------------------------------------------------------
     async def commit(
