@@ -4,9 +4,9 @@
 #
 #   ${RLPACER_CACHE:-~/.cache/rlpacer}/bin/{etcd,kube-apiserver,kube-controller-manager,
 #                                           kube-scheduler,kwok,helm,promtool,prometheus,
-#                                           kubelet,kube-proxy,coredns}
+#                                           kubelet,kube-proxy,coredns,kube-router}
 #
-# kubelet, kube-proxy and coredns run the real node (rlpacer.testing.node). The first two share
+# kubelet, kube-proxy, coredns and kube-router run the real node (rlpacer.testing.node). The first two share
 # the control plane's wrapper module and Go build cache; coredns is built from hack/coredns (only
 # the plugins the node needs).
 #
@@ -17,7 +17,7 @@
 #
 # Usage: bash hack/build-binaries.sh [--check] [NAME...]
 #   NAME     build only these (etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm
-#            promtool prometheus kubelet kube-proxy coredns)
+#            promtool prometheus kubelet kube-proxy coredns kube-router)
 #   --check  build nothing; exit 1 and list what is missing or stale
 # Env: RLPACER_CACHE (cache root), GO (go binary), RLPACER_BUILD_FORCE=1 (ignore stamps).
 set -euo pipefail
@@ -46,7 +46,7 @@ export GOFLAGS=-mod=mod
 export GOMAXPROCS="${GOMAXPROCS:-$(nproc)}"
 
 ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm promtool prometheus kubelet
-     kube-proxy coredns)
+     kube-proxy coredns kube-router)
 CHECK=0
 WANT=()
 for a in "$@"; do
@@ -68,6 +68,7 @@ stamp_for() {
     promtool|prometheus)
       echo "$1 $PROMETHEUS_VERSION toolchain=$PROMETHEUS_GOTOOLCHAIN rev=$RECIPE_REV.$PROMETHEUS_RECIPE_REV" ;;
     coredns) echo "coredns $COREDNS_VERSION toolchain=$COREDNS_GOTOOLCHAIN rev=$RECIPE_REV.$(sha256sum "$ROOT/hack/coredns/main.go" | cut -c1-12)" ;;
+    kube-router) echo "kube-router $KUBE_ROUTER_VERSION toolchain=$KUBE_ROUTER_GOTOOLCHAIN rev=$RECIPE_REV" ;;
     *) echo "error: unknown binary '$1' (known: ${ALL[*]})" >&2; return 1 ;;
   esac
 }
@@ -276,6 +277,9 @@ for name in "${WANT[@]}"; do
     promtool|prometheus)
       build_install "$name" "github.com/prometheus/prometheus/cmd/$name" "$PROMETHEUS_VERSION" \
         "$PROMETHEUS_GOTOOLCHAIN" "$(prometheus_ldflags)" netgo,remove_all_sd ;;
+    kube-router) build_install kube-router github.com/cloudnativelabs/kube-router/v2/cmd/kube-router \
+            "$KUBE_ROUTER_VERSION" "$KUBE_ROUTER_GOTOOLCHAIN" \
+            "-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KUBE_ROUTER_VERSION" ;;
   esac
   mv -f "$BIN/$name.tmp" "$BIN/$name"
   echo "$stamp" > "$BIN/.$name.stamp"

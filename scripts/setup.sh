@@ -199,15 +199,15 @@ done_step
 # --- Container images (podman, no registry) -----------------------------------------------
 if [[ $WHAT == all && $IMAGES == 1 ]]; then
   missing=()
-  # containerd, iptables and the CNI plugins: the real node (rlpacer.testing.node)
+  # containerd, iptables, ipset and the CNI plugins: the real node (rlpacer.testing.node)
   for tool in podman:podman buildah:buildah debootstrap:debootstrap runc:runc \
-              containerd:containerd iptables:iptables; do
+              containerd:containerd iptables:iptables ipset:ipset; do
     command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
   done
   [[ -x /usr/lib/cni/bridge || -x /opt/cni/bin/bridge ]] || missing+=(containernetworking-plugins)
   if (( ${#missing[@]} )); then
     step "apt-get install ${missing[*]} (cold: about a minute)"
-    command -v apt-get >/dev/null 2>&1 || die "missing ${missing[*]} and no apt-get to install them: install podman, buildah, debootstrap, runc, containerd, iptables and containernetworking-plugins, or run set-up with --no-images"
+    command -v apt-get >/dev/null 2>&1 || die "missing ${missing[*]} and no apt-get to install them: install podman, buildah, debootstrap, runc, containerd, iptables, ipset and containernetworking-plugins, or run set-up with --no-images"
     { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" fuse-overlayfs uidmap; } \
       || die "apt-get could not install ${missing[*]}: check access to the Debian mirror, or run set-up with --no-images"
     done_step

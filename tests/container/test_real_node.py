@@ -8,6 +8,11 @@ networking, kube-proxy and CoreDNS (``rlpacer.testing.node``), beside the local 
   head, learner, rollout and driver pods find each other through Services (cluster DNS), a long
   round adds a rollout pod whose engine generates part of that round, and the job reaches
   Succeeded; ``kubectl logs`` of each pod shows its role's work.
+* NetworkPolicies enforced (the chart with ``networkPolicy.enabled``; kube-router on the node):
+  while the job runs, a pod with no job labels and a pod of another job reach neither the job's
+  Ray head nor the operator's step-report port, and the job's pods reach nothing outside the
+  job, while the job's own pods reach its head, the driver reports every step, and the webhook
+  still answers the API server. A job's policy deleted by hand comes back.
 
 Nothing here is simulated: no KWOK node is in this cluster, so every pod is scheduled to the real
 node and run by its kubelet. A machine without the node's parts fails with what to install
@@ -19,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -77,6 +83,13 @@ def cluster(images: dict[str, str]) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop()
+    # the node's stop leaves nothing of kube-proxy's or kube-router's in the host's tables
+    chains = [r for t in ("filter", "nat", "mangle") for r in subprocess.run(
+        ["iptables", "-t", t, "-S"], capture_output=True, text=True).stdout.splitlines()
+        if "KUBE-" in r]
+    sets = [n for n in subprocess.run(["ipset", "list", "-n"], capture_output=True,
+                                      text=True).stdout.split() if n.startswith("KUBE-")]
+    assert not chains and not sets, (chains, sets)
 
 
 def kubectl(c: LocalCluster, *args: str, check: bool = True, timeout: float = 60,
@@ -111,8 +124,9 @@ def in_real_container(c: LocalCluster, pod: dict[str, Any]) -> int:
 def release(cluster: LocalCluster) -> dict[str, Any]:
     kubectl(cluster, "create", "namespace", SYSTEM)
     t0 = time.monotonic()
+    # NetworkPolicies on: the operator pod's and every job's (the node enforces them)
     r = cluster.helm("install", "rlpacer", str(CHART), "-n", SYSTEM, "--wait", "--timeout",
-                     "240s", check=False)
+                     "240s", "--set", "networkPolicy.enabled=true", check=False)
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n" + kubectl(
         cluster, "-n", SYSTEM, "describe", "pods", check=False).stdout[-4000:]
     (pod,) = get(cluster, "pods", "-n", SYSTEM, "-l", "app.kubernetes.io/name=rlpacer")["items"]
@@ -164,6 +178,109 @@ def test_the_webhook_answers_through_its_service(cluster: LocalCluster,
     assert "0.9 breaks <= 0.3 (stragglerSLO.maxTargetStragglerRate)" in r.stderr, r.stderr
 
 
+#: TCP connects from inside a pod to one address, each port in turn: "<port> open|blocked
+#: <error> <seconds>" per line.
+PROBE = """import socket, sys, time
+for port in sys.argv[2:]:
+    t = time.monotonic()
+    try:
+        socket.create_connection((sys.argv[1], int(port)), timeout=4).close()
+        print(port, "open", round(time.monotonic() - t, 2))
+    except OSError as e:
+        print(port, "blocked", type(e).__name__, round(time.monotonic() - t, 2))
+"""
+#: The TCP ports a pod listens on, on addresses other than loopback (its /proc/net/tcp{,6}).
+LISTENING = """listen = set()
+for f, loopback in (("/proc/net/tcp", {"0100007F"}),
+                    ("/proc/net/tcp6", {"00000000000000000000000001000000",
+                                        "0000000000000000FFFF00000100007F"})):
+    try:
+        lines = open(f).read().splitlines()[1:]
+    except OSError:
+        continue
+    for ln in lines:
+        local, state = ln.split()[1], ln.split()[3]
+        ip, port = local.split(":")
+        if state == "0A" and ip not in loopback:
+            listen.add(int(port, 16))
+print(" ".join(str(p) for p in sorted(listen)))
+"""
+#: Pods that do not belong to the job: one with no job labels (it also serves HTTP on
+#: STRANGER_PORT, the job pods' egress target), one labelled as a pod of another job.
+STRANGERS = {"stranger": {}, "other-job": {"rlpacer.io/job": "another-job",
+                                           "app.kubernetes.io/managed-by": "rlpacer-operator"}}
+STRANGER_PORT = 8000
+
+
+def stranger_pods(c: LocalCluster) -> None:
+    for name, labels in STRANGERS.items():
+        pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": JOBS, "labels": labels},
+            "spec": {
+                "nodeSelector": {"rlpacer.io/node": "real"},
+                "terminationGracePeriodSeconds": 1,
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
+                                    "seccompProfile": {"type": "RuntimeDefault"}},
+                "containers": [{
+                    "name": "probe", "image": "ghcr.io/rlpacer/trainer:0.1.0",
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["python3", "-m", "http.server", str(STRANGER_PORT)],
+                    "securityContext": {"allowPrivilegeEscalation": False,
+                                        "capabilities": {"drop": ["ALL"]}},
+                }],
+            },
+        }
+        kubectl(c, "apply", "-f", "-", input=json.dumps(pod))
+
+
+def probe(c: LocalCluster, pod: str, ip: str, *ports: int) -> dict[int, str]:
+    r = kubectl(c, "-n", JOBS, "exec", pod, "--", "python3", "-c", PROBE, ip,
+                *map(str, ports), check=False, timeout=120)
+    out = {int(ln.split()[0]): ln.split(None, 1)[1] for ln in r.stdout.splitlines() if ln}
+    return {p: out.get(p, f"exec failed: {r.stderr.strip()[-300:]}") for p in ports}
+
+
+def probe_network(c: LocalCluster, ips: dict[str, str], operator_ip: str) -> dict[str, str]:
+    """Connections tried while the job runs: "<from> -> <what>" -> "open ..." / "blocked ...".
+    First the job's learner to its head's GCS, until it answers (the head pod runs before Ray
+    listens), and the head's own list of listening ports until its raylet's are in it; then
+    every one of those ports, from the learner (open: the job's own) and from each stranger
+    (each port known open to the job's pods at that moment)."""
+    head, learner = ips[f"{JOB}-head-0"], f"{JOB}-learner-0"
+    out: dict[str, str] = {}
+    deadline = time.monotonic() + 120
+    while True:
+        out["learner -> head 6379"] = probe(c, learner, head, 6379)[6379]
+        if out["learner -> head 6379"].startswith("open") or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    while True:  # the head's raylet and agents listen seconds after its GCS
+        listening = kubectl(c, "-n", JOBS, "exec", f"{JOB}-head-0", "--", "python3", "-c",
+                            LISTENING, check=False).stdout.split()
+        if len(listening) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    ports = [int(p) for p in listening]
+    out["head listens on"] = " ".join(listening)
+    for port, got in probe(c, learner, head, *ports).items():
+        out[f"learner -> head {port}"] = got
+    for who in STRANGERS:
+        for port, got in probe(c, who, head, *ports).items():
+            out[f"{who} -> head {port}"] = got
+        got2 = probe(c, who, operator_ip, 8080, 9443)
+        out[f"{who} -> operator reports"] = got2[8080]
+        # where the chart allows every source: the stranger's network itself works
+        out[f"{who} -> operator webhook"] = got2[9443]
+    out["other-job -> stranger"] = probe(c, "other-job", ips["stranger"], STRANGER_PORT)[
+        STRANGER_PORT]
+    out["learner -> stranger"] = probe(c, learner, ips["stranger"], STRANGER_PORT)[
+        STRANGER_PORT]
+    # the head's GCS still serves the job (the strangers were refused while it listened)
+    out["learner -> head 6379, after"] = probe(c, learner, head, 6379)[6379]
+    return out
+
+
 def scrape(pod_ip: str, port: int = 9090) -> str:
     with urllib.request.urlopen(f"http://{pod_ip}:{port}/metrics", timeout=10) as resp:
         return str(resp.read().decode())
@@ -177,6 +294,10 @@ def job_run(cluster: LocalCluster, release: dict[str, Any],
     start (the operator deletes a finished job's pods)."""
     logdir = tmp_path_factory.mktemp("pod-logs")
     kubectl(cluster, "create", "namespace", JOBS)
+    stranger_pods(cluster)
+    kubectl(cluster, "-n", JOBS, "wait", "--for=condition=Ready", "pod", *STRANGERS,
+            "--timeout=120s")
+    strangers = {n: get(cluster, "pod", n, "-n", JOBS)["status"]["podIP"] for n in STRANGERS}
     kubectl(cluster, "-n", JOBS, "apply", "-f", str(ROOT / "examples" / "tiny-cluster-policy.yaml"),
             "-f", str(ROOT / "examples" / "tiny-cluster.yaml"))
     pods: dict[str, list[dict[str, Any]]] = {}  # name -> each incarnation (by uid)
@@ -184,11 +305,17 @@ def job_run(cluster: LocalCluster, release: dict[str, Any],
     t0 = time.monotonic()
     deadline = t0 + 900
     job: dict[str, Any] = {}
+    # the network probes run beside the watch (they take seconds; the watch must not miss a
+    # short-lived pod's log), once the head and the learner run
+    probes: dict[str, str] = {}
+    prober: threading.Thread | None = None
     try:
         while time.monotonic() < deadline:
             job = get(cluster, "rltrainingjob", JOB, "-n", JOBS)
             for p in get(cluster, "pods", "-n", JOBS)["items"]:
                 uid, name = p["metadata"]["uid"], p["metadata"]["name"]
+                if name in STRANGERS:
+                    continue
                 seen = pods.setdefault(name, [])
                 uids = [x["metadata"]["uid"] for x in seen]
                 if uid in uids:
@@ -198,6 +325,16 @@ def job_run(cluster: LocalCluster, release: dict[str, Any],
                 started = any("running" in (cs.get("state") or {}) or
                               "terminated" in (cs.get("state") or {})
                               for cs in p["status"].get("containerStatuses") or [])
+                running = {
+                    q[-1]["metadata"]["name"]: q[-1]["status"].get("podIP")
+                    for q in pods.values() if q[-1]["status"].get("phase") == "Running"}
+                if prober is None and {f"{JOB}-head-0", f"{JOB}-learner-0"} <= set(
+                        k for k, v in running.items() if v):
+                    prober = threading.Thread(target=lambda ips=running: probes.update(
+                        probe_network(cluster, {**ips, **strangers},
+                                      release["pod"]["status"]["podIP"])),
+                        daemon=True)
+                    prober.start()
                 if started and uid not in followers:
                     with open(logdir / f"{uid}.log", "wb") as out:
                         followers[uid] = subprocess.Popen(
@@ -206,6 +343,8 @@ def job_run(cluster: LocalCluster, release: dict[str, Any],
             if (job.get("status") or {}).get("summary") in ("Succeeded", "Failed"):
                 break
             time.sleep(1)
+        if prober is not None:
+            prober.join(timeout=120)
         for f in followers.values():  # each stream ends with its container (or its pod)
             try:
                 f.wait(timeout=60)
@@ -220,7 +359,8 @@ def job_run(cluster: LocalCluster, release: dict[str, Any],
           f" {(job.get('status') or {}).get('summary')}")
     logs = {uid: (logdir / f"{uid}.log").read_text(errors="replace") for uid in followers}
     metrics = scrape(release["pod"]["status"]["podIP"])
-    return {"job": job, "pods": pods, "logs": logs, "seconds": seconds, "metrics": metrics}
+    return {"job": job, "pods": pods, "logs": logs, "seconds": seconds, "metrics": metrics,
+            "probes": probes}
 
 
 def _log(run: dict[str, Any], pod: dict[str, Any]) -> str:
@@ -330,6 +470,59 @@ def test_a_long_round_adds_a_rollout_pod_that_joins_and_generates(
     # no scale-up for the round the last step's report asked for (its plan says done)
     steps = run["job"]["spec"]["steps"]
     assert all(a["step"] < steps for a in actions if a["reason"] == "LongRound"), actions
+
+
+def test_network_policies_keep_the_jobs_ports_to_its_own_pods(
+        cluster: LocalCluster, job_run: dict[str, Any]) -> None:
+    """Enforced, on the node, while the job ran: what the operator's policies (the job's
+    ``<job>-pods`` and ``<job>-driver``, the chart's for the operator pod) say."""
+    probes = job_run["probes"]
+    assert probes, "the job never ran its head and learner together: nothing was probed"
+    print("\n" + "\n".join(f"  {k}: {v}" for k, v in probes.items()))
+
+    def blocked(key: str) -> None:
+        got = probes[key].split()
+        # refused at once (kube-router's REJECT) or dropped; never connected
+        assert got[0] == "blocked" and float(got[-1]) < 5, (key, probes)
+
+    ports = [int(p) for p in probes["head listens on"].split()]
+    assert 6379 in ports and len(ports) >= 3, probes["head listens on"]  # GCS, raylet, ...
+    # every port the head listens on: open to the job's own learner, refused to the others
+    open_to_job = [p for p in ports if probes[f"learner -> head {p}"].startswith("open")]
+    assert 6379 in open_to_job and len(open_to_job) >= 3, probes
+    for who in STRANGERS:
+        for port in open_to_job:
+            blocked(f"{who} -> head {port}")
+        blocked(f"{who} -> operator reports")
+        # the strangers' own traffic works where a policy allows it
+        assert probes[f"{who} -> operator webhook"].startswith("open"), probes
+    assert probes["other-job -> stranger"].startswith("open"), probes
+    # the job's own pods reach each other, before and after, and nothing outside the job
+    assert probes["learner -> head 6379, after"].startswith("open"), probes
+    blocked("learner -> stranger")
+    # the policies that did it, as the operator built them
+    pol = {p["metadata"]["name"]: p for p in get(cluster, "networkpolicies", "-n", JOBS)["items"]}
+    assert {f"{JOB}-pods", f"{JOB}-driver"} <= set(pol), sorted(pol)
+    assert pol[f"{JOB}-pods"]["metadata"]["ownerReferences"][0]["name"] == JOB
+    # and the driver, allowed only to the operator's pods, reported every step through them
+    assert job_run["job"]["status"]["step"] == 6
+
+
+def test_a_jobs_network_policy_deleted_by_hand_comes_back(
+        cluster: LocalCluster, job_run: dict[str, Any]) -> None:
+    name = f"{JOB}-pods"
+    before = get(cluster, "networkpolicy", name, "-n", JOBS)
+    kubectl(cluster, "-n", JOBS, "delete", "networkpolicy", name, "--wait=true")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = kubectl(cluster, "-n", JOBS, "get", "networkpolicy", name, "-o", "json", check=False)
+        if r.returncode == 0:
+            after = json.loads(r.stdout)
+            assert after["metadata"]["uid"] != before["metadata"]["uid"]
+            assert after["spec"] == before["spec"]
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the operator did not restore NetworkPolicy {JOBS}/{name} within 60 s")
 
 
 def test_operator_metrics_scraped_from_its_pod_count_the_jobs_steps(

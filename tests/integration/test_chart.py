@@ -355,9 +355,105 @@ def test_network_policy_is_accepted_and_selects_only_driver_pods(
     assert ns["metadata"]["labels"][expr["key"]] in expr["values"]
 
 
+def _operator_settings(docs: list[dict[str, Any]]) -> Any:
+    """The OperatorSettings the rendered Deployment's env gives (fieldRef values as the pod
+    would see them)."""
+    from rlpacer.operator.settings import OperatorSettings
+
+    (dep,) = find(docs, "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    env["RLPACER_OPERATOR_OPERATOR_NAMESPACE"] = dep["metadata"]["namespace"]
+    return OperatorSettings.load(env)
+
+
+def _network_rules(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for d in docs if d["kind"] in ("ClusterRole", "Role")
+            for r in d.get("rules") or [] if "networkpolicies" in r["resources"]]
+
+
+def test_template_job_network_policies_follow_the_values() -> None:
+    """networkPolicy.enabled (with jobs.enabled, the default) turns on the jobs' policies: the
+    operator gets the settings (the driver may report to this release's operator pods only;
+    metricsFrom may scrape the job pods) and the RBAC to manage them; neither without."""
+    assert _operator_settings(render()).job_network() is None
+    assert not _network_rules(render())
+    for variant in ("network-policy", "network-policy-namespaced"):
+        values = {**VARIANTS[variant],
+                  "networkPolicy.jobs.egress": [{"ports": [{"port": 443, "protocol": "TCP"}]}]}
+        docs = render(values, namespace="ops")
+        net = _operator_settings(docs).job_network()
+        assert net is not None
+        (dep,) = find(docs, "Deployment")
+        ports = _container_ports(dep)
+        assert ports["reports"] in net.report_ports
+        (peer,) = net.report_to
+        assert peer["namespaceSelector"] == {
+            "matchLabels": {"kubernetes.io/metadata.name": "ops"}}
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert peer["podSelector"]["matchLabels"].items() <= labels.items()
+        assert list(net.metrics_from) == values.get("networkPolicy.metricsFrom", [])
+        assert list(net.egress) == values["networkPolicy.jobs.egress"]
+        rules = _network_rules(docs)
+        assert rules and all(set(r["verbs"]) >= {"create", "patch", "delete", "watch"}
+                             for r in rules)
+    off = render({"networkPolicy.enabled": True, "networkPolicy.jobs.enabled": False})
+    assert _operator_settings(off).job_network() is None and not _network_rules(off)
+    assert find(off, "NetworkPolicy")  # the operator pod's own stays
+
+
+def test_job_network_policies_are_accepted_and_select_the_jobs_pods(
+    cluster: LocalCluster, namespace: str
+) -> None:
+    """The policies the builders make with the chart's settings pass the API server's
+    validation (server-side dry run), and its label selection picks exactly the job's pods
+    (``<job>-pods``) and its driver (``<job>-driver``)."""
+    from rlpacer.api.job import load_manifest
+    from rlpacer.operator import builders
+
+    values = {"networkPolicy.enabled": True,
+              "networkPolicy.metricsFrom": [{"podSelector": {"matchLabels": {"app": "prom"}}}],
+              "networkPolicy.jobs.egress": [{"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
+                                             "ports": [{"port": 443, "protocol": "TCP"}]}]}
+    net = _operator_settings(render(values)).job_network()
+    spec = load_manifest(repo_root() / "examples" / "rltrainingjob.yaml").spec
+    inputs = builders.BuildInputs(name="np", namespace=namespace, uid="u-1", spec=spec,
+                                  attempt=0, rollout_replicas=1, report_url="http://op:8080",
+                                  network=net)
+    pols = builders.network_policies(inputs)
+    assert len(pols) == 2
+    for pol in pols:
+        pol["metadata"].pop("ownerReferences")
+        r = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-",
+                            input=json.dumps(pol))
+        assert json.loads(r.stdout)["spec"] == pol["spec"]
+    for pod in _job_pods(namespace).values():
+        pod["metadata"].pop("ownerReferences", None)
+        cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+    other = _job_pods(namespace)["head"]
+    other["metadata"]["name"] = "another-job-head"
+    other["metadata"]["labels"]["rlpacer.io/job"] = "another"
+    cluster.kubectl("create", "-f", "-", input=json.dumps(other))
+
+    def selected(pol: dict[str, Any]) -> list[str]:
+        sel = ",".join(f"{k}={v}" for k, v in pol["spec"]["podSelector"]["matchLabels"].items())
+        got = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-l", sel,
+                                         "-o", "json").stdout)
+        return sorted(p["metadata"]["name"] for p in got["items"])
+
+    by_name = {p["metadata"]["name"]: p for p in pols}
+    assert selected(by_name["np-pods"]) == ["np-driver-0", "np-head-0", "np-learner-0",
+                                            "np-rollout-0"]
+    assert selected(by_name["np-driver"]) == ["np-driver-0"]
+
+
 @pytest.mark.parametrize(
     ("values", "needle"),
     [
+        ({"networkPolicy.jobs.egress": [{"port": 443}]},
+         "additional properties 'port' not allowed"),
+        ({"networkPolicy.jobs.egress": [{"to": [{"cidr": "10.0.0.0/8"}]}]},
+         "additional properties 'cidr' not allowed"),
         ({"rbac.scope": "cluster"},
          "at '/rbac/scope': value must be one of 'Cluster', 'Namespaced'"),
         ({"webhook.failurePolicy.validating": "Maybe"},

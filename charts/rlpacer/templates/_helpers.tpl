@@ -96,6 +96,12 @@ apply, owner references) and reads, nothing cluster-scoped, no RBAC, no nodes.
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+{{- if and .Values.networkPolicy.enabled .Values.networkPolicy.jobs.enabled }}
+# Each job's NetworkPolicies (networkPolicy.jobs).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+{{- end }}
 # Events on jobs (Kopf posts core/v1 Events; events.k8s.io for newer clients).
 - apiGroups: [""]
   resources: ["events"]

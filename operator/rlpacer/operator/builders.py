@@ -12,6 +12,8 @@ their content is random, minted once by the runtime):
               replicas start together)
 * driver      Pod ``<job>-driver-<attempt>`` (restartPolicy Never: its exit decides the job;
               a failure starts attempt+1 from the last checkpoint)
+* network     NetworkPolicies ``<job>-pods`` and ``<job>-driver`` where the operator is set
+              to give jobs policies (:func:`network_policies`)
 
 Everything carries an owner reference to the job (garbage collection on deletion) and the
 labels of :mod:`rlpacer.operator.names`. The handlers apply these with server-side apply under
@@ -77,6 +79,25 @@ class BuildInputs:
     #: PEM of the CA that signed the step-report endpoint's certificate (None: plain HTTP).
     #: Goes into the ConfigMap; the driver verifies the operator with it.
     report_ca: str | None = None
+    #: The job's NetworkPolicies (None: none; operator setting ``job_network_policy``).
+    network: JobNetwork | None = None
+
+
+@dataclass(frozen=True)
+class JobNetwork:
+    """What a job's NetworkPolicies let through beyond the job's own pods (operator settings
+    ``job_network_policy``, ``job_report_to``, ``job_metrics_from``, ``job_egress``; the
+    chart's ``networkPolicy`` values)."""
+
+    #: Ports of the step-report endpoint as the driver's packets meet a policy: the operator
+    #: pod's container port and the report URL's port (a Service may map one to the other).
+    report_ports: tuple[int, ...]
+    #: NetworkPolicyPeers the driver may send step reports to (empty: any address).
+    report_to: tuple[Obj, ...] = ()
+    #: NetworkPolicyPeers that may scrape the pods' metrics port (empty: none).
+    metrics_from: tuple[Obj, ...] = ()
+    #: Extra NetworkPolicyEgressRules for every pod of the job (e.g. a model store).
+    egress: tuple[Obj, ...] = ()
 
 
 def owner_reference(inputs: BuildInputs) -> Obj:
@@ -451,6 +472,64 @@ def driver_pod(inputs: BuildInputs) -> Obj:
     }
 
 
+#: Cluster DNS (every resolver: CoreDNS as a pod or on a node's address).
+DNS_EGRESS: Obj = {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+
+
+def network_policies(inputs: BuildInputs) -> list[Obj]:
+    """The job's NetworkPolicies (none without :attr:`BuildInputs.network`):
+
+    * ``<job>-pods`` selects every pod of the job. Ingress only from the same job's pods (Ray's
+      GCS, client, dashboard and the random ports of its workers and object store; the
+      learners' and engines' transports), plus the metrics port from ``metrics_from``. Egress
+      only to the same job's pods and DNS (port 53), plus ``egress``. A pod of another job or
+      with no job labels reaches none of the job's ports; a job's pods reach nothing else.
+    * ``<job>-driver`` adds the driver's egress to the step-report endpoint (``report_to`` on
+      ``report_ports``).
+
+    Policies are additive: the driver's traffic is what either allows. Traffic from a pod's
+    own node (kubelet probes, ``kubectl logs`` and ``exec`` go through the kubelet) is not
+    subject to NetworkPolicies."""
+    net = inputs.network
+    if net is None:
+        return []
+    job_pods = {"podSelector": {"matchLabels": names.selector(inputs.name)}}
+    ingress: list[Obj] = [{"from": [job_pods]}]
+    if net.metrics_from:
+        ingress.append({
+            "ports": [{"port": contract.TRAINER_METRICS_PORT, "protocol": "TCP"}],
+            "from": [copy.deepcopy(p) for p in net.metrics_from],
+        })
+    egress: list[Obj] = [{"to": [job_pods]}, copy.deepcopy(DNS_EGRESS),
+                         *(copy.deepcopy(r) for r in net.egress)]
+    pods = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(inputs, names.network_policy(inputs.name)),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector(inputs.name)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": ingress,
+            "egress": egress,
+        },
+    }
+    report: Obj = {"ports": [{"port": p, "protocol": "TCP"} for p in net.report_ports]}
+    if net.report_to:
+        report["to"] = [copy.deepcopy(p) for p in net.report_to]
+    driver = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(inputs, names.network_policy(inputs.name, contract.Role.DRIVER),
+                          contract.Role.DRIVER),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector(inputs.name, contract.Role.DRIVER)},
+            "policyTypes": ["Egress"],
+            "egress": [report],
+        },
+    }
+    return [pods, driver]
+
+
 def _annotated(annotations: dict[str, str]) -> Obj:
     return {"annotations": annotations} if annotations else {}
 
@@ -460,7 +539,8 @@ def build_children(inputs: BuildInputs) -> list[Obj]:
     :func:`token_secret` and :func:`ray_token_secret`, because their content is random and
     must never change)."""
     spec = inputs.spec
-    out = [config_map(inputs), head_service(inputs), workers_service(inputs)]
+    out = [config_map(inputs), head_service(inputs), workers_service(inputs),
+           *network_policies(inputs)]
     if inputs.workloads:
         out += [
             statefulset(inputs, contract.Role.HEAD, 1, spec.trainer.image, 0),

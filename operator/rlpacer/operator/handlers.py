@@ -303,6 +303,10 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     for plural, kind in (("configmaps", "ConfigMap"), ("services", "Service"),
                          ("secrets", "Secret")):
         kopf.on.event("v1", plural, labels=managed, registry=registry)(child_event(kind))
+    if ctx.settings.job_network_policy:
+        # the job's NetworkPolicies: one deleted or edited by hand is restored on the next pass
+        kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=managed,
+                      registry=registry)(child_event("NetworkPolicy"))
 
     if ctx.settings.webhook_enabled:
         from rlpacer.operator.policies import policy_admission

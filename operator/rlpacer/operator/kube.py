@@ -245,6 +245,7 @@ _PLURALS = {
     "Service": "services",
     "Pod": "pods",
     "StatefulSet": "statefulsets",
+    "NetworkPolicy": "networkpolicies",
     "Event": "events",
     "Lease": "leases",
     "RLTrainingJob": "rltrainingjobs",

@@ -67,6 +67,11 @@ def driver_pod(job: str, attempt: int) -> str:
     return child_name(job, f"driver-{attempt}")
 
 
+def network_policy(job: str, role: contract.Role | None = None) -> str:
+    """``<job>-pods`` (every pod of the job) or ``<job>-<role>`` (that role's additions)."""
+    return child_name(job, role.value if role else "pods")
+
+
 def selector(job: str, role: contract.Role | None = None) -> dict[str, str]:
     """Labels that select the job's pods (of one role)."""
     out = {contract.LABEL_JOB: job, contract.LABEL_MANAGED_BY: contract.MANAGED_BY}

@@ -761,6 +761,7 @@ class Jobs:
                 report_url=self.settings.pod_report_url(),
                 workloads=dec.workloads,
                 report_ca=self.report_ca(),
+                network=self.settings.job_network(),
             )
         if dec.events:
             await self.post_events(rt, dec.events)
@@ -883,13 +884,14 @@ def namespace_terminating(e: ApiError) -> bool:
 
 def child_version(kind: str, meta: dict[str, Any]) -> str | None:
     """What says a child was changed by someone: a StatefulSet's generation (its spec; the
-    controller's status updates leave it), the resourceVersion of a ConfigMap or Service
-    (nothing else writes them). None for pods (their status changes all the time; their spec
-    hardly can) and Secrets (written once): the full pass of reapply_seconds covers those."""
+    controller's status updates leave it), the resourceVersion of a ConfigMap, Service or
+    NetworkPolicy (nothing else writes them). None for pods (their status changes all the time;
+    their spec hardly can) and Secrets (written once): the full pass of reapply_seconds covers
+    those."""
     if kind == "StatefulSet":
         gen = meta.get("generation")
         return None if gen is None else f"generation {gen}"
-    if kind in ("ConfigMap", "Service"):
+    if kind in ("ConfigMap", "Service", "NetworkPolicy"):
         rv = meta.get("resourceVersion")
         return None if not rv else f"resourceVersion {rv}"
     return None

@@ -3,12 +3,14 @@
 Every field reads ``RLPACER_OPERATOR_<FIELD>`` from the environment (the Helm chart sets
 these), and ``rlpacer operator --<field>`` overrides it. Lists are comma-separated in env; a
 list flag may be repeated, each comma-separated too (``--namespaces a,b --namespaces c``).
+Lists of objects (the ``job_*`` NetworkPolicy fields) are one JSON array, in env and flag.
 Invalid values fail at start with the field named.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import uuid
@@ -16,6 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlpacer.operator.builders import JobNetwork
 
 ENV_PREFIX = "RLPACER_OPERATOR_"
 
@@ -161,6 +165,74 @@ class OperatorSettings(BaseModel):
         description="Folder with tls.crt/tls.key (ca.crt) for webhooks; unset: self-signed.",
     )
     log_level: str = Field(default="INFO", description="Python logging level.")
+    job_network_policy: bool = Field(
+        default=False,
+        description=(
+            "Give each job NetworkPolicies (enforced only by a CNI that enforces them): its"
+            " pods accept traffic only from the same job's pods (and job_metrics_from on the"
+            " metrics port) and send only to the same job's pods and DNS (port 53), the driver"
+            " also to the step-report endpoint (job_report_to); job_egress widens the egress."
+            " The operator needs permission on networking.k8s.io networkpolicies."
+        ),
+    )
+    job_report_to: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description=(
+            "NetworkPolicyPeers (JSON array) a job's driver may send step reports to, on the"
+            " report port and the report URL's port; empty: any address on those ports."
+        ),
+    )
+    job_metrics_from: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description=(
+            "NetworkPolicyPeers (JSON array) that may scrape a job's pods on the metrics port"
+            " (9090); empty: none."
+        ),
+    )
+    job_egress: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description=(
+            "NetworkPolicyEgressRules (JSON array, each with `to` and/or `ports`) added for"
+            " every pod of every job, e.g. a model store or an experiment tracker."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _network(self) -> OperatorSettings:
+        for name, keys in (("job_report_to", _PEER_KEYS), ("job_metrics_from", _PEER_KEYS),
+                           ("job_egress", _EGRESS_KEYS)):
+            for i, item in enumerate(getattr(self, name)):
+                wrong = sorted(set(item) - keys)
+                if not item or wrong:
+                    raise ValueError(
+                        f"{name}[{i}]: {json.dumps(item)} is not a NetworkPolicy"
+                        f" {'peer' if keys is _PEER_KEYS else 'egress rule'}"
+                        + (f" (unknown: {', '.join(wrong)})" if wrong else " (empty)")
+                        + f"; give an object with {' and/or '.join(sorted(keys))}")
+        for i, rule in enumerate(self.job_egress):
+            for j, peer in enumerate(rule.get("to") or []):
+                if not isinstance(peer, dict) or not peer or set(peer) - _PEER_KEYS:
+                    raise ValueError(
+                        f"job_egress[{i}].to[{j}]: {json.dumps(peer)} is not a NetworkPolicy"
+                        f" peer; give an object with {' and/or '.join(sorted(_PEER_KEYS))}")
+        return self
+
+    def job_network(self) -> JobNetwork | None:
+        """What :func:`rlpacer.operator.builders.network_policies` builds from (None: no
+        policies)."""
+        if not self.job_network_policy:
+            return None
+        from urllib.parse import urlsplit
+
+        url = urlsplit(self.pod_report_url())
+        ports = [p for p in (self.report_port, url.port or (443 if url.scheme == "https"
+                                                             else 80)) if p]
+        return JobNetwork(
+            report_ports=tuple(dict.fromkeys(ports)),
+            report_to=tuple(self.job_report_to),
+            metrics_from=tuple(self.job_metrics_from),
+            egress=tuple(self.job_egress),
+        )
 
     @model_validator(mode="after")
     def _lease(self) -> OperatorSettings:
@@ -220,10 +292,15 @@ class OperatorSettings(BaseModel):
                 value: Any = env[key]
                 if field.annotation == list[str]:
                     value = [v.strip() for v in value.split(",") if v.strip()]
+                elif field.annotation == list[dict[str, Any]]:
+                    value = _json_list(key, value)
                 raw[name] = value
         for k, v in (overrides or {}).items():
             if v is not None:
-                if isinstance(v, list):  # a repeated flag; each may list several, too
+                spec = cls.model_fields.get(k)
+                if spec is not None and spec.annotation == list[dict[str, Any]]:
+                    v = _json_list("--" + k.replace("_", "-"), v)
+                elif isinstance(v, list):  # a repeated flag; each may list several, too
                     v = [x.strip() for item in v for x in str(item).split(",") if x.strip()]
                 raw[k] = v
         try:
@@ -231,6 +308,25 @@ class OperatorSettings(BaseModel):
         except ValidationError as err:
             lines = [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()]
             raise SystemExit("invalid operator settings:\n" + "\n".join(lines)) from None
+
+
+_PEER_KEYS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
+_EGRESS_KEYS = frozenset({"to", "ports"})
+
+
+def _json_list(where: str, value: Any) -> Any:
+    """A JSON array from env or a flag (a flag's value is a string, or a string per repeat:
+    the last wins); anything else is left to the model's validation, which names the field."""
+    if isinstance(value, list):
+        value = value[-1] if value else "[]"
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value) if value.strip() else []
+    except json.JSONDecodeError as e:
+        raise SystemExit(
+            f"invalid operator settings:\n  {where}: not JSON ({e.msg} at character {e.pos});"
+            " give a JSON array, e.g. [{\"ipBlock\": {\"cidr\": \"10.0.0.0/8\"}}]") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

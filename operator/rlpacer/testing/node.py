@@ -20,6 +20,13 @@ Parts, all on this machine as the launcher's other processes:
   (``<service>.<namespace>.svc.cluster.local``) with the identity ``system:coredns``, which may
   only read Services, EndpointSlices and Namespaces. It answers nothing outside the cluster's
   domain (no upstream is reachable here): such names fail at once instead of timing out.
+* **kube-router**'s network-policy controller (``--run-firewall`` only: no routing, no service
+  proxy; built like the control plane, ``hack/versions.env`` says why this one): NetworkPolicies
+  are enforced on the node's pods (iptables and ipset rules in the host's tables, from the
+  identity ``system:rlpacer:network-policy``, which may only read pods, namespaces, nodes,
+  Services, endpoints and NetworkPolicies). Traffic from the node itself (kubelet probes, the
+  API server's webhook calls, this machine's tests) always passes, as NetworkPolicy semantics
+  leave it.
 * **kubelet** v1.33 (built like the control plane, ``hack/build-binaries.sh``) with credentials
   for the Node authorizer (``system:node:<name>`` in ``system:nodes``), serving its API over TLS
   (``kubectl logs``/``exec`` through the API server, which authenticates with a client
@@ -37,7 +44,7 @@ What this machine's kernel refuses, and what the node does instead (each found b
 One real node per machine at a time (the bridge, the kubelet's port and kube-proxy's iptables
 chains are the host's): a second start fails with :class:`NodeBusyError`. :meth:`RealNode.stop`
 deletes the node's pods, stops the containers, then the processes, and removes the bridge, the
-pods' network namespaces and kube-proxy's rules.
+pods' network namespaces, kube-proxy's and kube-router's rules and kube-router's ipsets.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -64,6 +72,7 @@ class NodeHost(Protocol):
 
     data_dir: Path
     startup_timeout: float
+    service_cidr: str
 
     @property
     def http(self) -> _Http: ...
@@ -88,8 +97,8 @@ KUBELET_PORT = 10250
 KUBE_PROXY_HEALTHZ = "127.0.0.1:10256"
 KUBE_PROXY_METRICS = "127.0.0.1:10249"
 
-SETUP_HINT = ("run bash scripts/setup.sh (it installs containerd and builds kubelet, kube-proxy"
-              " and coredns)")
+SETUP_HINT = ("run bash scripts/setup.sh (it installs containerd and ipset and builds kubelet,"
+              " kube-proxy, coredns and kube-router)")
 
 
 class NodeError(RuntimeError):
@@ -125,7 +134,9 @@ def missing_prerequisites() -> list[str]:
     if cni_bin_dir() is None:
         out.append("the CNI plugins in /usr/lib/cni or /opt/cni/bin (apt-get install"
                    " containernetworking-plugins)")
-    for b in ("kubelet", "kube-proxy", "coredns"):
+    if shutil.which("ipset") is None:
+        out.append("ipset (apt-get install ipset), for kube-router's NetworkPolicy rules")
+    for b in ("kubelet", "kube-proxy", "coredns", "kube-router"):
         if not (bin_dir() / b).is_file():
             out.append(f"{bin_dir() / b} ({SETUP_HINT})")
     if os.geteuid() != 0:
@@ -292,6 +303,35 @@ class RealNode:
                        for x in node.get("status", {}).get("conditions", []))
 
         c._wait(f"the kubelet to register {NODE_NAME} Ready", ready, deadline)
+        self._start_network_policies(deadline)
+
+    def _start_network_policies(self, deadline: float) -> None:
+        """kube-router's network-policy controller, once the Node exists (it reads its address
+        there); returns after its first sync (its health endpoint answers only then)."""
+        c = self.cluster
+        for obj in _network_policy_rbac():
+            kind = obj["kind"].lower() + "s"
+            st, body = c.http.request(
+                "POST", f"/apis/rbac.authorization.k8s.io/v1/{kind}", obj, timeout=10)
+            if st not in (200, 201, 409):
+                raise NodeError(f"creating {obj['kind']} {obj['metadata']['name']}: {st} {body}")
+        (health,) = free_ports(1)
+        c._spawn("kube-router", find_binary("kube-router"), [
+            "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
+            "--enable-cni=false", "--enable-ipv6=false",
+            f"--kubeconfig={c.data_dir / 'network-policy.kubeconfig'}",
+            f"--hostname-override={NODE_NAME}", f"--health-port={health}",
+            # the node's Service range (kube-router lets pods' traffic to Service addresses
+            # through before kube-proxy's DNAT; the policies then apply to the real peer)
+            f"--service-cluster-ip-range={c.service_cidr}",
+            "--iptables-sync-period=30s", "--v=1",
+        ])
+
+        def synced() -> bool:
+            return _Http(f"http://127.0.0.1:{health}", None).request(
+                "GET", "/healthz", timeout=2)[0] == 200
+
+        c._wait("kube-router's network-policy controller (its first sync)", synced, deadline)
 
     def _start_dns(self, coredns: Path, deadline: float) -> None:
         c = self.cluster
@@ -419,10 +459,14 @@ class RealNode:
         # machine, so every such shim is a real node's)
         _run("pkill", "-KILL", "-f", "containerd-shim-runc-v2 -namespace k8s.io -id [^ ]+"
              " -address [^ ]*/node/containerd/containerd[.]sock", check=False)
+        # kube-router's rules and ipsets (its chains are KUBE-* too; the ipsets only it knows)
+        if (bin_dir() / "kube-router").is_file():
+            _run(str(bin_dir() / "kube-router"), "--cleanup-config", check=False, timeout=60)
         # kube-proxy's chains (iptables only; the kube-proxy binary knows them all)
         if (bin_dir() / "kube-proxy").is_file():
             _run(str(bin_dir() / "kube-proxy"), "--cleanup", check=False, timeout=60)
         _remove_kube_chains()
+        _remove_kube_router_ipsets()
         # the pods' network namespaces (containerd's CRI names them cni-<uuid>)
         netns = Path("/var/run/netns")
         if netns.is_dir():
@@ -447,7 +491,7 @@ def _remove_kube_chains() -> None:
         for table in ("nat", "filter", "mangle"):
             rules = _run(tool, "-t", table, "-S", check=False).stdout.splitlines()
             for r in rules:  # jumps into our chains from the built-in chains first
-                f = r.split()
+                f = shlex.split(r)  # kube-router's rules carry quoted comments
                 if f[:1] == ["-A"] and not f[1].startswith("KUBE-") and "-j" in f and \
                         f[f.index("-j") + 1].startswith("KUBE-"):
                     _run(tool, "-t", table, "-D", *f[1:], check=False)
@@ -477,12 +521,48 @@ def _dns_rbac() -> list[dict[str, Any]]:
     ]
 
 
+def _remove_kube_router_ipsets() -> None:
+    """Destroy the ipsets kube-router's policy controller made (``KUBE-SRC-*``, ``KUBE-DST-*``,
+    ``kube-router-*``) that its ``--cleanup-config`` left: those still referenced by rules
+    when it ran (a node whose controller was killed). Nothing else here makes ipsets."""
+    if shutil.which("ipset") is None:
+        return
+    for name in _run("ipset", "list", "-n", check=False).stdout.split():
+        if name.startswith(("KUBE-", "kube-router-")):
+            _run("ipset", "destroy", name, check=False)
+
+
+def _network_policy_rbac() -> list[dict[str, Any]]:
+    """What kube-router's network-policy controller reads (its informers), granted to its user
+    ``system:rlpacer:network-policy``: read only."""
+    name = "rlpacer:network-policy"
+    read = ["get", "list", "watch"]
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": name},
+         "rules": [{"apiGroups": [""],
+                    "resources": ["pods", "namespaces", "nodes", "services", "endpoints"],
+                    "verbs": read},
+                   {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+                    "verbs": read},
+                   {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": read}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": name},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                     "name": name},
+         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                       "name": "system:rlpacer:network-policy"}]},
+    ]
+
+
 def node_cert_clients() -> dict[str, tuple[str, str]]:
     """The client certificates a real node adds: {file name: (CN, O)}."""
     return {
         "node": (f"system:node:{NODE_NAME}", "system:nodes"),
         "kube-proxy": ("system:kube-proxy", ""),
         "coredns": ("system:coredns", ""),
+        "network-policy": ("system:rlpacer:network-policy", ""),
         # The API server's client certificate towards kubelets (logs, exec, port-forward).
         "kubelet-client": ("kube-apiserver-kubelet-client", "system:masters"),
     }

@@ -47,7 +47,8 @@ def test_child_names_valid_for_any_job_name(job: str) -> None:
     for svc in (names.head_service(job), names.workers_service(job)):
         assert len(svc) <= 63 and DNS1035.match(svc), svc
     for other in (names.secret(job), names.ray_secret(job), names.config_map(job),
-                  names.driver_pod(job, 1000)):
+                  names.driver_pod(job, 1000), names.network_policy(job),
+                  names.network_policy(job, contract.Role.DRIVER)):
         assert len(other) <= 63 and DNS1123.match(other), other
     for v in names.labels(job, contract.Role.DRIVER).values():
         assert len(v) <= 63 and LABEL_VALUE.match(v)
@@ -441,3 +442,97 @@ def test_bad_role_settings_are_refused_with_the_fix(settings: dict[str, object],
     spec["rollout"].update(settings)
     with pytest.raises(ValueError, match=match):
         parse_spec(spec)
+
+
+NET = builders.JobNetwork(
+    report_ports=(8080, 443),
+    report_to=({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "sys"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "rlpacer"}}},),
+    metrics_from=({"namespaceSelector": {"matchLabels": {"team": "monitoring"}}},),
+    egress=({"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"port": 443}]},),
+)
+
+
+def _matches(selector: dict[str, object], labels: dict[str, str]) -> bool:
+    want = selector.get("matchLabels") or {}
+    assert set(selector) <= {"matchLabels"}
+    return all(labels.get(k) == v for k, v in want.items())  # type: ignore[union-attr]
+
+
+def test_no_network_policies_unless_the_operator_is_set_to_give_them() -> None:
+    kinds = {o["kind"] for o in builders.build_children(_inputs())}
+    assert "NetworkPolicy" not in kinds
+
+
+def test_a_jobs_network_policies_select_its_pods_and_admit_only_them() -> None:
+    inputs = _inputs(network=NET)
+    kids = builders.build_children(inputs)
+    pols = {o["metadata"]["name"]: o for o in kids if o["kind"] == "NetworkPolicy"}
+    assert set(pols) == {"demo-pods", "demo-driver"}
+    for pol in pols.values():
+        assert pol["metadata"]["ownerReferences"] == [builders.owner_reference(inputs)]
+        assert pol["metadata"]["namespace"] == "team"
+    pods = pols["demo-pods"]["spec"]
+    driver = pols["demo-driver"]["spec"]
+    assert pods["policyTypes"] == ["Ingress", "Egress"] and driver["policyTypes"] == ["Egress"]
+    # every pod the builders make is selected by the job's policy; the driver by its own too
+    workloads = [o for o in kids if o["kind"] in ("StatefulSet", "Pod")]
+    assert len(workloads) == 4
+    for w in workloads:
+        labels = (w["spec"]["template"]["metadata"]["labels"] if w["kind"] == "StatefulSet"
+                  else w["metadata"]["labels"])
+        assert _matches(pods["podSelector"], labels), labels
+        assert _matches(driver["podSelector"], labels) == (w["kind"] == "Pod"), labels
+        # and is a peer of the job's own rules (ingress from and egress to the job's pods)
+        assert _matches(pods["ingress"][0]["from"][0]["podSelector"], labels)
+        assert _matches(pods["egress"][0]["to"][0]["podSelector"], labels)
+    # the job's pods: no ports named (Ray's workers and object store use random ports)
+    assert "ports" not in pods["ingress"][0] and "ports" not in pods["egress"][0]
+    # a pod of another job, or one without the job's labels, matches nothing that admits it
+    other = names.labels("other", contract.Role.HEAD)
+    assert not _matches(pods["ingress"][0]["from"][0]["podSelector"], other)
+    assert not _matches(pods["ingress"][0]["from"][0]["podSelector"], {})
+    # no namespaceSelector: the job's own namespace only
+    assert set(pods["ingress"][0]["from"][0]) == {"podSelector"}
+    # metrics from the given peers on the metrics port only
+    assert pods["ingress"][1] == {
+        "ports": [{"port": contract.TRAINER_METRICS_PORT, "protocol": "TCP"}],
+        "from": list(NET.metrics_from)}
+    # egress: the job, DNS, the extra rule
+    assert pods["egress"][1] == builders.DNS_EGRESS
+    assert pods["egress"][2] == NET.egress[0]
+    assert len(pods["ingress"]) == 2 and len(pods["egress"]) == 3
+    # the driver: step reports to the operator's pods on both ports
+    assert driver["egress"] == [{"ports": [{"port": 8080, "protocol": "TCP"},
+                                           {"port": 443, "protocol": "TCP"}],
+                                 "to": list(NET.report_to)}]
+
+
+def test_network_policies_without_extras_admit_no_scraper_and_report_anywhere() -> None:
+    kids = builders.build_children(_inputs(network=builders.JobNetwork(report_ports=(8080,))))
+    pols = {o["metadata"]["name"]: o["spec"] for o in kids if o["kind"] == "NetworkPolicy"}
+    assert pols["demo-pods"]["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": names.selector("demo")}}]}]
+    assert len(pols["demo-pods"]["egress"]) == 2
+    assert pols["demo-driver"]["egress"] == [{"ports": [{"port": 8080, "protocol": "TCP"}]}]
+
+
+def test_network_policies_stay_while_suspended_or_finished() -> None:
+    kids = builders.build_children(_inputs(network=NET, workloads=False))
+    assert sorted(o["metadata"]["name"] for o in kids if o["kind"] == "NetworkPolicy") == [
+        "demo-driver", "demo-pods"]
+
+
+def test_every_child_kind_has_its_api_path() -> None:
+    """The client applies each child at its kind's path: a kind the builders make and the
+    client does not know would fail every pass of the job."""
+    from rlpacer.operator.kube import object_path, plural_of
+
+    for workloads in (True, False):
+        for obj in builders.build_children(_inputs(network=NET, workloads=workloads)):
+            path = object_path(obj["apiVersion"], plural_of(obj["kind"]), "team",
+                               obj["metadata"]["name"])
+            assert path.endswith(f"/namespaces/team/{plural_of(obj['kind'])}/"
+                                 f"{obj['metadata']['name']}"), path
+    assert object_path("networking.k8s.io/v1", plural_of("NetworkPolicy"), "team", "x") == (
+        "/apis/networking.k8s.io/v1/namespaces/team/networkpolicies/x")

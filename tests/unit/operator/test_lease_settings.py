@@ -105,3 +105,43 @@ def test_report_tls_settings_are_checked_at_load() -> None:
     names = s.report_hostnames()
     assert names[0] == "rlpacer-operator.sys.svc" and "10.0.0.5" in names
     assert "127.0.0.1" in names
+
+
+def test_job_network_policy_settings_from_env_and_flags() -> None:
+    assert OperatorSettings.load({}).job_network() is None  # off by default
+    peer = '[{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "rlpacer"}}}]'
+    s = OperatorSettings.load({
+        "RLPACER_OPERATOR_JOB_NETWORK_POLICY": "true",
+        "RLPACER_OPERATOR_JOB_REPORT_TO": peer,
+        "RLPACER_OPERATOR_JOB_METRICS_FROM": "[]",
+        "RLPACER_OPERATOR_REPORT_URL": "https://rlpacer.sys.svc:443",
+    })
+    net = s.job_network()
+    assert net is not None
+    # the operator's container port and the URL's (the Service's) port
+    assert net.report_ports == (8080, 443)
+    assert net.report_to == ({"podSelector": {"matchLabels": {"app.kubernetes.io/name":
+                                                              "rlpacer"}}},)
+    assert net.metrics_from == () and net.egress == ()
+    # a flag: the JSON array, as in env; one port when the URL's is the container port
+    flagged = OperatorSettings.load({}, {"job_network_policy": True,
+                                         "job_egress": ['[{"ports": [{"port": 443}]}]']})
+    net = flagged.job_network()
+    assert net is not None and net.report_ports == (8080,)
+    assert net.egress == ({"ports": [{"port": 443}]},)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"RLPACER_OPERATOR_JOB_EGRESS": "[{"},
+     r"RLPACER_OPERATOR_JOB_EGRESS: not JSON .*give a JSON array"),
+    ({"RLPACER_OPERATOR_JOB_EGRESS": '[{"to": [{"cidr": "10.0.0.0/8"}]}]'},
+     r"job_egress\[0\]\.to\[0\]: .* is not a NetworkPolicy peer; give an object with ipBlock"),
+    ({"RLPACER_OPERATOR_JOB_EGRESS": '[{"port": 443}]'},
+     r"job_egress\[0\]: .*unknown: port.*ports and/or to"),
+    ({"RLPACER_OPERATOR_JOB_REPORT_TO": '[{}]'}, r"job_report_to\[0\]: \{\} .*\(empty\)"),
+    ({"RLPACER_OPERATOR_JOB_METRICS_FROM": '{"podSelector": {}}'}, r"job_metrics_from"),
+])
+def test_bad_job_network_policy_settings_fail_at_start_with_the_field(
+        env: dict[str, str], message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        OperatorSettings.load(env)
