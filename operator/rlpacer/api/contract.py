@@ -176,8 +176,9 @@ LABEL_KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
 
 RAY_GCS_PORT = 6379
 RAY_CLIENT_PORT = 10001
-RAY_DASHBOARD_PORT = 8265
-#: Trainer-side Prometheus metrics port on every pod.
+#: The port the workers' headless Service names (a Service lists one; the Service exists for
+#: the StatefulSets' pod DNS names). No trainer pod serves metrics: the operator exports each
+#: job's from its step reports, and a job's NetworkPolicy admits no scraper.
 TRAINER_METRICS_PORT = 9090
 
 #: Extended resource name of GPUs.

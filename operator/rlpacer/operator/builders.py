@@ -86,7 +86,7 @@ class BuildInputs:
 @dataclass(frozen=True)
 class JobNetwork:
     """What a job's NetworkPolicies let through beyond the job's own pods (operator settings
-    ``job_network_policy``, ``job_report_to``, ``job_metrics_from``, ``job_egress``; the
+    ``job_network_policy``, ``job_report_to``, ``job_egress``; the
     chart's ``networkPolicy`` values)."""
 
     #: Ports of the step-report endpoint as the driver's packets meet a policy: the operator
@@ -94,8 +94,6 @@ class JobNetwork:
     report_ports: tuple[int, ...]
     #: NetworkPolicyPeers the driver may send step reports to (empty: any address).
     report_to: tuple[Obj, ...] = ()
-    #: NetworkPolicyPeers that may scrape the pods' metrics port (empty: none).
-    metrics_from: tuple[Obj, ...] = ()
     #: Extra NetworkPolicyEgressRules for every pod of the job (e.g. a model store).
     egress: tuple[Obj, ...] = ()
 
@@ -180,7 +178,6 @@ def head_service(inputs: BuildInputs) -> Obj:
             "ports": [
                 {"name": "gcs", "port": contract.RAY_GCS_PORT, "protocol": "TCP"},
                 {"name": "client", "port": contract.RAY_CLIENT_PORT, "protocol": "TCP"},
-                {"name": "dashboard", "port": contract.RAY_DASHBOARD_PORT, "protocol": "TCP"},
             ],
         },
     }
@@ -318,7 +315,6 @@ def _pod_spec(
         container["ports"] = [
             {"name": "gcs", "containerPort": contract.RAY_GCS_PORT},
             {"name": "client", "containerPort": contract.RAY_CLIENT_PORT},
-            {"name": "dashboard", "containerPort": contract.RAY_DASHBOARD_PORT},
         ]
     settings = role_settings(spec, role)
     res = settings.resources if settings is not None else None
@@ -480,8 +476,8 @@ def network_policies(inputs: BuildInputs) -> list[Obj]:
     """The job's NetworkPolicies (none without :attr:`BuildInputs.network`):
 
     * ``<job>-pods`` selects every pod of the job. Ingress only from the same job's pods (Ray's
-      GCS, client, dashboard and the random ports of its workers and object store; the
-      learners' and engines' transports), plus the metrics port from ``metrics_from``. Egress
+      GCS and client ports and the random ports of its workers and object store; the
+      learners' and engines' transports); no job pod serves anything else. Egress
       only to the same job's pods and DNS (port 53), plus ``egress``. A pod of another job or
       with no job labels reaches none of the job's ports; a job's pods reach nothing else.
     * ``<job>-driver`` adds the driver's egress to the step-report endpoint (``report_to`` on
@@ -495,11 +491,6 @@ def network_policies(inputs: BuildInputs) -> list[Obj]:
         return []
     job_pods = {"podSelector": {"matchLabels": names.selector(inputs.name)}}
     ingress: list[Obj] = [{"from": [job_pods]}]
-    if net.metrics_from:
-        ingress.append({
-            "ports": [{"port": contract.TRAINER_METRICS_PORT, "protocol": "TCP"}],
-            "from": [copy.deepcopy(p) for p in net.metrics_from],
-        })
     egress: list[Obj] = [{"to": [job_pods]}, copy.deepcopy(DNS_EGRESS),
                          *(copy.deepcopy(r) for r in net.egress)]
     pods = {

@@ -169,8 +169,8 @@ class OperatorSettings(BaseModel):
         default=False,
         description=(
             "Give each job NetworkPolicies (enforced only by a CNI that enforces them): its"
-            " pods accept traffic only from the same job's pods (and job_metrics_from on the"
-            " metrics port) and send only to the same job's pods and DNS (port 53), the driver"
+            " pods accept traffic only from the same job's pods and send only to the same job's"
+            " pods and DNS (port 53), the driver"
             " also to the step-report endpoint (job_report_to); job_egress widens the egress."
             " The operator needs permission on networking.k8s.io networkpolicies."
         ),
@@ -180,13 +180,6 @@ class OperatorSettings(BaseModel):
         description=(
             "NetworkPolicyPeers (JSON array) a job's driver may send step reports to, on the"
             " report port and the report URL's port; empty: any address on those ports."
-        ),
-    )
-    job_metrics_from: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description=(
-            "NetworkPolicyPeers (JSON array) that may scrape a job's pods on the metrics port"
-            " (9090); empty: none."
         ),
     )
     job_egress: list[dict[str, Any]] = Field(
@@ -199,8 +192,7 @@ class OperatorSettings(BaseModel):
 
     @model_validator(mode="after")
     def _network(self) -> OperatorSettings:
-        for name, keys in (("job_report_to", _PEER_KEYS), ("job_metrics_from", _PEER_KEYS),
-                           ("job_egress", _EGRESS_KEYS)):
+        for name, keys in (("job_report_to", _PEER_KEYS), ("job_egress", _EGRESS_KEYS)):
             for i, item in enumerate(getattr(self, name)):
                 wrong = sorted(set(item) - keys)
                 if not item or wrong:
@@ -230,7 +222,6 @@ class OperatorSettings(BaseModel):
         return JobNetwork(
             report_ports=tuple(dict.fromkeys(ports)),
             report_to=tuple(self.job_report_to),
-            metrics_from=tuple(self.job_metrics_from),
             egress=tuple(self.job_egress),
         )
 

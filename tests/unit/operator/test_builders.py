@@ -448,7 +448,6 @@ NET = builders.JobNetwork(
     report_ports=(8080, 443),
     report_to=({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "sys"}},
                 "podSelector": {"matchLabels": {"app.kubernetes.io/name": "rlpacer"}}},),
-    metrics_from=({"namespaceSelector": {"matchLabels": {"team": "monitoring"}}},),
     egress=({"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}], "ports": [{"port": 443}]},),
 )
 
@@ -494,14 +493,10 @@ def test_a_jobs_network_policies_select_its_pods_and_admit_only_them() -> None:
     assert not _matches(pods["ingress"][0]["from"][0]["podSelector"], {})
     # no namespaceSelector: the job's own namespace only
     assert set(pods["ingress"][0]["from"][0]) == {"podSelector"}
-    # metrics from the given peers on the metrics port only
-    assert pods["ingress"][1] == {
-        "ports": [{"port": contract.TRAINER_METRICS_PORT, "protocol": "TCP"}],
-        "from": list(NET.metrics_from)}
     # egress: the job, DNS, the extra rule
     assert pods["egress"][1] == builders.DNS_EGRESS
     assert pods["egress"][2] == NET.egress[0]
-    assert len(pods["ingress"]) == 2 and len(pods["egress"]) == 3
+    assert len(pods["ingress"]) == 1 and len(pods["egress"]) == 3
     # the driver: step reports to the operator's pods on both ports
     assert driver["egress"] == [{"ports": [{"port": 8080, "protocol": "TCP"},
                                            {"port": 443, "protocol": "TCP"}],

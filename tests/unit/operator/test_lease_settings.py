@@ -113,7 +113,6 @@ def test_job_network_policy_settings_from_env_and_flags() -> None:
     s = OperatorSettings.load({
         "RLPACER_OPERATOR_JOB_NETWORK_POLICY": "true",
         "RLPACER_OPERATOR_JOB_REPORT_TO": peer,
-        "RLPACER_OPERATOR_JOB_METRICS_FROM": "[]",
         "RLPACER_OPERATOR_REPORT_URL": "https://rlpacer.sys.svc:443",
     })
     net = s.job_network()
@@ -122,7 +121,7 @@ def test_job_network_policy_settings_from_env_and_flags() -> None:
     assert net.report_ports == (8080, 443)
     assert net.report_to == ({"podSelector": {"matchLabels": {"app.kubernetes.io/name":
                                                               "rlpacer"}}},)
-    assert net.metrics_from == () and net.egress == ()
+    assert net.egress == ()
     # a flag: the JSON array, as in env; one port when the URL's is the container port
     flagged = OperatorSettings.load({}, {"job_network_policy": True,
                                          "job_egress": ['[{"ports": [{"port": 443}]}]']})
@@ -139,7 +138,7 @@ def test_job_network_policy_settings_from_env_and_flags() -> None:
     ({"RLPACER_OPERATOR_JOB_EGRESS": '[{"port": 443}]'},
      r"job_egress\[0\]: .*unknown: port.*ports and/or to"),
     ({"RLPACER_OPERATOR_JOB_REPORT_TO": '[{}]'}, r"job_report_to\[0\]: \{\} .*\(empty\)"),
-    ({"RLPACER_OPERATOR_JOB_METRICS_FROM": '{"podSelector": {}}'}, r"job_metrics_from"),
+    ({"RLPACER_OPERATOR_JOB_REPORT_TO": '{"podSelector": {}}'}, r"job_report_to"),
 ])
 def test_bad_job_network_policy_settings_fail_at_start_with_the_field(
         env: dict[str, str], message: str) -> None:
