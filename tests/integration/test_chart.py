@@ -242,6 +242,20 @@ def test_template_monitoring_objects() -> None:
     assert sm["spec"]["endpoints"][0]["honorLabels"] is True
 
 
+def _accepted_as_is(cluster: LocalCluster, obj: dict[str, Any]) -> None:
+    """The API server accepts ``obj`` (server-side dry run) and keeps its spec as given."""
+    r = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-",
+                        input=json.dumps(obj))
+    assert json.loads(r.stdout)["spec"] == obj["spec"]
+
+
+def _create_job_pods(cluster: LocalCluster, namespace: str) -> None:
+    """Create the pods the builders make for a job (without owner: no job object exists)."""
+    for pod in _job_pods(namespace).values():
+        pod["metadata"].pop("ownerReferences", None)
+        cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+
+
 def _job_pods(namespace: str) -> dict[str, dict[str, Any]]:
     """role -> a Pod as the operator's builders make it (the driver, and one Pod from each
     StatefulSet's template, as the StatefulSet controller would create it)."""
@@ -338,12 +352,8 @@ def test_network_policy_is_accepted_and_selects_only_driver_pods(
               "rbac.watchNamespaces": [namespace],
               "networkPolicy.metricsFrom": [{"podSelector": {"matchLabels": {"app": "prom"}}}]}
     (pol,) = find(render(values, namespace=namespace), "NetworkPolicy")
-    r = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-",
-                        input=json.dumps(pol))
-    assert json.loads(r.stdout)["spec"] == pol["spec"]
-    for pod in _job_pods(namespace).values():
-        pod["metadata"].pop("ownerReferences", None)
-        cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+    _accepted_as_is(cluster, pol)
+    _create_job_pods(cluster, namespace)
     (peer,) = [rule["from"][0] for rule in pol["spec"]["ingress"]
                if rule["ports"][0]["port"] == 8080]
     selector = ",".join(f"{k}={v}" for k, v in peer["podSelector"]["matchLabels"].items())
@@ -423,12 +433,8 @@ def test_job_network_policies_are_accepted_and_select_the_jobs_pods(
     assert len(pols) == 2
     for pol in pols:
         pol["metadata"].pop("ownerReferences")
-        r = cluster.kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-",
-                            input=json.dumps(pol))
-        assert json.loads(r.stdout)["spec"] == pol["spec"]
-    for pod in _job_pods(namespace).values():
-        pod["metadata"].pop("ownerReferences", None)
-        cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+        _accepted_as_is(cluster, pol)
+    _create_job_pods(cluster, namespace)
     other = _job_pods(namespace)["head"]
     other["metadata"]["name"] = "another-job-head"
     other["metadata"]["labels"]["rlpacer.io/job"] = "another"

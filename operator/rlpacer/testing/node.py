@@ -305,16 +305,20 @@ class RealNode:
         c._wait(f"the kubelet to register {NODE_NAME} Ready", ready, deadline)
         self._start_network_policies(deadline)
 
+    def _create_rbac(self, objs: list[dict[str, Any]]) -> None:
+        """Create RBAC objects (ClusterRoles, ClusterRoleBindings) unless they exist."""
+        for obj in objs:
+            kind = obj["kind"].lower() + "s"
+            st, body = self.cluster.http.request(
+                "POST", f"/apis/rbac.authorization.k8s.io/v1/{kind}", obj, timeout=10)
+            if st not in (200, 201, 409):
+                raise NodeError(f"creating {obj['kind']} {obj['metadata']['name']}: {st} {body}")
+
     def _start_network_policies(self, deadline: float) -> None:
         """kube-router's network-policy controller, once the Node exists (it reads its address
         there); returns after its first sync (its health endpoint answers only then)."""
         c = self.cluster
-        for obj in _network_policy_rbac():
-            kind = obj["kind"].lower() + "s"
-            st, body = c.http.request(
-                "POST", f"/apis/rbac.authorization.k8s.io/v1/{kind}", obj, timeout=10)
-            if st not in (200, 201, 409):
-                raise NodeError(f"creating {obj['kind']} {obj['metadata']['name']}: {st} {body}")
+        self._create_rbac(_network_policy_rbac())
         (health,) = free_ports(1)
         c._spawn("kube-router", find_binary("kube-router"), [
             "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
@@ -335,12 +339,7 @@ class RealNode:
 
     def _start_dns(self, coredns: Path, deadline: float) -> None:
         c = self.cluster
-        for obj in _dns_rbac():
-            kind = obj["kind"].lower() + "s"
-            st, body = c.http.request(
-                "POST", f"/apis/rbac.authorization.k8s.io/v1/{kind}", obj, timeout=10)
-            if st not in (200, 201, 409):
-                raise NodeError(f"creating {obj['kind']} {obj['metadata']['name']}: {st} {body}")
+        self._create_rbac(_dns_rbac())
         health, ready = free_ports(2)
         corefile = self.dir / "Corefile"
         corefile.write_text(f"""cluster.local:53 in-addr.arpa:53 ip6.arpa:53 {{
@@ -504,20 +503,24 @@ def _remove_kube_chains() -> None:
 
 def _dns_rbac() -> list[dict[str, Any]]:
     """What CoreDNS's kubernetes plugin reads, granted to its user ``system:coredns``."""
-    name = "rlpacer:coredns"
+    return _user_role("rlpacer:coredns", "system:coredns", [
+        {"apiGroups": [""], "resources": ["services", "namespaces"], "verbs": ["list", "watch"]},
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+         "verbs": ["list", "watch"]},
+    ])
+
+
+def _user_role(name: str, user: str, rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A ClusterRole ``name`` with ``rules``, bound to the user ``user`` (a client
+    certificate's CN)."""
     return [
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": name},
-         "rules": [{"apiGroups": [""], "resources": ["services", "namespaces"],
-                    "verbs": ["list", "watch"]},
-                   {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["list", "watch"]}]},
+         "metadata": {"name": name}, "rules": rules},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
          "metadata": {"name": name},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                      "name": name},
-         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
-                       "name": "system:coredns"}]},
+         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]},
     ]
 
 
@@ -535,25 +538,13 @@ def _remove_kube_router_ipsets() -> None:
 def _network_policy_rbac() -> list[dict[str, Any]]:
     """What kube-router's network-policy controller reads (its informers), granted to its user
     ``system:rlpacer:network-policy``: read only."""
-    name = "rlpacer:network-policy"
     read = ["get", "list", "watch"]
-    return [
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": name},
-         "rules": [{"apiGroups": [""],
-                    "resources": ["pods", "namespaces", "nodes", "services", "endpoints"],
-                    "verbs": read},
-                   {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
-                    "verbs": read},
-                   {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": read}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": name},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                     "name": name},
-         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
-                       "name": "system:rlpacer:network-policy"}]},
-    ]
+    return _user_role("rlpacer:network-policy", "system:rlpacer:network-policy", [
+        {"apiGroups": [""], "resources": ["pods", "namespaces", "nodes", "services", "endpoints"],
+         "verbs": read},
+        {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": read},
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": read},
+    ])
 
 
 def node_cert_clients() -> dict[str, tuple[str, str]]:
