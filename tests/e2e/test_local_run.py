@@ -88,6 +88,10 @@ def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
     assert len(pids) == 3 and topo["driver"]["pid"] not in pids
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["eval_accuracy_start"] <= 1.0 and summary["steps"] == 4
+    # start-up: the engines and the learner load the model at once (times from one start), so
+    # the learner is up before the two engines are (one after the other, only after them)
+    assert 0 < summary["seconds_learner_start"] < summary["seconds_engine_start"] \
+        <= summary["seconds_start"], summary
     # the run reports the algorithm it trained with: DAPO's preset, overlong shaping off
     alg = summary["algorithm"]
     assert (alg["name"], alg["clipRatioHigh"], alg["lossAggregation"]) == (

@@ -736,6 +736,10 @@ def test_two_replicas_never_act_at_once_standby_takes_over(
         tok = token(cluster, namespace, "ha")
         code, err = http("GET", b.base + plan_path(namespace, "ha"), tok)
         assert code == 503 and err["reason"] == "NotLeader"
+        # the report comes from attempt 0's driver, so its pod exists first (a pod missing
+        # after its attempt reported is one deleted or evicted: b would start attempt 1)
+        wait(cluster, lambda: get(cluster, f"/api/v1/namespaces/{namespace}/pods/"
+                                  f"{names.driver_pod('ha', 0)}"), "the driver pod", 60)
         da = Driver(a, namespace, "ha", tok)
         assert da.post(report(0, da.plan()["groupSize"], 150.0))[0] == 200
         a.kill(signal.SIGKILL)  # no release: b must wait out the lease (4 s)
@@ -745,7 +749,8 @@ def test_two_replicas_never_act_at_once_standby_takes_over(
         db = Driver(b, namespace, "ha", tok)
         plan = db.plan()
         assert plan["step"] == 1
-        assert db.post(report(1, plan["groupSize"], 150.0))[0] == 200
+        code, body = db.post(report(1, plan["groupSize"], 150.0))
+        assert code == 200, (plan, body)
         print(f"standby took over after {took:.1f}s")
     finally:
         a.kill(signal.SIGTERM)

@@ -117,8 +117,9 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True,
     print("algorithm: " + ", ".join(f"{k} {v}" for k, v in algorithm.items()))
     runtime.init_ray()
     t_start = time.perf_counter()
-    engines = runtime.start_engines(cfg, count=int(cfg.spec.rollout.replicas))
-    engine_start_s = time.perf_counter() - t_start  # engine start with the model's load
+    # the engines and the learner load the model at once; each figure is from the start
+    engines, learners, up = runtime.start_job(cfg)
+    engine_start_s = up["engines"]  # engine start with the model's load
     metrics = report.MetricsWriter(out / "metrics.jsonl")
     bar = None
     slo: list[Any] = [None]  # the last straggler-SLO verdict (its hysteresis starts there)
@@ -136,17 +137,19 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True,
                         round=rec["round_kind"], stragglers=f"{rec['straggler_rate']:.2f}",
                         slo="?" if verdict is None else verdict.brief())
 
-    t_start = time.perf_counter()
-    learners = runtime.start_learners(cfg)
     drv = runtime.build_driver(cfg, engines, checkpoint_dir=out / "checkpoints", on_step=on_step,
                                learners=learners)
-    learner_start_s = time.perf_counter() - t_start  # learner and driver, the model's load
+    # from the same start: the learners up (they load the model beside the engines), and the
+    # whole start-up (the driver built, the first weight sync done)
+    learner_start_s = up["learners"]
+    start_s = time.perf_counter() - t_start
     if resume and drv.load_checkpoint():
         print(f"resumed at step {drv.step}")
     (out / "topology.json").write_text(json.dumps(drv.topology(), indent=1))
     extra: dict[str, Any] = {"algorithm": algorithm,
                              "seconds_engine_start": round(engine_start_s, 2),
-                             "seconds_learner_start": round(learner_start_s, 2)}
+                             "seconds_learner_start": round(learner_start_s, 2),
+                             "seconds_start": round(start_s, 2)}
     evalset = cfg.eval_problems()
     evaluate = evaluate and bool(evalset)  # a file run without a held-out set: no evaluation
     if evaluate:

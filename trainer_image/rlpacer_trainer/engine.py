@@ -375,7 +375,7 @@ class RayEngine:
     """
 
     def __init__(self, cfg: EngineConfig, num_cpus: float = 0.5, num_gpus: int = 0,
-                 resources: dict[str, float] | None = None) -> None:
+                 resources: dict[str, float] | None = None, *, wait: bool = True) -> None:
         import ray
 
         actor_cls = ray.remote(VLLMEngine).options(num_cpus=num_cpus, num_gpus=num_gpus,
@@ -384,7 +384,16 @@ class RayEngine:
         # Any: Ray's stubs give an actor handle's undecorated methods no ``.remote``
         self.actor = cast(Any, actor_cls.remote(cfg))
         self.tensor_parallel_size = cfg.tensor_parallel_size
-        ray.get(self.actor.pending.remote())  # wait until the engine is up
+        if wait:
+            self.ready()
+
+    def ready_ref(self) -> Any:
+        """A Ray reference that resolves once the engine is up (raises if it failed)."""
+        return self.actor.pending.remote()
+
+    def ready(self) -> None:
+        """Wait until the engine is up (its model loaded, its KV cache allocated)."""
+        self._ray.get(self.ready_ref())
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
         self._ray.get(self.actor.submit.remote(list(requests)))

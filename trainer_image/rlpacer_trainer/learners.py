@@ -218,7 +218,7 @@ class RayLearners:
 
     def __init__(self, model_path: str, cfg: LearnerConfig, replicas: int, *,
                  num_cpus: float = 0.5, gpus: int = 0, threads: int = 1,
-                 pinned: bool | None = None) -> None:
+                 pinned: bool | None = None, wait: bool = True) -> None:
         import ray
 
         self._ray = ray
@@ -235,11 +235,22 @@ class RayLearners:
                 opts["resources"] = {topology.pod_resource("learner", rank): 0.01}
             self.actors.append(actor_cls.options(**opts).remote(
                 model_path, cfg, rank=rank, world=replicas, threads=threads))
-        if replicas > 1:
-            url = ray.get(self.actors[0].rendezvous.remote())
-            ray.get([a.join.remote(url) for a in self.actors])  # all at once: it blocks
-        else:
-            ray.get(self.actors[0].info.remote())  # wait until it is up
+        self._joined = replicas == 1
+        if wait:
+            self.ready()
+
+    def ready_refs(self) -> list[Any]:
+        """Ray references that resolve once every learner is up; from two replicas on they
+        join one process group first (the rendezvous waits for the first actor's start)."""
+        if not self._joined:
+            url = self._ray.get(self.actors[0].rendezvous.remote())
+            self._joined = True
+            return [a.join.remote(url) for a in self.actors]  # all at once: each blocks
+        return [a.info.remote() for a in self.actors]
+
+    def ready(self) -> None:
+        """Wait until every learner is up (its model loaded, the process group joined)."""
+        self._ray.get(self.ready_refs())
 
     def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
         n = len(samples)

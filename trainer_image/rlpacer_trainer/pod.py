@@ -95,7 +95,9 @@ def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
               controller: HTTPController | None) -> int:
     from rlpacer_trainer import runtime
 
-    engines = runtime.start_engines(cfg, count=int(cfg.spec.rollout.replicas))
+    engines, learners, up = runtime.start_job(cfg)
+    print(f"started: rollout engines in {up['engines']:.1f} s, learners in"
+          f" {up['learners']:.1f} s (together)", flush=True)
     from rlpacer_trainer.report import MetricsWriter
 
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -106,7 +108,6 @@ def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
         print(f"step {rec['step']} G={rec['group_size']} {rec['round_kind']}"
               f" reward={rec['reward']:.3f}{served_by(rec)}", flush=True)
 
-    learners = runtime.start_learners(cfg)
     drv = runtime.build_driver(cfg, engines, controller=controller, attempt=attempt,
                                learners=learners,
                                engine_factory=lambda r: runtime.start_engine(cfg, r),

@@ -78,20 +78,52 @@ def engine_config(cfg: RunConfig, model_path: Path | None = None, *, replica: in
     )
 
 
-def start_engines(cfg: RunConfig, count: int, use_ray: bool = True) -> list[Any]:
-    """One engine per rollout replica ``0..count-1``.
+def start_engines(cfg: RunConfig, count: int, use_ray: bool = True, *,
+                  wait: bool = True) -> list[Any]:
+    """One engine per rollout replica ``0..count-1``, all starting at once (each loads the
+    model on its own pod: a job's start-up waits for the slowest, not for their sum).
 
     On a job's Ray cluster whose rollout pods advertise ``rlpacer.io/rollout-<i>``, engine i
     is placed on replica i's pod, alone there, with ``gpusPerReplica`` GPUs and
     ``tensorParallelSize``. Otherwise (``rlpacer run``) all run on this machine, each bound to
-    its own core (round robin over the cores this process may use: ``slot:auto``)."""
+    its own core (round robin over the cores this process may use: ``slot:auto``).
+    ``wait=False`` returns while they start (:func:`start_job` waits for them and the
+    learners together)."""
     if not use_ray:
         return [VLLMEngine(engine_config(cfg, replica=i, slot=i)) for i in range(count)]
     import ray
 
     have = ray.cluster_resources()  # type: ignore[no-untyped-call]
     pinned = all(topology.pod_resource("rollout", i) in have for i in range(count))
-    return [start_engine(cfg, i, pinned=pinned) for i in range(count)]
+    engines = [start_engine(cfg, i, pinned=pinned, wait=False) for i in range(count)]
+    if wait:
+        ray.get([e.ready_ref() for e in engines])
+    return engines
+
+
+def start_job(cfg: RunConfig) -> tuple[list[Any], RayLearners, dict[str, float]]:
+    """The rollout engines and the learners, started together on the job's Ray cluster: the
+    engines load the model while the learners do (on their own pods, or on this machine's
+    cores), so an attempt's start-up costs the slowest of them rather than their sum. Returns
+    them with the seconds until each kind was up (``engines``, ``learners``); raises what a
+    failed engine or learner raised."""
+    import time
+
+    import ray
+
+    t0 = time.perf_counter()
+    engines = start_engines(cfg, count=int(cfg.spec.rollout.replicas), wait=False)
+    learners = start_learners(cfg, wait=False)
+    kinds = {"engines": [e.ready_ref() for e in engines], "learners": learners.ready_refs()}
+    up: dict[str, float] = {}
+    pending = [r for refs in kinds.values() for r in refs]
+    while pending:
+        _, pending = ray.wait(pending, num_returns=1)
+        for kind, refs in kinds.items():
+            if kind not in up and not set(refs) & set(pending):
+                up[kind] = time.perf_counter() - t0
+    ray.get([r for refs in kinds.values() for r in refs])  # a failed start raises here
+    return engines, learners, up
 
 
 def replica_engine_config(cfg: RunConfig, replica: int) -> EngineConfig:
@@ -105,14 +137,16 @@ def replica_engine_config(cfg: RunConfig, replica: int) -> EngineConfig:
     return ecfg
 
 
-def start_engine(cfg: RunConfig, replica: int, *, pinned: bool = True) -> Any:
+def start_engine(cfg: RunConfig, replica: int, *, pinned: bool = True,
+                 wait: bool = True) -> Any:
     """The Ray engine of rollout replica ``replica``; ``pinned``: on that replica's pod (its
     ``rlpacer.io/rollout-<i>`` resource), the way a long round's added replica joins."""
     rollout = cfg.spec.rollout
     return RayEngine(
         replica_engine_config(cfg, replica), num_cpus=cfg.engine_cpus,
         num_gpus=int(rollout.gpus_per_replica),
-        resources={topology.pod_resource("rollout", replica): 0.01} if pinned else None)
+        resources={topology.pod_resource("rollout", replica): 0.01} if pinned else None,
+        wait=wait)
 
 
 def offered_rollout_replicas() -> set[int]:
@@ -192,13 +226,13 @@ def wait_for_pods(cfg: RunConfig, timeout_s: float = 600.0, poll_s: float = 1.0)
         time.sleep(poll_s)
 
 
-def start_learners(cfg: RunConfig) -> RayLearners:
+def start_learners(cfg: RunConfig, *, wait: bool = True) -> RayLearners:
     """``spec.trainer.replicas`` learner actors, each on its learner pod when the job's Ray
     cluster has them (data parallel from two replicas on), else on this machine's Ray."""
     spec = cfg.spec.trainer
     return RayLearners(str(cfg.model_path), cfg.learner_config(), int(spec.replicas),
                        num_cpus=cfg.learner_cpus, gpus=int(spec.gpus_per_replica),
-                       threads=cfg.learner_threads)
+                       threads=cfg.learner_threads, wait=wait)
 
 
 def local_cpu_count() -> int:

@@ -98,7 +98,14 @@ def observe(
     """Fold in the observed ready replicas (and, when known, which ordinals are ready);
     resolve a pending scale-up (ready or timed out). ``long_cap``: the long-round replicas the
     namespace's policies allow now; a pending scale-up above it (a policy tightened after the
-    report that asked for it) is cut down to it at once, not at the next report."""
+    report that asked for it) is cut down to it at once, not at the next report.
+
+    With the ordinals known, the ready count is theirs (the pods seen Ready and not being
+    deleted): the StatefulSet's ``readyReplicas`` lags its pods (on a busy control plane, a
+    scale-up's pods are Ready seconds before it counts them) and counts terminating ones, and
+    the plan must not say Ready with fewer ready replicas than it names usable."""
+    if ordinals is not None:
+        ready = len(set(ordinals))
     update: dict[str, Any] = {"ready_replicas": ready}
     if ordinals is not None:
         update["ready_ordinals"] = sorted(set(ordinals))

@@ -268,6 +268,23 @@ def test_a_ready_replica_above_a_cut_scale_up_does_not_make_it_ready() -> None:
     assert up.state == "ScalingUp"
 
 
+def test_the_ready_count_is_the_ready_pods_when_the_statefulsets_count_lags() -> None:
+    """A busy control plane: the scale-up's pods are Ready (ordinals 0 and 1) while the
+    StatefulSet still counts 1. The plan says Ready with 2 ready, as its Event does; a
+    terminating pod the StatefulSet still counts is not counted."""
+    spec = _spec(rollout={"replicas": 1}, tailBatching={"longRound": {"rolloutReplicas": 2}})
+    ro = RLTrainingJobStatus().rollout.model_copy(
+        update={"desired_replicas": 1, "ready_replicas": 1, "ready_ordinals": [0]})
+    ro, _, _ = scaler.plan_round(ro, spec, RoundKind.LONG, 3, T0)
+    done, _, evs = scaler.observe(ro, spec, 1, 3, T0 + timedelta(seconds=4), ordinals=[1, 0])
+    assert done.state == "Ready" and done.ready_replicas == 2
+    assert [e.message for e in evs] == ["2/2 rollout replicas ready after 4s"]
+    cap = scaler.capacity(done)
+    assert cap.ready_replicas == 2 and cap.usable_replicas == [0, 1]
+    gone, _, _ = scaler.observe(done, spec, 2, 4, T0 + timedelta(seconds=9), ordinals=[0])
+    assert gone.ready_replicas == 1
+
+
 @pytest.mark.parametrize("exit_code", [contract.EXIT_DATA_INVALID, 1, 2, 137, None])
 def test_bad_data_fails_the_job_at_once_other_exits_retry(exit_code: int | None) -> None:
     spec = _spec(backoffLimit=3, ttlSecondsAfterFinished=60)
