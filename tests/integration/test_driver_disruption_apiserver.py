@@ -163,7 +163,9 @@ def test_a_played_trainer_deleted_mid_job_resumes_with_and_without_a_checkpoint(
                 live = [p for p in h.played(names.driver_pod(name, 0)) if p.exit_code is None]
                 if st.get("step", 0) >= 2 and live:
                     h.pause(live[0])  # between two steps or in one: at most the report in
-                    frozen[name] = st["step"]  # flight still lands
+                    # flight still lands; the step is read after the pause (on a busy machine
+                    # the driver may have reported more since the read above)
+                    frozen[name] = status(cluster, ns, name)["step"]
                     cluster.kubectl("delete", "pod", names.driver_pod(name, 0), "-n", ns,
                                     "--wait=false")
             assert not h.errors, h.describe()
