@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from rlpacer_trainer.nccl_weights import ReceiverExtension
@@ -146,6 +148,9 @@ class EngineConfig:
     # offset"), and long prompts reach that with vLLM's default budget
     max_num_batched_tokens: int | None = None
     kv_cache_gib: int = 1
+    # a CPU engine's KV cache in bytes (vLLM's kv_cache_memory_bytes; None: kv_cache_gib GiB).
+    # runtime.engine_config sizes it to what the engine can hold at once (kv_cache_bytes_needed)
+    kv_cache_bytes: int | None = None
     # VLLM_CPU_OMP_THREADS_BIND: a core list, "auto", "nobind", or "slot:auto" (one core per
     # engine on this host, by ``slot``; see resolve_threads_bind)
     threads_bind: str = "slot:auto"
@@ -194,13 +199,74 @@ def _bind_threads(bind: str) -> int:
     return max(1, n)
 
 
+#: the largest KV-cache block vLLM's CPU attention backends use (tokens); a sequence's cache
+#: is whole blocks
+_CPU_MAX_BLOCK = 256
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_cache_bytes_needed(model_path: str | Path, max_num_seqs: int, max_model_len: int,
+                          dtype: str) -> int | None:
+    """The KV cache that holds ``max_num_seqs`` sequences of ``max_model_len`` tokens at once:
+    the most an engine admitting that many can use (bytes, a whole block per sequence and 10%
+    over). From the model's ``config.json`` (keys and values of every layer and key-value
+    head); ``None`` where it has none to read (the caller keeps its fixed size).
+
+    On a CPU the cache is allocated and zeroed at start-up: the fixed 1 GiB that vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE`` allows at least is ~10x what the example models can use, and
+    zeroing it costs seconds of every engine's start on a busy host."""
+    try:
+        conf = json.loads((Path(model_path) / "config.json").read_text())
+        conf = conf.get("text_config", conf)
+        layers = int(conf["num_hidden_layers"])
+        heads = int(conf["num_attention_heads"])
+        kv_heads = int(conf.get("num_key_value_heads") or heads)
+        head_dim = int(conf.get("head_dim") or int(conf["hidden_size"]) // heads)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    per_token = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    tokens = max_num_seqs * -(-max_model_len // _CPU_MAX_BLOCK) * _CPU_MAX_BLOCK
+    return int(per_token * tokens * 1.1) + (1 << 20)
+
+
 def _env_for(cfg: EngineConfig) -> None:
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    if cfg.kv_cache_bytes is None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    else:  # vLLM's CPU platform lets this variable override kv_cache_memory_bytes
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.threads_bind
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cfg.single_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+
+@contextlib.contextmanager
+def _model_inspected_in_process(enabled: bool) -> Iterator[None]:
+    """vLLM inspects the model's class (what the architecture supports) in a fresh Python
+    process that imports torch and vLLM again, unless ``$VLLM_CACHE_ROOT/modelinfos`` holds
+    it from an earlier start; a pod's cache is an emptyDir, so every engine start paid that
+    process (~6 s of CPU here). The subprocess keeps CUDA uninitialised in a parent that forks
+    workers; an engine in one process (single_process, no tensor parallelism) forks none and
+    loads that class next anyway, so it is inspected here. The answer is cached as usual."""
+    if not enabled:
+        yield
+        return
+    try:
+        from vllm.model_executor.models import registry
+    except ImportError:  # a vLLM without the registry module: its own way
+        yield
+        return
+    original = getattr(registry, "_run_in_subprocess", None)
+    if original is None:
+        yield
+        return
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = original
 
 
 class VLLMEngine:
@@ -223,20 +289,23 @@ class VLLMEngine:
         extra: dict[str, Any] = {}
         if cfg.max_num_batched_tokens is not None:
             extra["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-        self.llm = LLM(
-            model=cfg.model_path,
-            dtype=cfg.dtype,
-            enforce_eager=True,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            **extra,
-            seed=cfg.seed,
-            worker_extension_cls=f"{__name__}.WorkerExtension",
-            disable_log_stats=True,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            distributed_executor_backend=("uni" if cfg.single_process and
-                                          cfg.tensor_parallel_size == 1 else "mp"),
-        )
+        if cfg.kv_cache_bytes is not None:
+            extra["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+        with _model_inspected_in_process(cfg.single_process and cfg.tensor_parallel_size == 1):
+            self.llm = LLM(
+                model=cfg.model_path,
+                dtype=cfg.dtype,
+                enforce_eager=True,
+                max_model_len=cfg.max_model_len,
+                max_num_seqs=cfg.max_num_seqs,
+                **extra,
+                seed=cfg.seed,
+                worker_extension_cls=f"{__name__}.WorkerExtension",
+                disable_log_stats=True,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                distributed_executor_backend=("uni" if cfg.single_process and
+                                              cfg.tensor_parallel_size == 1 else "mp"),
+            )
         self.engine = self.llm.llm_engine
         self._live: set[str] = set()
         self._stats = EngineStats()

@@ -21,7 +21,13 @@ from rlpacer_trainer import models, topology
 from rlpacer_trainer.config import RunConfig
 from rlpacer_trainer.controller_client import InProcessController
 from rlpacer_trainer.driver import Driver
-from rlpacer_trainer.engine import EngineConfig, EngineDtype, RayEngine, VLLMEngine
+from rlpacer_trainer.engine import (
+    EngineConfig,
+    EngineDtype,
+    RayEngine,
+    VLLMEngine,
+    kv_cache_bytes_needed,
+)
 from rlpacer_trainer.learners import InProcessLearners, LearnerWorker, RayLearners
 
 #: The job-level runtime env of every driver (actors inherit it). The driver's modules must be
@@ -60,17 +66,23 @@ MAX_NUM_SEQS = 256
 
 def engine_config(cfg: RunConfig, model_path: Path | None = None, *, replica: int = 0,
                   slot: int = 0) -> EngineConfig:
-    batched = None
+    batched = kv_bytes = None
+    path = str(model_path or cfg.model_path)
     if int(cfg.spec.rollout.gpus_per_replica) == 0:  # no prompt split over steps on a CPU
         batched = max(VLLM_DEFAULT_BATCHED_TOKENS, cfg.max_model_len,
                       MAX_NUM_SEQS * cfg.max_prompt_tokens)
+        # a CPU engine's KV cache: what it can hold at once, at most kv_cache_gib
+        need = kv_cache_bytes_needed(path, MAX_NUM_SEQS, cfg.max_model_len, cfg.engine_dtype)
+        if need is not None:
+            kv_bytes = min(need, cfg.kv_cache_gib << 30)
     return EngineConfig(
-        model_path=str(model_path or cfg.model_path),
+        model_path=path,
         max_model_len=cfg.max_model_len,
         dtype=cast(EngineDtype, cfg.engine_dtype),
         max_num_batched_tokens=batched,
         max_num_seqs=MAX_NUM_SEQS,
         kv_cache_gib=cfg.kv_cache_gib,
+        kv_cache_bytes=kv_bytes,
         threads_bind=cfg.threads_bind,
         seed=cfg.data_seed,
         replica=replica,

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from rlpacer_trainer import hfrecipe, models, runtime
+from rlpacer_trainer import engine, hfrecipe, models, runtime
 from rlpacer_trainer.config import ConfigError, RunConfig
 from rlpacer_trainer.learner import LearnerConfig, Sample
 from rlpacer_trainer.learners import LearnerWorker
@@ -114,6 +114,31 @@ def test_dtype_resolution(user_model: Path, tmp_path: Path) -> None:
     assert f32.engine_dtype == "float32" and f32.learner_config().autocast == "float32"
     with pytest.raises(ValueError, match="dtype"):
         _cfg(tmp_path, str(user_model), model={"dtype": "int8"})
+
+
+def test_a_cpu_engines_kv_cache_holds_what_it_admits_and_no_more(
+        user_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU engine's KV cache is sized from the model's config to every admitted sequence at
+    full length (whole 256-token blocks, 10% over), at most ``kv_cache_gib``; GPU engines and
+    a model without a config.json keep vLLM's own sizing."""
+    cfg = _cfg(tmp_path, str(user_model), rollout={"maxPromptTokens": 40,
+                                                   "maxResponseTokens": 100})
+    conf = json.loads((user_model / "config.json").read_text())
+    head_dim = conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"]
+    per_token = 2 * conf["num_hidden_layers"] * conf["num_key_value_heads"] * head_dim * 4
+    ec = runtime.engine_config(cfg)
+    assert ec.kv_cache_bytes is not None
+    held = (ec.kv_cache_bytes - (1 << 20)) / per_token  # tokens the cache holds
+    assert runtime.MAX_NUM_SEQS * 256 <= held <= runtime.MAX_NUM_SEQS * 256 * 1.11
+    assert ec.kv_cache_bytes < ec.kv_cache_gib << 30
+    # a bfloat16 engine needs half; a need above kv_cache_gib gets kv_cache_gib
+    half = engine.kv_cache_bytes_needed(user_model, runtime.MAX_NUM_SEQS, 140, "bfloat16")
+    assert half is not None and abs(2 * (half - (1 << 20)) - (ec.kv_cache_bytes - (1 << 20))) <= 2
+    monkeypatch.setattr(runtime, "kv_cache_bytes_needed", lambda *a: 5 << 30)
+    assert runtime.engine_config(cfg).kv_cache_bytes == 1 << 30
+    gpu = _cfg(tmp_path, str(user_model), rollout={"gpusPerReplica": 1})
+    assert runtime.engine_config(gpu).kv_cache_bytes is None
+    assert engine.kv_cache_bytes_needed(tmp_path / "no-model", 256, 140, "float32") is None
 
 
 def test_max_model_len_is_prompt_plus_response_tokens(user_model: Path, tmp_path: Path) -> None:
