@@ -79,7 +79,10 @@ def test_an_engine_inspects_its_model_class_without_another_process(
     place (engine._model_inspected_in_process) and the answer is cached as vLLM caches it."""
     from vllm.model_executor.models import registry
 
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    # vLLM's cache folder, here empty (not VLLM_CACHE_ROOT: vLLM freezes its environment once
+    # an engine has started in this process)
+    monkeypatch.setattr(registry._LazyRegisteredModel, "_get_cache_dir",
+                        staticmethod(lambda: tmp_path / "modelinfos"))
     started: list[object] = []
     real_run = registry.subprocess.run
     monkeypatch.setattr(registry.subprocess, "run",
