@@ -12,10 +12,12 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from rlpacer.api.trace import read_trace
 from rlpacer.testing.report_stub import ReportStub
 from rlpacer_trainer import contract as c
 from rlpacer_trainer.config import RunConfig
@@ -111,10 +113,40 @@ def test_rlpacer_run_writes_metrics_and_report(tmp_path: Path) -> None:
     assert [r["step"] for r in brecs] == [0, 1, 2, 3]
     assert all(r["group_size"] == 16 and r["round_kind"] == "Short" and r["aborted"] == 0
                for r in brecs), brecs
+    _check_trace(out / "trace.jsonl", recs, replicas={0, 1})
+    _check_trace(out / "baseline" / "trace.jsonl", brecs, replicas={0, 1})
+    # the job's trace replays in the bench (the kept round of every trained prompt)
+    bench = subprocess.run([str(BIN / "rlpacer"), "bench", "--trace", str(out / "trace.jsonl"),
+                            "--steps", "8"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    assert "workload: rlpacer trace" in bench.stdout, bench.stdout
     md = (out / "report.md").read_text()
     assert "## Against the baseline (fixed G=16, no tail batching)" in md
     ratio = summary["wall_seconds"] / base["wall_seconds"]
     assert f"This run trained in **{ratio:.2f}x** the baseline's wall clock" in md
+
+
+def _check_trace(path: Path, recs: list[dict[str, Any]], replicas: set[int]) -> None:
+    """The job's response trace agrees with its step records: per step, the kept responses
+    (count and longest) and those launched and not kept; every response names its engine."""
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    head, rows = lines[0], lines[1:]
+    assert head["format"] == "rlpacer-response-trace" and head["version"] == 1, head
+    for r in recs:
+        mine = [x for x in rows if x["step"] == r["step"]]
+        kept = [x for x in mine if x["outcome"] == "kept"]
+        assert len(kept) == r["kept"], (r, len(kept))
+        assert max(x["length"] for x in kept) == r["len_max"], r
+        assert len(mine) - len(kept) == r["aborted"], (r, [x["outcome"] for x in mine])
+        assert {x["kind"] for x in mine} == {str(r["round_kind"]).lower()}
+        assert all(x["engine"] in replicas and x["finish_s"] >= x["start_s"] >= 0 for x in mine)
+        assert all((x["length"] is None) == (x["outcome"] in ("aborted", "deferred"))
+                   for x in mine)
+    trace = read_trace(path.read_text().splitlines(), str(path))
+    # one replay group per trained prompt, each with at least its step's G lengths
+    assert len(trace.groups) == sum(len(r["prompts"]) for r in recs)
+    assert min(len(g.lengths) for g in trace.groups) >= min(r["group_size"] for r in recs)
 
 
 @pytest.fixture
@@ -146,6 +178,10 @@ def test_pod_entrypoint_driver_reports_over_http(
     assert operator_stub.jc.next_step == 3
     assert (tmp_path / "ckpt" / "step-000002" / "state.json").exists()
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-000003"
+    # the cluster driver records its attempt's responses beside its metrics
+    metrics = [json.loads(x) for x in
+               (tmp_path / "ckpt" / "metrics-attempt0.jsonl").read_text().splitlines()]
+    _check_trace(tmp_path / "ckpt" / "trace-attempt0.jsonl", metrics, replicas={0})
 
 
 def test_pod_entrypoint_rejects_unknown_role() -> None:

@@ -139,6 +139,9 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True,
 
     drv = runtime.build_driver(cfg, engines, checkpoint_dir=out / "checkpoints", on_step=on_step,
                                learners=learners)
+    if not resume:
+        (out / "trace.jsonl").unlink(missing_ok=True)  # a new run starts a new trace
+    drv.record_trace(out / "trace.jsonl")
     # from the same start: the learners up (they load the model beside the engines), and the
     # whole start-up (the driver built, the first weight sync done)
     learner_start_s = up["learners"]
@@ -213,6 +216,8 @@ def _run_baseline(cfg: Any, engines: list[Any], evalset: Any, out: Path) -> dict
         bar.set_postfix(reward=f"{rec['reward']:.2f}", G=rec["group_size"])
 
     drv = runtime.build_driver(cfg, engines, on_step=on_step, learners=learners)
+    (out / "trace.jsonl").unlink(missing_ok=True)
+    drv.record_trace(out / "trace.jsonl")
     try:
         start = drv.evaluate(evalset)
         s0 = [e.stats() for e in engines]

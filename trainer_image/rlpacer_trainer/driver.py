@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from rlpacer.api import trace as trace_format
 from rlpacer.api.protocol import LengthSummary, Plan, RoundKind, StepReport, StepSeconds
 from rlpacer.control.tail_batching import TailBatchingPlanner
 from rlpacer_trainer import algos
@@ -165,6 +166,41 @@ class Driver:
         # "store": Ray's object store (CPU, and GPU by default); "nccl": learner rank 0
         # broadcasts to the engines' workers (RLPACER_WEIGHT_TRANSPORT=nccl; unverified)
         self.weight_transport = "store"
+        self._trace: Any = None  # the open response trace (record_trace), or None
+        self._trace_t0 = time.perf_counter()
+
+    # --- the response trace -----------------------------------------------------------------
+    def record_trace(self, path: Path) -> None:
+        """From now on, every response of every round goes to ``path`` (JSON lines, the
+        format of ``rlpacer.api.trace``; a new file starts with its header, an existing one is
+        appended to). Times are seconds since this call."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists() or path.stat().st_size == 0
+        self._trace = path.open("a", encoding="utf-8")
+        self._trace_t0 = time.perf_counter()
+        if new:
+            self._trace.write(trace_format.header(
+                max_tokens=int(self.cfg.max_tokens), prompts=int(self.planner.num_prompts),
+                prompts_per_step=int(self.cfg.spec.prompts_per_step),
+                seed=int(self.cfg.data_seed)) + "\n")
+            self._trace.flush()
+
+    def _write_trace(self, plan: Any, prompt_tokens: dict[int, int],
+                     rows: dict[tuple[int, int], tuple[int | None, int | None, float, str]],
+                     kept: dict[int, list[int]], t0: float) -> None:
+        kind = plan.kind.value.lower()
+        lines = []
+        for (p, i), (engine, length, finish, outcome) in sorted(rows.items()):
+            if outcome == "kept" and i not in kept.get(p, ()):
+                outcome = "discarded"  # finished early, but its prompt was deferred
+            lines.append(trace_format.ResponseRecord(
+                attempt=self.attempt, step=self.step, round=plan.index, kind=kind,
+                epoch=plan.epoch, prompt=p, index=i, engine=engine,
+                prompt_tokens=prompt_tokens[p], length=length,
+                start_s=t0 - self._trace_t0, finish_s=finish - self._trace_t0,
+                outcome=outcome).to_json())
+        self._trace.write("\n".join(lines) + "\n")
+        self._trace.flush()
 
     # --- rewards -----------------------------------------------------------------------------
     def _submit_reward(self, key: tuple[int, int, int], f: Finished, pid: int) -> None:
@@ -182,8 +218,11 @@ class Driver:
         return score
 
     def close(self) -> None:
-        """Stops the reward workers (they also exit with this process)."""
+        """Stops the reward workers (they also exit with this process); closes the trace."""
         self.scorer.close()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
 
     # --- one round ----------------------------------------------------------------------------
     def run_round(self, group_size: int) -> RoundOutcome:
@@ -194,8 +233,12 @@ class Driver:
         self._pending.clear()
         self._requests.clear()
         reqs: list[tuple[GenRequest, int, int]] = []
+        prompt_tokens: dict[int, int] = {}
+        # the response trace: (prompt, index) -> (engine, length, seen at, outcome)
+        rows: dict[tuple[int, int], tuple[int | None, int | None, float, str]] = {}
         for p in plan.prompts:
             ids = tuple(self.tok.prompt_ids(self.problems[p].prompt))
+            prompt_tokens[p] = len(ids)
             for i in range(plan.responses_per_prompt):
                 reqs.append((GenRequest(
                     rid(p, i), ids, self.cfg.max_tokens, self.cfg.temperature,
@@ -217,6 +260,8 @@ class Driver:
                 e, p, i = self._pending.pop(f.request_id)
                 self._served[e] = self._served.get(e, 0) + 1
                 d = self.planner.on_response_finished(p, i, len(f.token_ids))
+                rows[(p, i)] = (e, len(f.token_ids), time.perf_counter(),
+                                "kept" if d.keep else "discarded")
                 if d.keep:
                     k = Kept(p, i, f.token_ids, f.finish_reason)
                     kept.setdefault(p, []).append(k)
@@ -225,6 +270,11 @@ class Driver:
                             range(plan.responses_per_prompt)] + list(d.abort_responses)
                 if d.round_complete:
                     to_abort += [(q, j) for (_, q, j) in self._pending.values()]
+                now, deferred = time.perf_counter(), set(d.abort_prompts)
+                for q, j in to_abort:
+                    if rid(q, j) in self._pending:
+                        rows[(q, j)] = (self._pending[rid(q, j)][0], None, now,
+                                        "deferred" if q in deferred else "aborted")
                 aborted += self._abort(rid, to_abort)
                 if d.round_complete:
                     complete = True
@@ -234,6 +284,8 @@ class Driver:
         rollout_s = time.perf_counter() - t0
         self.rollout_wall += rollout_s
         res = self.planner.finish_round()
+        if self._trace is not None:
+            self._write_trace(plan, prompt_tokens, rows, res.kept, t0)
         out = {p: [k for k in kept[p] if k.idx in set(idxs)] for p, idxs in res.kept.items()}
         return RoundOutcome(res.kind, out, res.aborted_responses, rollout_s,
                             res.overprovisioned)

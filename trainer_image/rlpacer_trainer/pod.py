@@ -122,6 +122,7 @@ def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
         print(f"no checkpoint to resume from: attempt {attempt} starts at step 0 (the job's"
               f" plan is at step {at_most})", flush=True)
     (ckpt / f"topology-attempt{attempt}.json").write_text(json.dumps(drv.topology(), indent=1))
+    drv.record_trace(ckpt / f"trace-attempt{attempt}.jsonl")  # every response (rlpacer.api.trace)
     drv.run()
     final = drv.save_checkpoint()
     # what this pod's checkpoint folder holds: the learner's part (its state and model/) comes

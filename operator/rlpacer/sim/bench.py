@@ -82,6 +82,7 @@ from typing import Any
 
 import numpy as np
 
+from rlpacer.api.trace import Trace, TraceError
 from rlpacer.control.plan import (
     JobController,
     JobControllerConfig,
@@ -96,6 +97,7 @@ from rlpacer.control.tail_batching import (
     TailBatchingPlanner,
 )
 from rlpacer.sim.rollout import RoundSimulator
+from rlpacer.sim.trace import TraceWorkload, load_trace, trace_scenario
 from rlpacer.sim.workload import SCENARIOS, Scenario, Workload, scenario
 
 POLICY_NAMES = ("fixed4", "fixed8", "fixed16", "sagc", "tail8", "sagc_tail")
@@ -245,11 +247,12 @@ def _sagc_config(
 
 
 def run_policy(
-    scn: Scenario, pol: Policy, seed: int, workload: Workload | None = None
+    scn: Scenario, pol: Policy, seed: int, workload: Workload | TraceWorkload | None = None
 ) -> PolicyRun:
-    """Train the scenario's whole dataset under ``pol``; one JobController step per round."""
-    num_prompts = scn.steps * scn.prompts_per_step
-    wl = Workload(scn, num_prompts, seed) if workload is None else workload
+    """Train the workload's whole dataset (every epoch) under ``pol``; one JobController
+    step per round."""
+    wl = Workload(scn, scn.steps * scn.prompts_per_step, seed) if workload is None else workload
+    num_prompts = wl.num_prompts
     jc = JobController(
         JobControllerConfig(
             mode=pol.mode,
@@ -267,10 +270,11 @@ def run_policy(
         ),
         num_prompts=num_prompts,
         seed=seed,
+        epochs=wl.epochs,
     )
     cost = scn.cost
     sim = RoundSimulator(cost, scn.engines, scn.prompt_len, cost.saturation_batch(scn.ctx_ref))
-    drawn = np.zeros(num_prompts, dtype=np.int64)  # pool entries used per prompt
+    drawn = np.zeros((wl.epochs, num_prompts), dtype=np.int64)  # draws used per prompt
     long_r = max(scn.engines, scn.long_round_engines) if pol.tail else scn.engines
     extra = long_r - scn.engines
     out = PolicyRun(
@@ -285,9 +289,11 @@ def run_policy(
         g = plan.group_size
         rp = planner.start_round(g)
         progress = planner.consumed / planner.total_prompts
-        firsts = drawn[rp.prompts].tolist()
-        lengths = wl.lengths_many(rp.prompts, firsts, rp.responses_per_prompt, progress)
-        drawn[rp.prompts] += rp.responses_per_prompt
+        firsts = drawn[rp.epoch, rp.prompts].tolist()
+        lengths = wl.lengths_many(
+            rp.prompts, firsts, rp.responses_per_prompt, progress, epoch=rp.epoch
+        )
+        drawn[rp.epoch, rp.prompts] += rp.responses_per_prompt
         long_round = rp.kind is RoundKind.LONG and extra > 0
         if long_round:
             # A long round keeps every response, so the planner's decisions do not depend on
@@ -369,10 +375,27 @@ def run_policy(
 
 
 def run_bench(
-    scn: Scenario, seed: int = 0, ablations: bool = False
+    scn: Scenario, seed: int = 0, ablations: bool = False, trace: Trace | None = None
 ) -> tuple[dict[str, Any], dict[str, PolicyRun]]:
-    """Run every policy on the same workload; returns (the JSON report, the per-step runs)."""
-    wl = Workload(scn, scn.steps * scn.prompts_per_step, seed)
+    """Run every policy on the same workload; returns (the JSON report, the per-step runs).
+    With ``trace``, the lengths are replayed from it (rlpacer.sim.trace) on ``scn``'s
+    cluster and costs, for at least ``scn.steps`` baseline steps' worth of prompts."""
+    wl: Workload | TraceWorkload
+    workload: dict[str, Any]
+    base_name = scn.name
+    if trace is None:
+        wl = Workload(scn, scn.steps * scn.prompts_per_step, seed)
+        workload = {"kind": "parametric", "scenario": scn.name}
+    else:
+        scn, epochs = trace_scenario(scn, trace, scn.steps)
+        wl = TraceWorkload(trace, epochs, seed)
+        workload = {
+            "kind": "trace", "file": trace.name, "format": trace.kind,
+            "prompt_groups": len(trace.groups), "recorded_group_size": trace.group_size,
+            "epochs": epochs, "censored_responses": trace.censored,
+            "prompt_tokens": scn.prompt_len, "median_length": scn.median_tokens,
+            "cap": scn.cap,
+        }
     runs = {pol.name: run_policy(scn, pol, seed, wl) for pol in policies(ablations)}
     summaries = {name: run.summary() for name, run in runs.items()}
     base = summaries["fixed16"]["wall_clock_s"]
@@ -380,6 +403,8 @@ def run_bench(
         s["speedup_vs_fixed16"] = base / s["wall_clock_s"]
     report = {
         "scenario": scn.name,
+        "base_scenario": base_name,
+        "workload": workload,
         "delta": scn.delta,
         "tau": scn.tau,
         "seed": seed,
@@ -407,10 +432,22 @@ def format_table(report: dict[str, Any]) -> str:
         f"{'policy':<15}{'wall clock':>12}{'vs fixed16':>11}{'straggler':>11}{'bubble':>8}"
         f"{'mean G':>8}{'resp/s':>8}{'prompts':>9}{'steps':>7}{'long':>6}{'rollout%':>9}"
     )
+    wl = report["workload"]
+    if wl["kind"] == "trace":
+        what = (
+            f"workload: {wl['format']} trace {wl['file']} ({wl['prompt_groups']} prompt groups"
+            f" of {wl['recorded_group_size']} x {wl['epochs']} epochs, median length"
+            f" {wl['median_length']:g}, cap {wl['cap']}, prompt {wl['prompt_tokens']} tokens)"
+            f" on scenario {report['base_scenario']}'s cluster and costs"
+        )
+    else:
+        what = f"workload: parametric scenario {report['scenario']}"
     lines = [
-        f"scenario {report['scenario']} (cost profile {report['cost_profile']}), seed"
-        f" {report['seed']}, {report['steps']} baseline steps x {report['prompts_per_step']}"
-        f" prompts; tau={report['tau']:g} delta={report['delta']:g}",
+        what,
+        f"cost profile {report['cost_profile']}, seed {report['seed']},"
+        f" {report['policies']['fixed16']['steps']} fixed16 steps x"
+        f" {report['prompts_per_step']} prompts; tau={report['tau']:g}"
+        f" delta={report['delta']:g}",
         head,
         "-" * len(head),
     ]
@@ -535,8 +572,15 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    trace = None
+    if args.trace:
+        try:
+            trace = load_trace(args.trace)
+        except TraceError as err:
+            print(f"error: --trace: {err}", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
-    report, runs = run_bench(scn, seed=args.seed, ablations=args.ablations)
+    report, runs = run_bench(scn, seed=args.seed, ablations=args.ablations, trace=trace)
     report["bench_seconds"] = time.perf_counter() - t0
     print(format_table(report))
     print()
@@ -560,7 +604,14 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--scenario", default="default", choices=sorted(SCENARIOS))
-    p.add_argument("--steps", type=int, default=None, help="baseline steps (dataset size / P0)")
+    p.add_argument("--steps", type=int, default=None, help="baseline steps (dataset size / P0);"
+                   " with --trace, epochs of the trace enough for at least this many")
+    p.add_argument(
+        "--trace", metavar="FILE",
+        help="replay response lengths from a trace: a job's recorded trace.jsonl or a veRL"
+        " length trace (traces/*.jsonl); the cluster and costs stay the"
+        " scenario's (rlpacer.sim.trace says how other group sizes are resampled)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--plot", metavar="FILE", help="draw G, lambda, straggler rate, bubble (PNG)")

@@ -225,6 +225,8 @@ class Workload:
 
     def __init__(self, scn: Scenario, num_prompts: int, seed: int) -> None:
         self.scn = scn
+        self.num_prompts = num_prompts
+        self.epochs = 1  # the parametric dataset is one pass of fresh prompts
         rng = np.random.Generator(np.random.PCG64([seed, 0x5EED]))
         self.difficulty = rng.normal(0.0, scn.prompt_sigma, size=num_prompts)
         self.z = rng.standard_normal(size=(num_prompts, _POOL))
@@ -237,9 +239,9 @@ class Workload:
         return self.lengths_many([prompt], [first], count, progress)[0]
 
     def lengths_many(
-        self, prompts: list[int], firsts: list[int], count: int, progress: float
+        self, prompts: list[int], firsts: list[int], count: int, progress: float, epoch: int = 0
     ) -> list[list[int]]:
-        """``lengths`` for many prompts at once (one row per prompt)."""
+        """``lengths`` for many prompts at once (one row per prompt); one epoch only."""
         s = self.scn
         p = np.asarray(prompts, dtype=np.int64)[:, None]
         idx = (np.asarray(firsts, dtype=np.int64)[:, None] + np.arange(count)) % _POOL

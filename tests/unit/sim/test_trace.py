@@ -1,0 +1,203 @@
+"""Trace replay (`rlpacer bench --trace`): reading both trace formats, the replayed lengths,
+and the lengths reaching every policy of the bench."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlpacer.api.trace import ResponseRecord, TraceError, header, read_trace
+from rlpacer.cli import main
+from rlpacer.sim.bench import run_bench
+from rlpacer.sim.trace import TraceWorkload, load_trace, trace_scenario
+from rlpacer.sim.workload import scenario
+
+pytestmark = pytest.mark.unit
+
+DAPO = Path(__file__).resolve().parents[3] / "traces" / "dapo-qwen2.5-32b.jsonl"
+
+
+def _verl_lines(groups: list[list[int]], prompt: int = 100) -> list[str]:
+    return [json.dumps({"step": 0, "input": prompt, "output": g, "n_sampling": len(g)})
+            for g in groups]
+
+
+def _write(tmp_path: Path, name: str, lines: list[str]) -> Path:
+    p = tmp_path / name
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+# --- reading -------------------------------------------------------------------------------
+def test_the_shipped_dapo_trace_reads_as_576_groups_of_8() -> None:
+    t = load_trace(DAPO)
+    assert t.kind == "verl" and len(t.groups) == 576 and t.group_size == 8
+    first = json.loads(DAPO.read_text().splitlines()[0])
+    assert t.groups[0].lengths == tuple(first["output"])
+    assert t.groups[0].prompt_tokens == first["input"]
+    assert max(max(g.lengths) for g in t.groups) == 10112
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"input": 5, "output": [3, 4]}', "{not json"], r"t\.jsonl:2: not JSON"),
+        (['{"input": 5, "output": [3, 0]}'], r":1: 'output' holds 0"),
+        (['{"input": 5, "output": []}'], r":1: 'output' must be a non-empty list"),
+        (['{"input": -1, "output": [3]}'], r":1: 'input' must be an integer >= 0"),
+        (['{"kept_prompt_indices": [1], "prompt_count": 96}'], r"dynamic-sampling filter log"),
+        (['{"hello": 1}'], r":1: neither a recorded rlpacer trace"),
+        (["[1, 2]"], r":1: a line must be a JSON object"),
+        (['{"format": "rlpacer-response-trace", "version": 9}'], r"version 9 is not supported"),
+        ([], r"empty"),
+    ],
+)
+def test_a_malformed_trace_is_refused_with_the_line_named(
+    tmp_path: Path, lines: list[str], message: str
+) -> None:
+    with pytest.raises(TraceError, match=message):
+        load_trace(_write(tmp_path, "t.jsonl", lines))
+
+
+def _rec(**kw: object) -> str:
+    base: dict[str, object] = dict(attempt=0, step=0, round=0, kind="short", epoch=0, prompt=0,
+                                   index=0, engine=0, prompt_tokens=20, length=10,
+                                   start_s=0.0, finish_s=1.0, outcome="kept")
+    base.update(kw)
+    return ResponseRecord(**base).to_json()  # type: ignore[arg-type]
+
+
+def test_a_recorded_trace_replays_the_round_each_prompt_was_kept_in() -> None:
+    lines = [
+        header(max_tokens=256, prompts=3, prompts_per_step=2, seed=0),
+        # prompt 0: kept in round 0 (two kept, one finished late, one aborted)
+        _rec(prompt=0, index=0, length=10), _rec(prompt=0, index=1, length=30),
+        _rec(prompt=0, index=2, length=50, outcome="discarded"),
+        _rec(prompt=0, index=3, length=None, outcome="aborted"),
+        # prompt 1: deferred in round 0, kept in the long round 1
+        _rec(prompt=1, index=0, length=None, outcome="deferred"),
+        _rec(prompt=1, index=1, length=12, outcome="discarded"),
+        _rec(prompt=1, round=1, step=1, kind="long", index=0, length=200),
+        _rec(prompt=1, round=1, step=1, kind="long", index=1, length=240),
+        # prompt 2: kept in attempt 0, then again after a resume (attempt 1): the last wins
+        _rec(prompt=2, index=0, length=7), _rec(prompt=2, index=1, length=9),
+        _rec(attempt=1, prompt=2, index=0, length=70),
+        _rec(attempt=1, prompt=2, index=1, length=90),
+        # prompt 3: a run resumed in the same attempt ran its round again: the later line wins
+        _rec(prompt=3, round=2, index=0, length=5), _rec(prompt=3, round=2, index=0, length=55),
+    ]
+    t = read_trace(lines, "rec.jsonl")
+    assert t.kind == "rlpacer" and t.max_tokens == 256
+    by_key = {g.key: g.lengths for g in t.groups}
+    assert by_key == {"epoch 0 prompt 0": (10, 30, 50), "epoch 0 prompt 1": (200, 240),
+                      "epoch 0 prompt 2": (70, 90), "epoch 0 prompt 3": (55,)}
+    assert t.censored == 1  # prompt 0's aborted response (prompt 1's deferral is not replayed)
+
+
+def test_a_recorded_trace_with_a_bad_line_names_it() -> None:
+    lines = [header(max_tokens=8, prompts=1, prompts_per_step=1, seed=0),
+             _rec(), _rec(outcome="kept", length=None)]
+    with pytest.raises(TraceError, match=r"rec\.jsonl:3: 'length' must be an integer >= 1"):
+        read_trace(lines, "rec.jsonl")
+    with pytest.raises(TraceError, match=r":2: 'outcome' must be one of"):
+        read_trace([lines[0], _rec(outcome="lost")], "rec.jsonl")
+
+
+# --- replay --------------------------------------------------------------------------------
+def _heavy_groups(n: int, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        level = rng.lognormal(6.0, 0.4)
+        g = np.clip(level * rng.lognormal(0.0, 0.8, size=8), 1, 16000).astype(int).tolist()
+        out.append(g)
+    return out
+
+
+def test_the_recorded_group_size_replays_the_recorded_lengths_exactly() -> None:
+    groups = _heavy_groups(40)
+    t = read_trace(_verl_lines(groups), "t")
+    wl = TraceWorkload(t, epochs=2, seed=0)
+    assert wl.lengths_many(list(range(40)), [0] * 40, 8, 0.0, epoch=0) == groups
+    assert wl.lengths_many([3], [0], 4, 0.0, epoch=0) == [groups[3][:4]]
+    # a later epoch resamples: not the same list, but the same prompt's level
+    again = wl.lengths_many(list(range(40)), [0] * 40, 8, 0.0, epoch=1)
+    assert again != groups
+    lvl = np.log(np.asarray(groups, dtype=float)).mean(axis=1)
+    lvl2 = np.log(np.asarray(again, dtype=float)).mean(axis=1)
+    assert np.corrcoef(lvl, lvl2)[0, 1] > 0.6  # a prompt that ran long runs long again
+
+
+def test_resampled_draws_keep_each_groups_log_mean_and_spread() -> None:
+    groups = _heavy_groups(200, seed=2)
+    t = read_trace(_verl_lines(groups), "t")
+    wl = TraceWorkload(t, epochs=1, seed=3)
+    extra = np.asarray(wl.lengths_many(list(range(200)), [8] * 200, 56, 0.0), dtype=float)
+    rec = np.log(np.asarray(groups, dtype=float))
+    got = np.log(extra)
+    # variance-preserving smoothed bootstrap: per group, mean and sd match (up to 56 draws' noise)
+    assert np.abs(got.mean(axis=1) - rec.mean(axis=1)).mean() < 0.15
+    assert abs(got.std(axis=1).mean() / rec.std(axis=1).mean() - 1.0) < 0.1
+    assert extra.max() <= max(max(g) for g in groups)  # capped at the longest recorded
+    # and unlike a plain bootstrap, a draw can exceed the group's longest recorded length
+    assert (extra.max(axis=1) > np.asarray(groups).max(axis=1)).mean() > 0.2
+
+
+def test_the_same_seed_gives_the_same_draws_and_another_seed_others() -> None:
+    t = read_trace(_verl_lines(_heavy_groups(10)), "t")
+    a = TraceWorkload(t, 2, seed=5).lengths_many([1, 2], [8, 8], 8, 0.0, epoch=1)
+    assert a == TraceWorkload(t, 2, seed=5).lengths_many([1, 2], [8, 8], 8, 0.0, epoch=1)
+    assert a != TraceWorkload(t, 2, seed=6).lengths_many([1, 2], [8, 8], 8, 0.0, epoch=1)
+
+
+def test_trace_scenario_takes_the_traces_prompt_length_cap_and_epochs() -> None:
+    t = read_trace(_verl_lines([[10, 20, 30, 900]] * 100, prompt=77), "t")
+    scn, epochs = trace_scenario(scenario("default"), t, steps=10)
+    assert epochs == 4  # 10 steps x 32 prompts over 100 groups
+    assert scn.prompt_len == 77 and scn.cap == 900 and scn.name == "trace:t"
+
+
+# --- the bench drives every policy with the replayed lengths -------------------------------
+def test_the_bench_reacts_to_the_traces_tail() -> None:
+    """Flat groups: no straggler at tau, and tail batching (always on in the bench) only costs
+    its deferrals. The same prompts with one response in 16 rambling 40x: stragglers, and tail
+    batching wins by far. Neither would differ if the bench ignored the trace."""
+    rng = np.random.default_rng(0)
+    flat = [[int(v) for v in rng.integers(400, 520, size=8)] for _ in range(128)]
+    tail = [[v * 40 if (i * 8 + j) % 16 == 5 else v for j, v in enumerate(g)]
+            for i, g in enumerate(flat)]
+    scn = scenario("default").with_steps(16)
+    flat_r, _ = run_bench(scn, seed=0, trace=read_trace(_verl_lines(flat), "flat"))
+    tail_r, _ = run_bench(scn, seed=0, trace=read_trace(_verl_lines(tail), "tail"))
+    for r in (flat_r, tail_r):
+        assert {p["prompts_trained"] for p in r["policies"].values()} == {512}
+        assert r["workload"]["kind"] == "trace" and r["workload"]["epochs"] == 4
+    fp, tp = flat_r["policies"], tail_r["policies"]
+    assert fp["fixed16"]["straggler_rate"] == 0.0
+    assert fp["tail8"]["wall_clock_s"] > fp["fixed8"]["wall_clock_s"]  # 572 s vs 466 s
+    assert tp["fixed16"]["straggler_rate"] > 0.5
+    assert tp["tail8"]["wall_clock_s"] < 0.6 * tp["fixed8"]["wall_clock_s"]  # 1871 vs 4372
+
+
+def test_cli_replays_the_dapo_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    assert main(["bench", "--trace", str(DAPO), "--steps", "40", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "workload: verl trace" in text and "576 prompt groups of 8 x 3 epochs" in text
+    rep = json.loads(out.read_text())
+    assert rep["workload"]["file"] == str(DAPO) and rep["workload"]["cap"] == 10112
+    pol = rep["policies"]
+    assert pol["sagc_tail"]["speedup_vs_fixed16"] > 1.5
+    assert pol["tail8"]["long_rounds"] > 0
+
+
+def test_cli_refuses_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _write(tmp_path, "bad.jsonl", ['{"input": 1, "output": [2]}', '{"input": 1}'])
+    assert main(["bench", "--trace", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "--trace" in err and "bad.jsonl:2" in err and "'output'" in err
+    assert main(["bench", "--trace", str(tmp_path / "none.jsonl")]) == 2
+    assert "cannot read the trace" in capsys.readouterr().err
