@@ -60,13 +60,18 @@ Decisions taken here:
   for their epoch (``retired``; ``done`` counts them), never trained in it, and offered again
   as fresh prompts in the next; no step is spent on them. With 0 (this class's default)
   nothing is retired and every policy trains the same prompts.
+* **Routing** (optional, ``start_round(g, route=...)``): an over-provisioned short round
+  sends the fresh prompts a predicate flags (a length prior's "predicted long",
+  :mod:`rlpacer.control.length_prior`) straight to the long queue instead of racing them,
+  at most ``launched - P0`` a round; they are committed with the round (an aborted round
+  routes nothing) and trained once in a long round, like a deferred prompt.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -187,6 +192,9 @@ class RoundPlan:
     overprovisioned: bool = False
     """A short round that races ceil(eta * P0) prompts x (G + extra); False: a plain round
     (every launched response runs to completion and is kept) or a long round."""
+    routed: list[int] = field(default_factory=list)
+    """Fresh prompts sent straight to the long queue, never launched in this round (the
+    ``route`` predicate of :meth:`TailBatchingPlanner.start_round`); queued at the commit."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +221,8 @@ class RoundResult:
     """Responses launched and not kept (aborted or discarded late finishers)."""
     overprovisioned: bool = False
     """The round was an over-provisioned short round (:attr:`RoundPlan.overprovisioned`)."""
+    routed: list[int] = field(default_factory=list)
+    """Prompts routed straight to the long queue (:attr:`RoundPlan.routed`)."""
     straggled: bool | None = None
     """What the gate observed from this short round's kept lengths: True/False, or None
     when it took nothing from it (a long round, lengths not given, an over-provisioned
@@ -460,8 +470,17 @@ class TailBatchingPlanner:
         return self._order_cache[1]
 
     # --- a round --------------------------------------------------------------------------
-    def start_round(self, group_size: int) -> RoundPlan:
-        """Plan the next round with group size ``group_size`` (from SAGC or a fixed G)."""
+    def start_round(
+        self, group_size: int, route: Callable[[int], bool] | None = None
+    ) -> RoundPlan:
+        """Plan the next round with group size ``group_size`` (from SAGC or a fixed G).
+
+        ``route`` (an over-provisioned short round only): a predicate on fresh prompt ids,
+        e.g. a length prior's "predicted long". A fresh prompt it flags is not launched but
+        goes straight to the long queue (at the commit, with the round's deferred prompts),
+        and the next fresh prompt takes its place; at most ``launched - P0`` prompts a round
+        (as many as the race would defer), so routing never grows the long queue faster than
+        racing does. The predicate must be deterministic for a resumed run to repeat it."""
         g = require_int("group_size", group_size, minimum=1)
         if self._round is not None:
             raise PlannerError("a round is in progress: finish_round() or abort_round() first")
@@ -478,11 +497,25 @@ class TailBatchingPlanner:
             over = self.overprovision_next
             full = cfg.launched_prompts if over else p0
             launched = min(full, self._n - self._position)
-            prompts = [int(x) for x in order[self._position : self._position + launched]]
+            routed: list[int] = []
+            if over and route is not None:
+                budget = launched - p0
+                prompts = []
+                at = self._position
+                while len(prompts) < launched and at < self._n:
+                    p = int(order[at])
+                    at += 1
+                    if len(routed) < budget and route(p):
+                        routed.append(p)
+                    else:
+                        prompts.append(p)
+                launched = len(prompts)
+            else:
+                prompts = [int(x) for x in order[self._position : self._position + launched]]
             per_prompt = g + cfg.extra_responses if over else g
             plan = RoundPlan(
                 kind, self._rounds, prompts, per_prompt, g, min(p0, launched), self._epoch,
-                overprovisioned=over,
+                overprovisioned=over, routed=routed,
             )
         self._round = _Round(plan)
         return plan
@@ -561,7 +594,8 @@ class TailBatchingPlanner:
             del self._queue[: len(plan.prompts)]
             self._long_rounds += 1
         else:
-            self._position += len(plan.prompts)
+            self._position += len(plan.prompts) + len(plan.routed)
+            self._queue.extend(plan.routed)
             self._queue.extend(rnd.deferred)
             lengths = [n for p in rnd.complete_order for n in rnd.runs[p].lengths]
             known = [n for n in lengths if n is not None]
@@ -579,6 +613,7 @@ class TailBatchingPlanner:
             deferred=list(rnd.deferred),
             aborted_responses=launched - sum(len(v) for v in kept.values()),
             overprovisioned=plan.overprovisioned,
+            routed=list(plan.routed),
             straggled=straggled,
         )
 

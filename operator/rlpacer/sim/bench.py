@@ -75,6 +75,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -83,6 +84,7 @@ from typing import Any
 import numpy as np
 
 from rlpacer.api.trace import Trace, TraceError
+from rlpacer.control.length_prior import LengthPrior
 from rlpacer.control.plan import (
     JobController,
     JobControllerConfig,
@@ -114,9 +116,18 @@ class Policy:
     group_size: int | None  # fixed G (None: SAGC starting at the scenario's initial)
     tail: bool
     long_rounds_feed_sagc: bool = False
+    route_quantile: float | None = None
+    """Length prior, routing: a fresh prompt seen before whose predicted level ranks at or
+    above this quantile of the population goes straight to the long queue."""
+    dispatch: bool = False
+    """Length prior, dispatch: a round's prompts go to engines by predicted work, most first."""
 
 
-def policies(ablations: bool = False) -> list[Policy]:
+PRIOR_POLICIES = ("sagc_tail_route", "sagc_tail_dispatch", "sagc_tail_prior")
+ROUTE_QUANTILE = 0.8
+
+
+def policies(ablations: bool = False, prior: bool = False) -> list[Policy]:
     out = [
         Policy("fixed4", GroupControlMode.FIXED, 4, False),
         Policy("fixed8", GroupControlMode.FIXED, 8, False),
@@ -127,6 +138,14 @@ def policies(ablations: bool = False) -> list[Policy]:
     ]
     if ablations:
         out.append(Policy("sagc_tail_feed", GroupControlMode.SAGC, None, True, True))
+    if prior:
+        out += [
+            Policy("sagc_tail_route", GroupControlMode.SAGC, None, True,
+                   route_quantile=ROUTE_QUANTILE),
+            Policy("sagc_tail_dispatch", GroupControlMode.SAGC, None, True, dispatch=True),
+            Policy("sagc_tail_prior", GroupControlMode.SAGC, None, True,
+                   route_quantile=ROUTE_QUANTILE, dispatch=True),
+        ]
     return out
 
 
@@ -162,6 +181,10 @@ class PolicyRun:
     extra_held_s: float = 0.0
     """Elastic: seconds the extra replicas were held (requested until released)."""
     moved: int = 0
+    routed: int = 0
+    """Prompts the length prior routed straight to long rounds."""
+    prior: dict[str, Any] | None = None
+    """The length prior's calibration at the end (policies that use it)."""
 
     def setups(self) -> dict[str, Any]:
         """Small pool, large pool, elastic: wall clock and rollout GPU-seconds, with ratios."""
@@ -225,6 +248,8 @@ class PolicyRun:
             "rollout_share": roll / wall,
             "aborted_responses": int(sum(self.aborted)),
             "posterior_means": {str(g): p for g, p in self.posterior.items()},
+            "routed_prompts": self.routed,
+            **({"length_prior": self.prior} if self.prior is not None else {}),
         }
 
 
@@ -281,13 +306,23 @@ def run_policy(
         pol.name, short_replicas=scn.engines, long_replicas=long_r,
         gpus_per_replica=scn.gpus_per_engine, scale_up_s=scn.scale_up_s,
     )
+    prior = (LengthPrior(num_prompts)
+             if pol.route_quantile is not None or pol.dispatch else None)
+    route = None
+    if prior is not None and pol.route_quantile is not None:
+        rq = pol.route_quantile
+
+        def route(p: int) -> bool:
+            assert prior is not None
+            return prior.predict(p).seen > 0 and prior.level_rank(p) >= rq
+
     t_elastic = 0.0  # the elastic set-up's clock at the step's start
     held_since: float | None = None  # when the elastic extra replicas were requested
     plan = jc.plan()
     step = 0
     while not planner.done:
         g = plan.group_size
-        rp = planner.start_round(g)
+        rp = planner.start_round(g, route=route)
         progress = planner.consumed / planner.total_prompts
         firsts = drawn[rp.epoch, rp.prompts].tolist()
         lengths = wl.lengths_many(
@@ -302,7 +337,11 @@ def run_policy(
             if held_since is None:  # the report before this round asked for the scale-up
                 held_since = t_elastic
                 out.scale_ups += 1
-        oc = sim.run(planner, rp.prompts, lengths)
+        work = None
+        if prior is not None and pol.dispatch:
+            work = [rp.responses_per_prompt * math.exp(prior.predict(p).level)
+                    for p in rp.prompts]
+        oc = sim.run(planner, rp.prompts, lengths, work=work)
         oc_large = oc_elastic = oc
         join: float | None = None
         if long_round:
@@ -321,6 +360,12 @@ def run_policy(
                 if sorted(other.kept_lengths) != sorted(oc.kept_lengths):
                     raise RuntimeError("a long round kept different responses on another pool")
         res = planner.finish_round()
+        if prior is not None:
+            at = {p: i for i, p in enumerate(rp.prompts)}
+            for p, idxs in res.kept.items():
+                prior.observe(p, [lengths[at[p]][j] for j in idxs],
+                              censored=rp.responses_per_prompt - len(idxs))
+            out.routed += len(res.routed)
         kept = np.asarray(oc.kept_lengths, dtype=np.float64)
         tokens = float(kept.sum()) + scn.prompt_len * len(kept)
         seconds = StepSecondsData(
@@ -371,11 +416,14 @@ def run_policy(
         step += 1
     out.prompts_trained = planner.consumed
     out.posterior = jc.posterior_means()
+    if prior is not None:
+        out.prior = prior.calibration()
     return out
 
 
 def run_bench(
-    scn: Scenario, seed: int = 0, ablations: bool = False, trace: Trace | None = None
+    scn: Scenario, seed: int = 0, ablations: bool = False, trace: Trace | None = None,
+    prior: bool = False,
 ) -> tuple[dict[str, Any], dict[str, PolicyRun]]:
     """Run every policy on the same workload; returns (the JSON report, the per-step runs).
     With ``trace``, the lengths are replayed from it (rlpacer.sim.trace) on ``scn``'s
@@ -396,7 +444,7 @@ def run_bench(
             "prompt_tokens": scn.prompt_len, "median_length": scn.median_tokens,
             "cap": scn.cap,
         }
-    runs = {pol.name: run_policy(scn, pol, seed, wl) for pol in policies(ablations)}
+    runs = {pol.name: run_policy(scn, pol, seed, wl) for pol in policies(ablations, prior)}
     summaries = {name: run.summary() for name, run in runs.items()}
     base = summaries["fixed16"]["wall_clock_s"]
     for s in summaries.values():
@@ -580,7 +628,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"error: --trace: {err}", file=sys.stderr)
             return 2
     t0 = time.perf_counter()
-    report, runs = run_bench(scn, seed=args.seed, ablations=args.ablations, trace=trace)
+    report, runs = run_bench(scn, seed=args.seed, ablations=args.ablations, trace=trace,
+                             prior=args.prior)
     report["bench_seconds"] = time.perf_counter() - t0
     print(format_table(report))
     print()
@@ -617,6 +666,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--plot", metavar="FILE", help="draw G, lambda, straggler rate, bubble (PNG)")
     p.add_argument(
         "--ablations", action="store_true", help="also run sagc_tail_feed (long rounds feed SAGC)"
+    )
+    p.add_argument(
+        "--prior", action="store_true",
+        help="also run SAGC + tail batching with a per-prompt length prior: routing"
+        " (sagc_tail_route), length-aware dispatch (sagc_tail_dispatch), both"
+        " (sagc_tail_prior); prints the prior's calibration",
     )
     p.add_argument(
         "--long-round-replicas", type=int, default=None, metavar="N",

@@ -173,6 +173,7 @@ class RoundSimulator:
         engines: int | None = None,
         join_engines: int = 0,
         join_at: float = 0.0,
+        work: list[float] | None = None,
     ) -> RoundOutcome:
         """Simulate the round ``planner`` has started. ``lengths[i][j]`` is the length of
         response j of ``prompts[i]``. Stops when the planner says the round is complete.
@@ -180,7 +181,12 @@ class RoundSimulator:
         ``join_engines`` more engines become ready ``join_at`` seconds into the round and take
         a share of the unfinished work (module doc); ``join_at <= 0``: they are there from the
         start (the round is spread over all engines). A round that completes first never
-        sees them."""
+        sees them.
+
+        ``work`` (length-aware dispatch): each prompt's predicted work (e.g. from a length
+        prior); prompts then go, the most work first, each to the engine with the least
+        predicted work so far, and queue on it in that order. None: prompt k goes to engine
+        k mod engines in the planner's order (as the driver's count-balancing does)."""
         n_eng = self.engines if engines is None else engines
         if join_engines < 0:
             raise ValueError(f"join_engines must be >= 0, got {join_engines}")
@@ -193,8 +199,17 @@ class RoundSimulator:
         req_len: list[int] = []
         req_eng: list[int] = []
         by_prompt: dict[int, list[int]] = {}
-        for k, (p, lens) in enumerate(zip(prompts, lengths, strict=True)):
-            e = k % n_eng
+        order = list(range(len(prompts)))
+        home = [k % n_eng for k in order]
+        if work is not None:
+            order.sort(key=lambda k: -work[k])
+            assigned = [0.0] * n_eng
+            for k in order:
+                home[k] = min(range(n_eng), key=lambda i: (assigned[i], i))
+                assigned[home[k]] += work[k]
+        for k in order:
+            p, lens = prompts[k], lengths[k]
+            e = home[k]
             first, n = len(req_len), len(lens)
             rids = list(range(first, first + n))
             req_prompt.extend([p] * n)

@@ -84,3 +84,25 @@ def test_workload_lengths_are_capped_deterministic_and_heavy_tailed() -> None:
     assert max(flat) / median > 25
     later = a.lengths_many(list(range(2000)), [0] * 2000, 16, 1.0)
     assert sorted(x for row in later for x in row)[len(flat) // 2] > median  # drift upward
+
+
+def test_length_aware_dispatch_splits_the_predicted_long_prompts() -> None:
+    """Round-robin puts prompts 0 and 2 (both long, 200 responses each) on engine 0, over its
+    256 running sequences, so half of them wait for a second wave; with their predicted work
+    the two long prompts go to different engines (queued first) and the round ends sooner.
+    (Below the engines' sequence limit, where decode is weight-bound, placement hardly
+    matters: the round lasts as long as its longest response wherever it runs.)"""
+    from rlpacer.control.tail_batching import TailBatchingConfig, TailBatchingPlanner
+    from rlpacer.sim.cost import profile
+    from rlpacer.sim.rollout import RoundSimulator
+
+    prof = profile("gpu")
+    lengths = [[4000] * 200, [50] * 200, [4000] * 200, [50] * 200]  # by position in the round
+    out = {}
+    for name, work in (("rr", None), ("lpt", [4000.0, 50.0, 4000.0, 50.0])):
+        planner = TailBatchingPlanner(TailBatchingConfig(prompts_per_step=4, enabled=False), 4)
+        plan = planner.start_round(200)
+        sim = RoundSimulator(prof, 2, 100, 190)
+        out[name] = sim.run(planner, plan.prompts, lengths, work=work).rollout_s
+        planner.finish_round()
+    assert out["lpt"] < 0.9 * out["rr"], out

@@ -201,3 +201,21 @@ def test_cli_refuses_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "--trace" in err and "bad.jsonl:2" in err and "'output'" in err
     assert main(["bench", "--trace", str(tmp_path / "none.jsonl")]) == 2
     assert "cannot read the trace" in capsys.readouterr().err
+
+
+def test_the_bench_measures_each_use_of_the_length_prior_alone() -> None:
+    """--prior adds routing, dispatch and both; each trains the same prompts, routing sends
+    prompts straight to long rounds (none before a prompt is seen: epoch 0), and the prior's
+    calibration comes with the report."""
+    rep, runs = run_bench(scenario("default").with_steps(36), seed=0,
+                          trace=load_trace(DAPO), prior=True)
+    pol = rep["policies"]
+    assert {"sagc_tail_route", "sagc_tail_dispatch", "sagc_tail_prior"} <= set(pol)
+    assert {p["prompts_trained"] for p in pol.values()} == {2 * 576}
+    assert pol["sagc_tail_route"]["routed_prompts"] > 0
+    assert pol["sagc_tail_dispatch"]["routed_prompts"] == 0
+    assert pol["sagc_tail"]["routed_prompts"] == 0 and "length_prior" not in pol["sagc_tail"]
+    cal = pol["sagc_tail_route"]["length_prior"]
+    assert cal["seen"]["responses"] > 0 and cal["unseen"]["responses"] > 0
+    assert 0.35 < cal["seen"]["below_p50"] < 0.65
+    assert runs["sagc_tail_route"].long_replicas == runs["sagc_tail"].long_replicas
