@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -206,3 +207,50 @@ def test_a_local_run_never_joins_a_cluster_left_behind() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     assert proc.returncode == 0 and "answer 7" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def test_length_prior_routes_seen_long_prompts_and_dispatches_by_length(tmp_path: Path) -> None:
+    """``tailBatching.lengthPrior``: a dataset of 24 prompts seen over several epochs; from
+    the second epoch on, prompts the prior predicts long (rank >= 0.5 here, so some always
+    are) skip the short rounds' race and are trained in a long round of their epoch, each once;
+    the prior's calibration comes with the report and its state with the checkpoint."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    spec = doc["spec"]
+    spec["data"]["numPrompts"] = 24
+    spec["promptsPerStep"] = 8
+    spec["steps"] = 12
+    spec["rollout"]["replicas"] = 2
+    spec["rollout"]["maxResponseTokens"] = 96
+    spec["tailBatching"]["activation"] = "Always"
+    spec["tailBatching"]["longRound"] = {"rolloutReplicas": 2, "minYieldRatio": "0"}
+    spec["tailBatching"]["lengthPrior"] = {"route": True, "routeQuantile": "0.5",
+                                           "dispatch": True}
+    manifest = tmp_path / "prior.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [str(BIN / "rlpacer"), "run", str(manifest), "--out", str(out), "--no-eval"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    routed = sum(r["routed_prompts"] for r in recs)
+    assert routed > 0 and summary["routed_prompts"] == routed == recs[-1]["routed_total"]
+    rows = [json.loads(x) for x in (out / "trace.jsonl").read_text().splitlines()[1:]]
+    # every (epoch, prompt) trained exactly once; a routed prompt was never launched in a
+    # short round of its epoch and was trained in a long one
+    kept = Counter((x["epoch"], x["prompt"], x["round"]) for x in rows if x["outcome"] == "kept")
+    trained = Counter((e, p) for e, p, _ in kept)
+    assert set(trained.values()) == {1}
+    short = {(x["epoch"], x["prompt"]) for x in rows if x["kind"] == "short"}
+    long_only = {(x["epoch"], x["prompt"]) for x in rows if x["kind"] == "long"} - short
+    assert len(long_only) == routed  # deferred prompts raced first; routed ones never did
+    assert all(e > 0 for e, _ in long_only)  # nothing is predicted before its first epoch
+    cal = summary["length_prior"]
+    assert cal["seen"]["responses"] > 0 and cal["groups"] == sum(trained.values())
+    assert "## Length prior" in (out / "report.md").read_text()
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((out / "checkpoints" / latest / "state.json").read_text())
+    assert state["length_prior"]["population"][0] == cal["groups"]
+    # dispatch by length: both engines served every step
+    assert all(len(r["engines"]) == 2 for r in recs)

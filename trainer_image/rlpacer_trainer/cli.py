@@ -172,6 +172,8 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True,
     final = _slo_verdict(drv.controller, slo[0])
     if final is not None:
         extra["straggler_slo"] = final.to_dict()
+    extra["length_prior"] = drv.prior.calibration()
+    extra["routed_prompts"] = drv.routed_total
     metrics.close()
     drv.close()
     if baseline is not None and evaluate:

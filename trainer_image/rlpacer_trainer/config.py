@@ -246,6 +246,21 @@ class RunConfig:
             min_yield_ratio=decimal(tb.long_round.min_yield_ratio),
         )
 
+    @property
+    def route_quantile(self) -> float | None:
+        """``tailBatching.lengthPrior``: the rank from which prompts are routed to long
+        rounds, or None (no routing; never without tail batching)."""
+        lp = self.spec.tail_batching.length_prior
+        if lp is None or not lp.route or not self.tail_batching_enabled:
+            return None
+        return decimal(lp.route_quantile)
+
+    @property
+    def length_dispatch(self) -> bool:
+        """``tailBatching.lengthPrior.dispatch``: requests go to engines by predicted length."""
+        lp = self.spec.tail_batching.length_prior
+        return lp is not None and bool(lp.dispatch)
+
     def planner_epochs(self) -> int:
         """Enough epochs that the planner never runs dry before ``total_steps``."""
         # a step takes at most a full short round's fresh prompts per round (retired long

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -49,6 +50,7 @@ import torch
 
 from rlpacer.api import trace as trace_format
 from rlpacer.api.protocol import LengthSummary, Plan, RoundKind, StepReport, StepSeconds
+from rlpacer.control.length_prior import LengthPrior
 from rlpacer.control.tail_batching import TailBatchingPlanner
 from rlpacer_trainer import algos
 from rlpacer_trainer.engine import EngineInfo, EngineStats, Finished, GenRequest, total_stats
@@ -95,6 +97,7 @@ class RoundOutcome:
     aborted: int
     rollout_s: float
     overprovisioned: bool = False  # a short round that raced (the planner's gate was on)
+    routed: int = 0  # fresh prompts the length prior sent straight to the long queue
 
 
 class EngineDied(RuntimeError):
@@ -166,6 +169,10 @@ class Driver:
         # "store": Ray's object store (CPU, and GPU by default); "nccl": learner rank 0
         # broadcasts to the engines' workers (RLPACER_WEIGHT_TRANSPORT=nccl; unverified)
         self.weight_transport = "store"
+        #: per-prompt length prior: every trained group's lengths (rlpacer.control.length_prior);
+        #: its uses (routing, dispatch) only as the spec's tailBatching.lengthPrior says
+        self.prior = LengthPrior(planner.num_prompts)
+        self.routed_total = 0
         self._trace: Any = None  # the open response trace (record_trace), or None
         self._trace_t0 = time.perf_counter()
 
@@ -225,8 +232,16 @@ class Driver:
             self._trace = None
 
     # --- one round ----------------------------------------------------------------------------
+    def _route(self, prompt: int) -> bool:
+        """``tailBatching.lengthPrior.route``: a fresh prompt seen in an earlier epoch whose
+        predicted length ranks at or above the quantile goes straight to a long round."""
+        q = self.cfg.route_quantile
+        return (q is not None and self.prior.predict(prompt).seen > 0
+                and self.prior.level_rank(prompt) >= q)
+
     def run_round(self, group_size: int) -> RoundOutcome:
-        plan = self.planner.start_round(group_size)
+        route = self._route if self.cfg.route_quantile is not None else None
+        plan = self.planner.start_round(group_size, route=route)
         def rid(p: int, i: int) -> str:
             return f"r{plan.index}-p{p}-i{i}"
 
@@ -286,27 +301,45 @@ class Driver:
         res = self.planner.finish_round()
         if self._trace is not None:
             self._write_trace(plan, prompt_tokens, rows, res.kept, t0)
+        self.routed_total += len(res.routed)
+        for p in res.kept:  # the prior learns each trained group: finished lengths, censored
+            done = [r[1] for (q, _), r in rows.items() if q == p and r[1] is not None]
+            self.prior.observe(p, done, censored=plan.responses_per_prompt - len(done))
         out = {p: [k for k in kept[p] if k.idx in set(idxs)] for p, idxs in res.kept.items()}
         return RoundOutcome(res.kind, out, res.aborted_responses, rollout_s,
-                            res.overprovisioned)
+                            res.overprovisioned, len(res.routed))
 
     def _dispatch(self, reqs: Sequence[tuple[GenRequest, int, int]]) -> None:
         """Spreads requests over the round's engines by load: each goes to the engine with
         the fewest outstanding requests (then the fewest outstanding prompt tokens, then the
-        lowest replica), counting what it already has in flight."""
+        lowest replica), counting what it already has in flight. With
+        ``tailBatching.lengthPrior.dispatch``: the longest predicted first, each to the engine
+        with the fewest predicted tokens outstanding (the length prior's median per prompt)."""
+        by_length = bool(self.cfg.length_dispatch)
+        predicted: dict[int, float] = {}
+
+        def guess(p: int) -> float:
+            if p not in predicted:
+                predicted[p] = math.exp(self.prior.predict(p).level) if by_length else 0.0
+            return predicted[p]
+
+        if by_length:
+            reqs = sorted(reqs, key=lambda x: -guess(x[1]))
         while True:
             if not self.active:
                 raise RuntimeError("no rollout engine left to serve the round")
-            load = {r: [0, 0] for r in self.active}
-            for rid_, (e, _, _) in self._pending.items():
+            load: dict[int, list[float]] = {r: [0.0, 0, 0] for r in self.active}
+            for rid_, (e, p_, _) in self._pending.items():
                 if e in load:
-                    load[e][0] += 1
-                    load[e][1] += len(self._requests[rid_].prompt_ids)
+                    load[e][0] += guess(p_)
+                    load[e][1] += 1
+                    load[e][2] += len(self._requests[rid_].prompt_ids)
             batches: dict[int, list[GenRequest]] = {}
             for req, p, i in reqs:
-                e = min(self.active, key=lambda r: (load[r][0], load[r][1], r))
-                load[e][0] += 1
-                load[e][1] += len(req.prompt_ids)
+                e = min(self.active, key=lambda r: (load[r][0], load[r][1], load[r][2], r))
+                load[e][0] += guess(p)
+                load[e][1] += 1
+                load[e][2] += len(req.prompt_ids)
                 batches.setdefault(e, []).append(req)
                 self._pending[req.request_id] = (e, p, i)
                 self._requests[req.request_id] = req
@@ -411,7 +444,7 @@ class Driver:
         aborted = 0
         rollout_s = reward_s = 0.0
         path_tokens = 0  # each round's longest kept response: its decode steps, summed
-        dropped = refills = 0
+        dropped = refills = routed = 0
         overprovisioned = False  # any of the step's rounds raced (tail batching's gate on)
         rewards_all: list[float] = []
         t_join = time.perf_counter()
@@ -427,6 +460,7 @@ class Driver:
             path_tokens += max((len(k.tokens) for ks in rnd.kept.values() for k in ks),
                                default=0)
             aborted += rnd.aborted
+            routed += rnd.routed
             overprovisioned = overprovisioned or rnd.overprovisioned
             scores, waited = self.scorer.collect()
             reward_s += waited
@@ -504,6 +538,7 @@ class Driver:
             "rollout_wall_s": self.rollout_wall, "dropped_groups": dropped, "refills": refills,
             "informative_groups": len(informative), "overprovisioned": overprovisioned,
             "retired_prompts": len(retired), "retired_total": self.planner.retired,
+            "routed_prompts": routed, "routed_total": self.routed_total,
             "critical_path_tokens": path_tokens,
             "tail_gate_on": self.planner.gate.active and self.planner.config.enabled,
             **reward_metrics(self.scorer.stats.minus(reward_before)),
@@ -786,6 +821,7 @@ class Driver:
             "controller": (self.controller.state_dict()
                            if hasattr(self.controller, "state_dict") else None),
             "records": self.records, "rollout_wall": self.rollout_wall,
+            "length_prior": self.prior.state_dict(), "routed_total": self.routed_total,
         }
         (tmp / "state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
@@ -844,5 +880,9 @@ class Driver:
             self.controller.load_state_dict(state["controller"])
         self.records = list(state["records"])
         self.rollout_wall = float(state["rollout_wall"])
+        # checkpoints written before the prior existed: it starts again from nothing
+        self.prior = (LengthPrior.from_state_dict(state["length_prior"])
+                      if "length_prior" in state else LengthPrior(self.planner.num_prompts))
+        self.routed_total = int(state.get("routed_total", 0))
         self.sync_weights()
         return True

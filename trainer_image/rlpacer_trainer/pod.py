@@ -131,6 +131,13 @@ def _run_loop(cfg: RunConfig, ckpt: Path, attempt: int,
           f"{', '.join(sorted(p.name for p in final.iterdir()))}", flush=True)
     metrics.close()
     drv.close()
+    cal = drv.prior.calibration()
+    seen = cal["seen"]
+    if seen["responses"]:
+        print(f"length prior: {seen['below_p10']:.2f}/{seen['below_p50']:.2f}/"
+              f"{seen['below_p90']:.2f} of responses at or below the predicted p10/p50/p90"
+              f" (prompts seen before, {seen['responses']} responses);"
+              f" {drv.routed_total} prompts routed to long rounds", flush=True)
     print(f"done: {drv.step} steps", flush=True)
     return 0
 

@@ -174,16 +174,41 @@ def baseline_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def prior_lines(cal: dict[str, Any]) -> list[str]:
+    """report.md's section on the per-prompt length prior: predicted against realised."""
+    out = ["## Length prior (per prompt, learned from earlier epochs)", "",
+           "Share of responses at or below the prior's predicted 10th / 50th / 90th percentile"
+           " of their prompt's length (calibrated: 0.10 / 0.50 / 0.90):", ""]
+    for kind, what in (("seen", "prompts seen before"), ("unseen", "prompts never seen")):
+        row = cal.get(kind) or {}
+        n = row.get("responses") or 0
+        if n:
+            out.append(f"- {what}: {row['below_p10']:.2f} / {row['below_p50']:.2f} /"
+                       f" {row['below_p90']:.2f} ({n} responses)")
+        else:
+            out.append(f"- {what}: no response yet")
+    skill = cal.get("level_skill")
+    pop = cal.get("population") or {}
+    out.append(f"- level skill (1 - error / variance of a group's mean log length, prompts seen"
+               f" before): {'n/a' if skill is None else f'{skill:.2f}'}"
+               f" over {cal.get('level_skill_groups', 0)} groups; the within-group share of the"
+               f" length variance: {pop.get('within_share', float('nan')):.2f}")
+    return out
+
+
 def write_report(out_dir: Path, records: Sequence[dict[str, Any]], extra: dict[str, Any]) -> Path:
     summary = summarize(records, extra)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     png = plot(records, out_dir / "report.png") if records else None
     lines = ["# rlpacer run report", ""]
-    lines += [f"- {k}: {v}" for k, v in summary.items() if k not in ("straggler_slo", "baseline")]
+    lines += [f"- {k}: {v}" for k, v in summary.items()
+              if k not in ("straggler_slo", "baseline", "length_prior")]
     if isinstance(summary.get("baseline"), dict) and "wall_seconds" in summary:
         lines += ["", *baseline_lines(summary)]
     if isinstance(summary.get("straggler_slo"), dict):
         lines += ["", *slo_lines(summary["straggler_slo"])]
+    if isinstance(summary.get("length_prior"), dict):
+        lines += ["", *prior_lines(summary["length_prior"])]
     if png is not None:
         lines += ["", f"![run]({png.name})"]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")

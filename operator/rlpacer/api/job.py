@@ -604,6 +604,34 @@ class LongRoundSpec(APIModel):
     )
 
 
+class LengthPriorSpec(APIModel):
+    """A per-prompt response-length prior, learned from each prompt's earlier epochs (never
+    from its text), and what it is used for. Each use is off unless set; the prior's
+    calibration is reported either way."""
+
+    route: bool = Field(
+        default=False,
+        description=(
+            "Send a fresh prompt that was seen in an earlier epoch and whose predicted length"
+            " ranks at or above routeQuantile of all prompts straight to a long round, instead"
+            " of racing it in an over-provisioned short round (at most as many a round as the"
+            " race would defer)."
+        ),
+    )
+    route_quantile: Annotated[Decimal, DecimalRange(0.5, 1)] = Field(
+        default="0.8",
+        description="The predicted-length rank, in [0.5, 1], from which route sends prompts.",
+    )
+    dispatch: bool = Field(
+        default=False,
+        description=(
+            "Send a round's requests to the rollout engines by predicted length, the longest"
+            " first, each to the engine with the fewest predicted tokens outstanding (off: the"
+            " fewest requests outstanding)."
+        ),
+    )
+
+
 class TailBatchingSpec(APIModel):
     enabled: bool = Field(default=True, description="Defer long-tail prompts to long rounds.")
     activation: TailBatchingActivation = Field(
@@ -630,6 +658,13 @@ class TailBatchingSpec(APIModel):
     )
     long_round: LongRoundSpec = Field(
         default_factory=LongRoundSpec, description="Rollout capacity of long rounds."
+    )
+    length_prior: LengthPriorSpec | None = Field(
+        default=None,
+        description=(
+            "Uses of the per-prompt length prior (routing, dispatch); unset: none (the prior"
+            " is still learned and its calibration reported)."
+        ),
     )
 
 

@@ -99,7 +99,7 @@ from rlpacer.control.tail_batching import (
     TailBatchingPlanner,
 )
 from rlpacer.sim.rollout import RoundSimulator
-from rlpacer.sim.trace import TraceWorkload, load_trace, trace_scenario
+from rlpacer.sim.trace import TraceWorkload, load_trace, split_half_calibration, trace_scenario
 from rlpacer.sim.workload import SCENARIOS, Scenario, Workload, scenario
 
 POLICY_NAMES = ("fixed4", "fixed8", "fixed16", "sagc", "tail8", "sagc_tail")
@@ -471,6 +471,8 @@ def run_bench(
         },
         "policies": summaries,
     }
+    if prior and trace is not None:
+        report["length_prior_split_half"] = split_half_calibration(trace)
     return report, runs
 
 
@@ -526,6 +528,42 @@ def format_table(report: dict[str, Any]) -> str:
         )
     )
     return "\n".join(lines)
+
+
+def format_prior(report: dict[str, Any]) -> str:
+    """The length prior's uses against sagc_tail, and its calibration."""
+    pol = report["policies"]
+    base = pol["sagc_tail"]["wall_clock_s"]
+    lines = [f"length prior (routing: predicted rank >= {ROUTE_QUANTILE:g}; dispatch: most"
+             " predicted work first):"]
+    for name in PRIOR_POLICIES:
+        s = pol[name]
+        cal = s["length_prior"]
+        seen = cal["seen"]
+        lines.append(
+            f"  {name:<20} {base / s['wall_clock_s']:.3f}x sagc_tail, routed"
+            f" {s['routed_prompts']}, long rounds {s['long_rounds']}; prompts seen before:"
+            f" {_cover(seen)}, level skill {_num(cal['level_skill'])}"
+        )
+    half = report.get("length_prior_split_half")
+    if half is not None:
+        lines.append(
+            "  on the recorded groups alone (first half predicts second half): "
+            f"{_cover(half['seen'])}, level skill {_num(half['level_skill'])}, within-group"
+            f" share {half['population']['within_share']:.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _cover(row: dict[str, Any]) -> str:
+    if not row.get("responses"):
+        return "no responses"
+    return "{:.2f}/{:.2f}/{:.2f} at or below p10/p50/p90".format(
+        row["below_p10"], row["below_p50"], row["below_p90"])
+
+
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
 
 
 def format_elastic_table(report: dict[str, Any]) -> str:
@@ -632,6 +670,8 @@ def main(args: argparse.Namespace) -> int:
                              prior=args.prior)
     report["bench_seconds"] = time.perf_counter() - t0
     print(format_table(report))
+    if args.prior:
+        print(format_prior(report))
     print()
     print(format_elastic_table(report))
     print(f"(simulated in {report['bench_seconds']:.1f} s)")

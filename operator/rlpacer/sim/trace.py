@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from rlpacer.api.trace import Trace, TraceError, read_trace
+from rlpacer.control.length_prior import LengthPrior
 from rlpacer.sim.workload import Scenario
 
 _POOL = 64  # draws per (epoch, prompt): more than any policy launches per prompt
@@ -122,3 +123,20 @@ def trace_scenario(base: Scenario, trace: Trace, steps: int) -> tuple[Scenario, 
         steps=steps,
     )
     return scn, epochs
+
+
+def split_half_calibration(trace: Trace) -> dict[str, object]:
+    """How well a prompt's own responses predict its others, on the recorded groups alone:
+    the length prior sees each group's first half, then is checked on its second half (the
+    "seen" row and the level skill), so nothing comes from the replay's resampling. An upper
+    bound for a prior across epochs, where the policy also changes between a prompt's visits."""
+    prior = LengthPrior(len(trace.groups))
+    for i, g in enumerate(trace.groups):
+        half = len(g.lengths) // 2
+        if half:
+            prior.observe(i, g.lengths[:half])
+    for i, g in enumerate(trace.groups):
+        half = len(g.lengths) // 2
+        if half:
+            prior.observe(i, g.lengths[half:])
+    return prior.calibration()

@@ -153,6 +153,10 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "tailBatching.longRound.rolloutReplicas": (3, None),
     "tailBatching.longRound.scaleUpTimeoutSeconds": (30, None),  # the scenario waits 61 s
     "tailBatching.longRound.minYieldRatio": ("0", None),
+    "tailBatching.lengthPrior.route": (True, None),
+    "tailBatching.lengthPrior.routeQuantile": ("0.9", {"tailBatching": {
+        "longRound": {"rolloutReplicas": 2}, "lengthPrior": {"route": True}}}),
+    "tailBatching.lengthPrior.dispatch": (True, None),
     "checkpoint.volumeClaim": ("checkpoints", None),
     "checkpoint.everySteps": (5, None),
     **_role("driver"),
@@ -360,6 +364,7 @@ def _trainer(spec: Any) -> dict[str, Any]:
             "dynamic_sampling": cfg.dynamic_sampling, "overlong_buffer": cfg.overlong_buffer,
             "overlong_scale": cfg.overlong_scale, "planner": _plain(cfg.planner_config()),
             "planner_epochs": cfg.planner_epochs(),
+            "route_quantile": cfg.route_quantile, "length_dispatch": cfg.length_dispatch,
             "controller": _plain(cfg.controller_config()),
             "checkpoint_every": cfg.checkpoint_every,
             "model_path": str(cfg.model_path),

@@ -3,6 +3,8 @@ tail-batching planner, aborts, dynamic sampling, reports, checkpoints and resume
 
 from __future__ import annotations
 
+from collections import Counter
+
 import random
 import textwrap
 from collections.abc import Iterator, Sequence
@@ -557,6 +559,37 @@ def test_dispatch_goes_to_the_least_loaded_engine() -> None:
     # 0 had none outstanding, 1 and 2 one each: 0 catches up first, then they take turns
     assert [len(e.live) for e in engines] == [3, 2, 2]
     assert sum(1 for e, _, _ in drv._pending.values() if e == 0) == 3
+
+
+def test_length_dispatch_sends_the_predicted_longest_first_and_balances_tokens() -> None:
+    """``tailBatching.lengthPrior.dispatch``: prompt 0 is predicted 100x longer than the
+    others. By count, alternating submissions put both its requests on replica 0; by predicted
+    length they go first, one to each engine, and the short ones follow."""
+    from rlpacer.api.job import LengthPriorSpec
+
+    placed = {}
+    for dispatch in (False, True):
+        log: list[tuple[object, ...]] = []
+        engines = [LoggedEngine(i, log) for i in range(2)]
+        cfg = _cfg(steps=1)
+        cfg.job.spec.tail_batching.length_prior = LengthPriorSpec(dispatch=dispatch)
+        drv = runtime.build_driver(cfg, engines)
+        drv.prior.observe(0, [4000, 5000, 6000])
+        for p in (1, 2, 3):
+            drv.prior.observe(p, [40, 50, 60])
+        ids = tuple(tiny.prompt_ids(drv.problems[0].prompt))
+        order = [0, 1, 0, 1, 2, 3, 2, 3]
+        drv._dispatch([(GenRequest(f"r{n}", ids, 8, 1.0, n), p, n)
+                       for n, p in enumerate(order)])
+        placed[dispatch] = {r: (e, p) for r, (e, p, _) in drv._pending.items()}
+        if dispatch:  # the predicted longest is the first each engine was given
+            assert [drv._pending[next(iter(e.live))][1] for e in engines] == [0, 0]
+    by_count = sorted(e for e, p in placed[False].values() if p == 0)
+    by_length = sorted(e for e, p in placed[True].values() if p == 0)
+    assert by_count == [0, 0] and by_length == [0, 1]
+    # four requests each either way: predicted tokens 5,000 + 3 x 50 on each engine
+    for d in (False, True):
+        assert sorted(Counter(e for e, _ in placed[d].values()).values()) == [4, 4]
 
 
 def test_an_engine_dying_mid_round_loses_nothing_and_restarts() -> None:
