@@ -3,10 +3,9 @@ tail-batching planner, aborts, dynamic sampling, reports, checkpoints and resume
 
 from __future__ import annotations
 
-from collections import Counter
-
 import random
 import textwrap
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
