@@ -150,6 +150,8 @@ class Scenario:
     """Tail batching's eta."""
     extra_responses: int = 1
     """Tail batching's responses launched beyond G per prompt in a short round."""
+    profile_override: CostProfile | None = None
+    """A cost profile to use instead of ``cost_profile``'s (``rlpacer plan``: a model's)."""
 
     def with_steps(self, steps: int) -> Scenario:
         return replace(self, steps=steps)
@@ -171,7 +173,7 @@ class Scenario:
 
     @property
     def cost(self) -> CostProfile:
-        return profile(self.cost_profile)
+        return self.profile_override or profile(self.cost_profile)
 
     @property
     def ctx_ref(self) -> float:
