@@ -9,6 +9,12 @@ enabled or as the plain synchronous batcher):
     tail8                     tail batching at fixed G=8 (isolates tail batching)
     sagc_tail                 SAGC + tail batching (long rounds do not feed SAGC)
 
+The workload is a parametric scenario (``--scenario``, rlpacer.sim.workload) or a recorded
+trace (``--trace FILE``, rlpacer.sim.trace: a veRL length trace or a job's own trace.jsonl),
+named in the table's first line. ``--prior`` adds SAGC + tail batching with a per-prompt
+length prior (rlpacer.control.length_prior): routing (``sagc_tail_route``), length-aware
+dispatch (``sagc_tail_dispatch``) and both (``sagc_tail_prior``), each against ``sagc_tail``.
+
 Every policy trains the same ``steps * P0`` prompts exactly once (queued prompts are flushed by
 final long rounds), so wall clock is comparable; speedups are against ``fixed16`` from the same
 run. ``--ablations`` adds ``sagc_tail_feed`` (long rounds feed SAGC) to measure that choice.
