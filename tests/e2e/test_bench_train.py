@@ -1,6 +1,7 @@
 """``rlpacer bench-train`` as users run it: two arms from one warm start on real vLLM and a
 Ray learner, a held-out evaluation every step timed apart from training, and the
-time-to-accuracy summary computed from the curves it recorded."""
+time-to-accuracy summary computed from the curves it recorded. With ``--equal-wall-clock``
+the other arm trains on to the baseline's training wall clock."""
 
 from __future__ import annotations
 
@@ -27,16 +28,23 @@ def test_bench_train_records_accuracy_against_training_wall_clock(tmp_path: Path
     proc = subprocess.run(
         [str(BIN / "rlpacer"), "bench-train", "examples/tiny-local.yaml", "--arms", "fixed16",
          "sagc_tb", "--seeds", "0", "--steps", "3", "--eval-every", "1", "--eval-prompts", "48",
-         "--out", str(out)],
+         "--equal-wall-clock", "--out", str(out)],
         cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["arm"]: r for r in map(json.loads, (out / "bench-train.jsonl").read_text()
                                      .splitlines())}
     assert set(rows) == {"fixed16", "sagc_tb"}
+    base_wall = rows["fixed16"]["train_s"]
     for arm, row in rows.items():
         curve = row["curve"]
-        assert [p["step"] for p in curve] == [0, 1, 2, 3], arm
+        steps = [p["step"] for p in curve]
+        if arm == "fixed16":
+            assert steps == [0, 1, 2, 3] and row["stopped_at"] == "steps"
+        else:  # on to the baseline's wall clock: stopped at the first evaluation past it
+            assert steps == list(range(len(curve))) and steps[-1] <= 4 * 3
+            assert row["stopped_at"] == "wall_clock", row
+            assert curve[-2]["train_s"] < base_wall <= curve[-1]["train_s"]
         # one warm start for every arm; the clock only moves while training
         assert curve[0] == {"train_s": 0.0, "step": 0, "accuracy": rows["fixed16"]["curve"][0]
                             ["accuracy"]}
@@ -46,11 +54,13 @@ def test_bench_train_records_accuracy_against_training_wall_clock(tmp_path: Path
         assert row["eval_s"] > 0 and row["train_s"] == pytest.approx(curve[-1]["train_s"])
         assert row["per_round_kind"]["Short"]["rounds"] >= 1
     assert rows["fixed16"]["group_sizes"] == [16] and rows["fixed16"]["long_rounds"] == 0
-    # SAGC starts at the example's initial G (8): fewer tokens than fixed G=16 for 3 steps
+    # SAGC starts at the example's initial G (8): its steps are cheaper, so it trains more of
+    # them in the same wall clock
     assert min(rows["sagc_tb"]["group_sizes"]) < 16
-    assert rows["sagc_tb"]["tokens"] < rows["fixed16"]["tokens"]
+    assert rows["sagc_tb"]["steps"] > 3
     res = json.loads((out / "bench-train.json").read_text())
     want = tta.summarize({a: {0: r["curve"]} for a, r in rows.items()}, "fixed16")
     assert res["arms"] == want["arms"] and res["eval_prompts"] == 48
+    assert res["equal_wall_clock"] is True
     assert (out / "time-to-accuracy.png").stat().st_size > 10_000
     assert "time to accuracy against fixed16" in proc.stdout

@@ -55,6 +55,11 @@ def register(subparsers: Any) -> None:
     b.add_argument("--eval-prompts", type=int, default=None, metavar="N",
                    help="held-out prompts: the builtin task's count (256 unset), or the first N"
                    " of the manifest's held-out file (all of it unset)")
+    b.add_argument("--equal-wall-clock", action="store_true",
+                   help="every other arm trains until its training wall clock reaches the"
+                   " baseline's (same seed; checked at each evaluation, at most"
+                   f" {EQUAL_WALL_MAX_STEPS}x the steps), not for the same number of steps: its"
+                   " accuracy at the baseline's wall clock is then a measured point")
     b.add_argument("--out", type=Path, default=Path("runs/bench-train"))
     b.set_defaults(func=cmd_bench_train)
 
@@ -254,6 +259,8 @@ def _slo_verdict(controller: Any, previous: Any) -> Any:
 
 #: ``rlpacer bench-train``'s arms: (fixed group size or None for SAGC, tail batching)
 DEFAULT_ARMS = ("fixed16", "fixed8", "sagc", "tb8", "sagc_tb")
+#: ``--equal-wall-clock``: an arm trains at most this many times the steps
+EQUAL_WALL_MAX_STEPS = 4
 
 
 def parse_arm(name: str) -> tuple[int | None, bool]:
@@ -277,6 +284,9 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         arms = {a: parse_arm(a) for a in dict.fromkeys(args.arms)}
         if args.baseline not in arms:
             raise ValueError(f"--baseline {args.baseline} is not one of --arms {list(arms)}")
+        # the baseline first: with --equal-wall-clock the others train to its wall clock
+        arms = {args.baseline: arms[args.baseline],
+                **{a: v for a, v in arms.items() if a != args.baseline}}
         if args.eval_every < 1:
             raise ValueError("--eval-every must be >= 1")
         kw: dict[str, Any] = {"steps": args.steps}
@@ -300,10 +310,15 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     curves: dict[str, dict[int, list[dict[str, Any]]]] = {a: {} for a in arms}
     start_acc: float | None = None  # the warm start's (every arm and seed starts there)
+    equal = bool(getattr(args, "equal_wall_clock", False))
     for seed in args.seeds:
+        budget: float | None = None  # the baseline's training wall clock (--equal-wall-clock)
         for arm, (fixed, tb) in arms.items():
+            arm_kw = dict(kw)
+            if equal and budget is not None:
+                arm_kw["steps"] = EQUAL_WALL_MAX_STEPS * base.total_steps
             cfg = RunConfig.load(args.manifest, seed=seed, fixed_group_size=fixed,
-                                 tail_batching=tb, **kw)
+                                 tail_batching=tb, **arm_kw)
             learners = runtime.start_learners(cfg)
             drv = runtime.build_driver(cfg, engines, learners=learners)
             if start_acc is None:
@@ -311,7 +326,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             curve = [{"train_s": 0.0, "step": 0, "accuracy": start_acc}]
             s0 = [e.stats() for e in engines]
             train_s = eval_s = 0.0
-            while drv.step < cfg.total_steps:
+            while drv.step < cfg.total_steps and (budget is None or train_s < budget):
                 before = drv.step
                 t0 = time.perf_counter()
                 drv.run(steps=args.eval_every)
@@ -326,8 +341,12 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                       f" accuracy {acc:.3f}", flush=True)
             tokens = _tokens_since(engines, s0)
             recs = drv.records
+            if equal and arm == args.baseline:
+                budget = train_s
             row = {
                 "arm": arm, "seed": seed, "train_s": train_s, "eval_s": eval_s,
+                "stopped_at": ("wall_clock" if budget is not None and arm != args.baseline
+                               and train_s >= budget else "steps"),
                 "steps": len(recs), "curve": curve,
                 "final_accuracy": curve[-1]["accuracy"],
                 "tokens": tokens,
@@ -349,6 +368,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     result = tta.summarize(curves, args.baseline)
     result.update(manifest=str(args.manifest), seeds=args.seeds, eval_prompts=len(evalset),
                   eval_every=args.eval_every, start_accuracy=start_acc,
+                  equal_wall_clock=equal,
                   mean={a: {k: statistics.mean(r[k] for r in rows if r["arm"] == a)
                             for k in ("train_s", "final_accuracy", "tokens", "rollout_s",
                                       "train_step_s", "long_rounds", "trained_samples")}
