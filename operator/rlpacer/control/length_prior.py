@@ -16,14 +16,18 @@ response's predictive distribution is ``N(mu_hat, v + s_w^2)`` in log space; its
 :meth:`LengthPrior.quantile`.
 
 **Censoring.** A short round of tail batching aborts each kept prompt's slowest response(s);
-those have no length. :meth:`LengthPrior.observe` takes their count and imputes each at the
-group's longest finished length (a lower bound on it), which biases the prompt's level
-slightly low; a long round's groups and plain rounds' are uncensored.
+those have no length, only a lower bound (the group's longest finished one).
+:meth:`LengthPrior.observe` takes their count and imputes each at its mean under the prompt's
+predictive distribution given that bound (a truncated normal's mean, at least the bound); a
+long round's groups and plain rounds' are uncensored.
 
 **Calibration** (:meth:`LengthPrior.calibration`): before each group updates the prior, every
 finished length of it is checked against the prediction made without it: the fraction at or
 below the predicted 10th, 50th and 90th percentiles (a calibrated prior gives 0.1, 0.5, 0.9),
-kept apart for prompts seen before and unseen ones; and the *level skill*: 1 - (squared error
+kept apart for prompts seen before and unseen ones (an aborted response counts as above a
+predicted quantile at or below its group's longest finished length, and is left out against a
+higher one: censored lengths would otherwise make every prediction look too long); and the
+*level skill*: 1 - (squared error
 of the predicted level against the group's realised mean log length) / (the realised means'
 variance), over prompts seen before (0: no better than the population, 1: perfect). On the
 recorded traces most of the length variance is inside a group (83-87%), which bounds what any
@@ -111,7 +115,10 @@ class LengthPrior:
         self._wss = 0.0
         self._wdf = 0
         # calibration
-        self._cover = {k: [0, 0, 0, 0] for k in ("seen", "unseen")}  # <=q10, <=q50, <=q90, n
+        # per kind, per quantile: [responses at or below the predicted quantile, responses
+        # judged]; a censored response is judged only where its lower bound settles it
+        self._cover = {k: [[0, 0] for _ in QUANTILES] for k in ("seen", "unseen")}
+        self._responses = {"seen": 0, "unseen": 0}
         self._sse = 0.0
         self._skill_n = 0
         self._skill_sum = 0.0
@@ -169,8 +176,8 @@ class LengthPrior:
             raise ValueError(f"lengths must be >= 1 token, got {ls}")
         if not ls:
             return
-        self._calibrate(prompt, ls)
-        logs = [math.log(x) for x in ls] + [math.log(max(ls))] * censored
+        self._calibrate(prompt, ls, censored)
+        logs = [math.log(x) for x in ls] + [self._impute(prompt, max(ls))] * censored
         k = len(logs)
         mean = sum(logs) / k
         self._count[prompt] = self._count.get(prompt, 0) + k
@@ -183,17 +190,39 @@ class LengthPrior:
             self._wss += sum((x - mean) ** 2 for x in logs)
             self._wdf += k - 1
 
+    def _impute(self, prompt: int, longest: int) -> float:
+        """A censored response's log length: its mean under the prompt's predictive
+        distribution given that it ran past ``longest`` (a truncated normal's mean)."""
+        a = math.log(longest)
+        if self._groups == 0:
+            return a
+        pred = self.predict(prompt)
+        sd = math.sqrt(pred.level_var + pred.within_var)
+        alpha = (a - pred.level) / sd
+        tail = 0.5 * math.erfc(alpha / math.sqrt(2.0))  # P(Y > a)
+        if tail < 1e-12:
+            return a
+        dens = math.exp(-0.5 * alpha * alpha) / math.sqrt(2.0 * math.pi)
+        return max(a, pred.level + sd * dens / tail)
+
     # --- calibration ------------------------------------------------------------------------
-    def _calibrate(self, prompt: int, lengths: list[int]) -> None:
+    def _calibrate(self, prompt: int, lengths: list[int], censored: int = 0) -> None:
         if self._groups == 0:
             return  # no prediction yet
         pred = self.predict(prompt)
-        row = self._cover["seen" if pred.seen else "unseen"]
+        kind = "seen" if pred.seen else "unseen"
+        row = self._cover[kind]
         qs = [pred.quantile(q) for q in QUANTILES]
-        for x in lengths:
-            for i, qv in enumerate(qs):
-                row[i] += x <= qv
-            row[3] += 1
+        longest = max(lengths)
+        for i, qv in enumerate(qs):
+            for x in lengths:
+                row[i][0] += x <= qv
+                row[i][1] += 1
+            # an aborted response ran past the group's longest finished one: above any
+            # predicted quantile at or below that; unknown against a higher one
+            if qv <= longest:
+                row[i][1] += censored
+        self._responses[kind] += len(lengths) + censored
         if pred.seen:
             mean = sum(math.log(x) for x in lengths) / len(lengths)
             self._sse += (mean - pred.level) ** 2
@@ -204,10 +233,10 @@ class LengthPrior:
     def calibration(self) -> dict[str, Any]:
         """Predicted against realised quantiles (module doc), as JSON."""
         out: dict[str, Any] = {"groups": self._groups}
-        for k, (a, b, c, n) in self._cover.items():
-            out[k] = {"responses": n,
-                      **{f"below_p{int(q * 100)}": (v / n if n else None)
-                         for q, v in zip(QUANTILES, (a, b, c), strict=True)}}
+        for k, rows in self._cover.items():
+            out[k] = {"responses": self._responses[k],
+                      **{f"below_p{int(q * 100)}": (b / n if n else None)
+                         for q, (b, n) in zip(QUANTILES, rows, strict=True)}}
         sst = self._skill_sq - self._skill_sum ** 2 / self._skill_n if self._skill_n else 0.0
         out["level_skill"] = (1.0 - self._sse / sst) if sst > 0 else None
         out["level_skill_groups"] = self._skill_n
@@ -224,7 +253,8 @@ class LengthPrior:
             "sum": {str(k): v for k, v in self._sum.items()},
             "population": [self._groups, self._gsum, self._gsq, self._gsize, self._wss,
                            self._wdf],
-            "calibration": {"cover": self._cover, "skill": [self._sse, self._skill_n,
+            "calibration": {"cover": self._cover, "responses": self._responses,
+                            "skill": [self._sse, self._skill_n,
                                                             self._skill_sum, self._skill_sq]},
         }
 
@@ -242,7 +272,9 @@ class LengthPrior:
             p._groups, p._gsum, p._gsq, p._gsize = int(g), float(gs), float(gq), float(gz)
             p._wss, p._wdf = float(w), int(wd)
             cal = state["calibration"]
-            p._cover = {k: [int(x) for x in cal["cover"][k]] for k in ("seen", "unseen")}
+            p._cover = {k: [[int(b), int(n)] for b, n in cal["cover"][k]]
+                        for k in ("seen", "unseen")}
+            p._responses = {k: int(cal["responses"][k]) for k in ("seen", "unseen")}
             p._sse, p._skill_n, p._skill_sum, p._skill_sq = (
                 float(cal["skill"][0]), int(cal["skill"][1]), float(cal["skill"][2]),
                 float(cal["skill"][3]))

@@ -165,3 +165,23 @@ def test_no_routing_in_a_plain_round() -> None:
     cfg = TailBatchingConfig(prompts_per_step=4, enabled=False)
     planner = TailBatchingPlanner(cfg, num_prompts=40, seed=1)
     assert planner.start_round(2, route=lambda p: True).routed == []
+
+
+def test_calibration_counts_an_aborted_response_as_above_where_its_bound_says_so() -> None:
+    """Each group's slowest response aborted (as a racing short round does): it is imputed
+    from the prompt's predictive distribution above the group's longest finished length, and
+    judged as above every predicted quantile at or below that length, so the population's
+    level and spread and the quantiles stay calibrated (counted among the judged responses)."""
+    levels, rng = _population(400, between=0.4, within=0.6, seed=4)
+    pr = LengthPrior(400)
+    for _epoch in range(3):
+        for p in range(400):
+            g = sorted(_group(levels[p], rng, 0.6, k=5))
+            pr.observe(p, g[:-1], censored=1)
+    cal = pr.calibration()
+    seen = cal["seen"]
+    assert seen["responses"] == 2 * 400 * 5
+    assert abs(seen["below_p50"] - 0.5) < 0.05, seen
+    assert abs(seen["below_p10"] - 0.1) < 0.03, seen
+    pop = cal["population"]  # truth: level 6.0, within 0.36, between 0.16
+    assert abs(pop["level"] - 6.0) < 0.08 and abs(pop["within_var"] - 0.36) < 0.05, pop
