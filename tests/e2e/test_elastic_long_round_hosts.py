@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,8 @@ def test_a_rollout_pod_dying_between_or_during_rounds_loses_and_doubles_nothing(
         rc = job.wait_driver()
         assert rc == 0, "driver failed:\n" + job.logs_text()
         recs = job.records()
+        trace = [json.loads(x) for x in
+                 (job.ckpt / "trace-attempt0.jsonl").read_text().splitlines()[1:]]
         addr = job.hosts.address("rollout-1")
         log = driver_log.read_text(errors="replace")
     print(json.dumps([{k: r[k] for k in ("step", "round_kind", "replicas", "engines",
@@ -140,6 +143,14 @@ def test_a_rollout_pod_dying_between_or_during_rounds_loses_and_doubles_nothing(
     assert f"rollout replica 1: {gone['redispatched']} unfinished requests re-dispatched" \
         in log
     assert gone["responses"] + live[0]["responses"] == step1["kept"], step1
+    # the driver pod's response trace says the same, response by response: each step's kept
+    # responses, and in step 1 those the dead engine finished before it died (the rest of its
+    # requests finished on replica 0)
+    for r in recs:
+        kept = [x for x in trace if x["step"] == r["step"] and x["outcome"] == "kept"]
+        assert len(kept) == r["kept"], (r["step"], len(kept), r["kept"])
+    kept1 = Counter(x["engine"] for x in trace if x["step"] == 1 and x["outcome"] == "kept")
+    assert kept1 == Counter({1: gone["responses"], 0: live[0]["responses"]}), kept1
     # the engines of the original pod (step 0) and of the second replacement (step 2) served
     # on rollout-1's host, the latter at the learner's weights
     for r in (recs[0], recs[2]):

@@ -302,8 +302,12 @@ class Driver:
         if self._trace is not None:
             self._write_trace(plan, prompt_tokens, rows, res.kept, t0)
         self.routed_total += len(res.routed)
+        by_prompt: dict[int, list[int]] = {}  # the round's finished lengths by prompt
+        for (q, _), (_, length, _, _) in rows.items():
+            if length is not None:
+                by_prompt.setdefault(q, []).append(length)
         for p in res.kept:  # the prior learns each trained group: finished lengths, censored
-            done = [r[1] for (q, _), r in rows.items() if q == p and r[1] is not None]
+            done = by_prompt.get(p, [])
             self.prior.observe(p, done, censored=plan.responses_per_prompt - len(done))
         out = {p: [k for k in kept[p] if k.idx in set(idxs)] for p, idxs in res.kept.items()}
         return RoundOutcome(res.kind, out, res.aborted_responses, rollout_s,

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 from rlpacer.control._validate import require_float, require_int
@@ -49,7 +50,7 @@ from rlpacer.control.errors import StateError
 
 _STATE_VERSION = 1
 QUANTILES = (0.1, 0.5, 0.9)
-_Z = {0.1: -1.2815515655446004, 0.5: 0.0, 0.9: 1.2815515655446004}
+_STD = NormalDist()
 
 
 @dataclass(frozen=True)
@@ -67,35 +68,10 @@ class Prediction:
 
     def quantile(self, q: float) -> float:
         """The q-quantile of one response's length, tokens."""
-        z = _Z.get(q)
-        if z is None:
-            z = _norm_ppf(q)
+        if not 0.0 < q < 1.0:
+            raise ValueError(f"quantile must be in (0, 1), got {q}")
+        z = _STD.inv_cdf(q)
         return math.exp(self.level + z * math.sqrt(self.level_var + self.within_var))
-
-
-def _norm_ppf(q: float) -> float:
-    """Standard normal quantile (Acklam's rational approximation, |error| < 1.2e-9)."""
-    if not 0.0 < q < 1.0:
-        raise ValueError(f"quantile must be in (0, 1), got {q}")
-    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02,
-         1.383577518672690e02, -3.066479806614716e01, 2.506628277459239e00)
-    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02,
-         6.680131188771972e01, -1.328068155288572e01)
-    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00,
-         -2.549732539343734e00, 4.374664141464968e00, 2.938163982698783e00)
-    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00,
-         3.754408661907416e00)
-    lo = 0.02425
-    if q < lo:
-        r = math.sqrt(-2 * math.log(q))
-        return (((((c[0] * r + c[1]) * r + c[2]) * r + c[3]) * r + c[4]) * r + c[5]) / (
-            (((d[0] * r + d[1]) * r + d[2]) * r + d[3]) * r + 1)
-    if q > 1 - lo:
-        return -_norm_ppf(1 - q)
-    r = q - 0.5
-    s = r * r
-    return (((((a[0] * s + a[1]) * s + a[2]) * s + a[3]) * s + a[4]) * s + a[5]) * r / (
-        ((((b[0] * s + b[1]) * s + b[2]) * s + b[3]) * s + b[4]) * s + 1)
 
 
 class LengthPrior:
@@ -163,7 +139,7 @@ class LengthPrior:
         (0.5: a typical prompt; 0.9: longer than 90% of prompts)."""
         m, t2, _ = self._population()
         p = self.predict(prompt)
-        return 0.5 * (1.0 + math.erf((p.level - m) / math.sqrt(2.0 * t2)))
+        return _STD.cdf((p.level - m) / math.sqrt(t2))
 
     def observe(self, prompt: int, lengths: Sequence[int], censored: int = 0) -> None:
         """A trained group of ``prompt``: its finished lengths (tokens) and how many of its
@@ -199,10 +175,10 @@ class LengthPrior:
         pred = self.predict(prompt)
         sd = math.sqrt(pred.level_var + pred.within_var)
         alpha = (a - pred.level) / sd
-        tail = 0.5 * math.erfc(alpha / math.sqrt(2.0))  # P(Y > a)
+        tail = 1.0 - _STD.cdf(alpha)  # P(Y > a)
         if tail < 1e-12:
             return a
-        dens = math.exp(-0.5 * alpha * alpha) / math.sqrt(2.0 * math.pi)
+        dens = _STD.pdf(alpha)
         return max(a, pred.level + sd * dens / tail)
 
     # --- calibration ------------------------------------------------------------------------
