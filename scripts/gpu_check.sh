@@ -3,8 +3,9 @@
 #
 # 1. Always (needs torch + transformers only): python -m rlpacer_trainer.gpu_check: the
 #    learner's update on CUDA in bfloat16 against the CPU float32 path (loss, gradients),
-#    the learner checkpoint round trip on the device, and weight publication throughput
-#    (bytes per update, extrapolated to 7B).
+#    the learner checkpoint round trip on the device, the FSDP-sharded learner on every GPU
+#    of the machine (bf16 loss against float32, per-GPU peak memory against the fit
+#    estimate), and weight publication throughput (bytes per update, extrapolated to 7B).
 # 2. When CUDA vLLM is importable: engine start, greedy accuracy of the shipped warm start,
 #    finish order + abort, in-place weight sync, and a few RL steps through the real driver.
 #    Skipped, and said so, where vLLM is not installed (a bare GPU machine).

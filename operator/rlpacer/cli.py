@@ -15,6 +15,7 @@ import sys
 COMMANDS: tuple[str, ...] = (
     "rlpacer.sim.bench",  # rlpacer bench
     "rlpacer.sim.plan",  # rlpacer plan
+    "rlpacer.sim.fit",  # rlpacer fit (the learner's memory per GPU)
     "rlpacer.operator.commands",  # rlpacer crds, operator
     "rlpacer.bench.commands",  # rlpacer bench-operator, bench-scale
     "rlpacer_trainer.cli",  # rlpacer run, bench-train (the data plane, trainer_image/)

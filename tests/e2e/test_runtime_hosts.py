@@ -4,15 +4,17 @@ A Ray head, two learner pods, two rollout pods and a driver pod run the pod entr
 (``python3 -m rlpacer_trainer.pod``), each in its own network, UTS and PID namespace
 (:class:`rlpacer.testing.netns.TestHosts`), reaching each other only through the job's Service
 name and their own addresses, with the job's Ray token. The driver trains a few steps of the
-tiny job with its in-process controller. From what the engines and learners report about
-themselves (the driver's ``topology-attempt0.json`` and metrics records):
+word-problem example (its Hugging Face Qwen2 model, JSONL data) with its in-process
+controller. From what the engines and learners report about themselves (the driver's
+``topology-attempt0.json`` and metrics records):
 
 * each rollout replica's engine ran on that replica's host (address and network namespace
   read inside the engine's actor) and generated responses in every step;
 * every engine held the learner's weight fingerprint after each sync (the version each engine
   generated with is the previous update's), computed inside the engine's worker;
-* the two learner replicas ran on the learner hosts, data parallel (gloo across hosts), and
-  rank 0 wrote the checkpoint;
+* the four learner ranks ran two on each learner host, FSDP-sharded over all four (gloo across
+  hosts): each holds a quarter of the parameters and optimizer state, the engines loaded the
+  gathered weights in buckets, and every rank wrote its shards of the checkpoint;
 * the driver's process holds no learner or engine (they are on other hosts).
 """
 
@@ -36,18 +38,26 @@ from rlpacer.testing.netns import TestHosts
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "tiny-local.yaml"
+#: the word-problem Qwen2 example (a Hugging Face model, BPE tokenizer, chat template, JSONL
+#: data): the model the sharded learner is checked on step by step in test_learners_ray.py
+EXAMPLE = ROOT / "examples" / "wordproblems-local.yaml"
 JOB, NS = "hosts", "team-a"
 HEAD_SVC = f"{JOB}-head.{NS}.svc"
 STEPS = 3
 
 
 def _manifest(path: Path) -> None:
+    from rlpacer_trainer import wordproblems
+
     doc = yaml.safe_load(EXAMPLE.read_text())
     spec = doc["spec"]
+    spec["model"]["source"] = str(ROOT / spec["model"]["source"])
+    spec["data"]["source"] = str(wordproblems.write(path.parent / "train.jsonl", 256, seed=0))
+    del spec["data"]["evalSource"]
     spec["rollout"]["replicas"] = 2
-    spec["tailBatching"]["longRound"]["rolloutReplicas"] = 2
+    spec["tailBatching"].setdefault("longRound", {})["rolloutReplicas"] = 2
     spec["trainer"]["replicas"] = 2
+    spec["trainer"]["cpuRanksPerReplica"] = 2  # 4 learner ranks, FSDP across 2 hosts
     spec["steps"] = STEPS
     spec["promptsPerStep"] = 16
     spec["checkpoint"]["everySteps"] = 2
@@ -128,11 +138,14 @@ def test_every_pod_does_its_roles_work_on_its_own_host(tmp_path: Path) -> None:
         host = f"rollout-{e['replica']}"
         assert (e["address"], e["netns"], e["hostname"]) == (addr[host], inode[host], host), e
     assert sorted(e["replica"] for e in topo["engines"]) == [0, 1]
-    # each learner replica on its learner host
+    # each learner rank on its learner host, two per host, each holding a quarter
     for x in topo["learners"]:
-        host = f"learner-{x['rank']}"
+        host = f"learner-{x['rank'] // 2}"
         assert (x["address"], x["netns"], x["hostname"]) == (addr[host], inode[host], host), x
-    assert sorted(x["rank"] for x in topo["learners"]) == [0, 1]
+        assert x["sharded"] and x["world"] == 4
+    assert sorted(x["rank"] for x in topo["learners"]) == [0, 1, 2, 3]
+    held_bytes = [x["bytes"]["parameters"] for x in topo["learners"]]
+    assert max(held_bytes) - min(held_bytes) <= 0.02 * max(held_bytes), held_bytes
     assert topo["driver"]["hostname"] == "driver"
 
     # every step: both engines generated, at the weights of the previous update
@@ -145,7 +158,9 @@ def test_every_pod_does_its_roles_work_on_its_own_host(tmp_path: Path) -> None:
             assert e["address"] == addr[f"rollout-{e['replica']}"]
             assert e["policy_version"] == held, (r["step"], e, held)
         held = r["policy_version"]
-    # the checkpoint: learner rank 0 wrote the learner part, the driver the rest
+    # the checkpoint: each learner rank wrote its shards, rank 0 the gathered model, the
+    # driver the rest
     latest = ckpt / (ckpt / "latest").read_text().strip()
-    assert (latest / "learner.pt").stat().st_size > 100_000
+    assert len(list((latest / "learner-dcp").glob("*.distcp"))) == 4
+    assert (latest / "learner.pt").exists() and (latest / "model" / "config.json").exists()
     assert (latest / "state.json").exists() and (latest / "driver.pt").exists()

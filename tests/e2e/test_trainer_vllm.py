@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,108 @@ def test_weight_sync_changes_outputs_in_place(engine: VLLMEngine) -> None:
     assert info.policy_version == weights.fingerprint(warm.state_dict().items())
     assert info.pid == os.getpid() and info.address  # in-process engine, on this host
     _record("weight_sync_seconds", seconds)
+
+
+def _perturbed(seed: int) -> dict[str, torch.Tensor]:
+    """The warm-start weights with a little seeded noise on every tensor (a policy update)."""
+    warm = tiny.load_model(tiny.resolve_source("builtin://tiny-chain"))
+    g = torch.Generator().manual_seed(seed)
+    sd = weights.cpu_state(warm)
+    out = {k: (v + 0.05 * torch.randn(v.shape, generator=g)).contiguous() for k, v in sd.items()}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied, as the learner's are
+    return out
+
+
+def _warm_state() -> dict[str, torch.Tensor]:
+    return weights.cpu_state(tiny.load_model(tiny.resolve_source("builtin://tiny-chain")))
+
+
+class _Ref:
+    """Stands in for a Ray object ref (the engine resolves anything but bytes with ray.get)."""
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+
+
+def test_bucketed_weight_sync_reports_the_weights_the_engine_holds(
+        engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update sent in buckets small enough to split layers (q/k/v, gate/up and a layer's
+    weight and bias land in different buckets; vLLM fuses them) loads exactly: the version the
+    engine reads back from its own parameters equals the learner-side fingerprint, greedy
+    output changes, and loading the warm weights back in other buckets restores it. Buckets
+    given as object refs are fetched one at a time, each just before it is loaded."""
+    import ray
+
+    probs = task.make_problems(16, seed=5)
+    warm = _warm_state()
+    engine.load_weights(weights.to_bytes(warm))
+    before = _greedy(engine, probs, "bk-a")
+    new = _perturbed(11)
+    parts = [weights.to_bytes(b) for b in weights.buckets(new.items(), 20_000)]
+    assert len(parts) >= 8
+    events: list[str] = []
+    real_rpc = engine.llm.collective_rpc
+
+    def rpc(method: Any, *a: Any, **k: Any) -> Any:
+        events.append(method if isinstance(method, str) else "fn")
+        return real_rpc(method, *a, **k)
+
+    def get(ref: Any, *a: Any, **k: Any) -> Any:
+        events.append("get")
+        return ref.blob
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", rpc)
+    monkeypatch.setattr(ray, "get", get)
+    engine.load_weights([_Ref(p) for p in parts])
+    monkeypatch.undo()
+    assert events == ["get", "rlpacer_load_bucket"] * len(parts) + ["rlpacer_finish_load"]
+    version = engine.info().policy_version
+    assert version == weights.fingerprint(new.items())
+    assert version != weights.fingerprint(warm.items())
+    assert _greedy(engine, probs, "bk-b") != before
+    # back to the warm weights, one tensor per bucket (bytes, in this process)
+    engine.load_weights([weights.to_bytes(b) for b in weights.buckets(warm.items(), 1)])
+    assert engine.info().policy_version == weights.fingerprint(warm.items())
+    assert _greedy(engine, probs, "bk-c") == before
+
+
+def test_a_reload_that_loads_nothing_does_not_report_the_learners_version(
+        engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With vLLM's in-place reload made a no-op inside the worker, the engine still holds the
+    old weights, and its version says so (the fingerprint of the bytes it received would
+    have matched the learner's); likewise a load that changed only one fused part. A tensor
+    the engine has no place for fails the load, naming it, and leaves no version."""
+    warm = _warm_state()
+    engine.load_weights(weights.to_bytes(warm))
+    old = weights.fingerprint(warm.items())
+    assert engine.info().policy_version == old
+    runner = engine.llm.collective_rpc(lambda w: type(w.model_runner))[0]
+    monkeypatch.setattr(runner, "reload_weights", lambda self, **kw: None)
+    new = _perturbed(12)
+    engine.load_weights(weights.to_bytes(new))
+    assert engine.info().policy_version == old != weights.fingerprint(new.items())
+    engine.load_weights([weights.to_bytes(b) for b in weights.buckets(new.items(), 20_000)])
+    assert engine.info().policy_version == old
+
+    # a reload that drops one part of a fused layer (v of layer 1's qkv_proj) is seen too
+    monkeypatch.undo()
+    real_reload = runner.reload_weights
+
+    def skip_v(self: Any, weights_iterator: Any = None, **kw: Any) -> None:
+        kept = [(k, t) for k, t in weights_iterator if "layers.1.self_attn.v_proj" not in k]
+        real_reload(self, weights_iterator=iter(kept), **kw)
+
+    monkeypatch.setattr(runner, "reload_weights", skip_v)
+    engine.load_weights(weights.to_bytes(new))
+    assert engine.info().policy_version not in (old, weights.fingerprint(new.items()))
+    monkeypatch.undo()
+
+    extra = dict(warm, **{"model.layers.0.mlp.extra.weight": torch.zeros(4, 4)})
+    with pytest.raises(LookupError, match=re.escape("'model.layers.0.mlp.extra.weight'")):
+        engine.load_weights(weights.to_bytes(extra))
+    assert engine.info().policy_version is None
+    engine.load_weights(weights.to_bytes(warm))
+    assert engine.info().policy_version == old
 
 
 def test_finish_order_and_abort(engine: VLLMEngine) -> None:

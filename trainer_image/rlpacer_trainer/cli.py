@@ -100,12 +100,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"error: --baseline needs a held-out set ({args.manifest} has none:"
                   " spec.data.evalSource or evalFraction)")
             return 2
+    from rlpacer_trainer import contract, fit
+
     try:
+        # the learner's memory per rank (every rank on this host), before any engine starts
+        fit.check_run(cfg, local=True)
         return run_local(cfg, resume=args.resume, evaluate=not args.no_eval,
                          baseline=baseline)
     except ConfigError as err:  # found at start, e.g. a user reward the workers cannot import
         print(f"error: {err}")
         return 2
+    except Exception as err:
+        unfit = fit.does_not_fit(err)  # here, or a learner rank's own check through Ray
+        if unfit is None:
+            raise
+        print(f"error: {unfit}")
+        return contract.EXIT_LEARNER_DOES_NOT_FIT
 
 
 def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True,

@@ -9,6 +9,7 @@ tail-batching planner, controller.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,10 @@ from rlpacer_trainer.errors import ConfigError
 from rlpacer_trainer.learner import LearnerConfig
 
 BUILTIN_TASKS = ("chain",)
+#: The head sizes vLLM's CPU attention backend serves (vLLM 0.32:
+#: ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes``); any
+#: other dies at the engine's first step with "Unsupported CPU attention configuration".
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 __all__ = ["ConfigError", "RunConfig"]
 
@@ -36,6 +41,23 @@ class DataInvalid(ConfigError):
     """The job's data is bad (a record, a field, a prompt over the cap): the message names
     the spec field, the file, the line and the record field. A pod exits with
     ``contract.EXIT_DATA_INVALID`` on it."""
+
+
+def check_cpu_engine_model(source: str, path: Path) -> None:
+    """Refuse, before any engine starts, a model vLLM's CPU engine cannot serve: its head_dim
+    (``head_dim`` of config.json, else ``hidden_size / num_attention_heads``) must be one of
+    :data:`CPU_ATTENTION_HEAD_SIZES`."""
+    conf = json.loads((path / "config.json").read_text())
+    conf = conf.get("text_config") or conf
+    head_dim = conf.get("head_dim")
+    if head_dim is None and conf.get("hidden_size") and conf.get("num_attention_heads"):
+        head_dim = int(conf["hidden_size"]) // int(conf["num_attention_heads"])
+    if head_dim is not None and int(head_dim) not in CPU_ATTENTION_HEAD_SIZES:
+        raise ConfigError(
+            f"spec.model.source: {source} has head_dim {head_dim} (config.json), which vLLM's"
+            " CPU engine cannot serve (spec.rollout.gpusPerReplica is 0); supported head sizes"
+            f" on CPU: {', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}. Use a model with one"
+            " of them, or GPU rollout engines (spec.rollout.gpusPerReplica >= 1)")
 
 
 @dataclasses.dataclass
@@ -82,6 +104,8 @@ class RunConfig:
             self._model_path = models.resolve(spec.model.source)  # fails early, naming it
         except models.ModelSourceError as e:
             raise ConfigError(str(e)) from e
+        if int(spec.rollout.gpus_per_replica) == 0:
+            check_cpu_engine_model(spec.model.source, self._model_path)
         if models.is_builtin(spec.model.source) and spec.data.system_prompt is not None:
             raise ConfigError(
                 f"spec.data.systemPrompt: {spec.model.source} has the task's character"
@@ -92,8 +116,10 @@ class RunConfig:
         _ = self.max_model_len  # every prompt encoded and measured against the caps now
 
     @classmethod
-    def load(cls, path: str | Path, **kw: Any) -> RunConfig:
-        return cls(job=load_manifest(path), **kw)
+    def load(cls, path: str | Path, *, stored: bool = False, **kw: Any) -> RunConfig:
+        """``stored``: the manifest of a job the API server holds (a pod's config): rules
+        newer than the job may be are not enforced (``rlpacer.api.job.parse_job``)."""
+        return cls(job=load_manifest(path, stored=stored), **kw)
 
     # --- derived ---------------------------------------------------------------------------
     @property
@@ -140,6 +166,12 @@ class RunConfig:
             self._tokenizer = models.tokenizer(self.spec.model.source, self.model_path,
                                                self.spec.data.system_prompt)
         return self._tokenizer
+
+    @property
+    def learner_ranks_per_pod(self) -> int:
+        """Learner ranks on each learner pod: one per GPU, else ``cpuRanksPerReplica``."""
+        t = self.spec.trainer
+        return int(t.gpus_per_replica) or int(t.cpu_ranks_per_replica)
 
     @property
     def engine_dtype(self) -> str:
@@ -219,6 +251,10 @@ class RunConfig:
             temperature=max(self.temperature, 1e-3),
             # unset: bfloat16 autocast on a GPU learner, float32 on a CPU (LearnerWorker)
             autocast=None if self.spec.model.dtype is None else str(self.spec.model.dtype),
+            micro_batch_tokens=int(self.spec.trainer.micro_batch_tokens),
+            sharding=str(self.spec.trainer.sharding.value),
+            activation_checkpointing=bool(self.spec.trainer.activation_checkpointing),
+            publish_dtype=self.engine_dtype,
         )
 
     @property

@@ -133,6 +133,9 @@ class Driver:
     ) -> None:
         self.cfg = cfg
         self.controller = controller
+        #: whether :meth:`close` shuts the learner down (the one ``build_driver`` made here; a
+        #: caller's learners outlive the driver)
+        self.owns_learner = False
         #: live engines by rollout replica index (each as it reports itself)
         self.pool: dict[int, Any] = {}
         for e in engines:
@@ -225,11 +228,15 @@ class Driver:
         return score
 
     def close(self) -> None:
-        """Stops the reward workers (they also exit with this process); closes the trace."""
+        """Stops the reward workers (they also exit with this process); closes the trace;
+        shuts down a learner this driver owns (a sharded one leaves its process group)."""
         self.scorer.close()
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+        if self.owns_learner:
+            self.owns_learner = False
+            self.learner.shutdown()
 
     # --- one round ----------------------------------------------------------------------------
     def _route(self, prompt: int) -> bool:
@@ -756,7 +763,7 @@ class Driver:
                 except _died_errors():
                     dead.append(k)
             return dead
-        if not isinstance(blob, bytes):
+        if not isinstance(blob, (bytes, list)):  # a ref (a list: buckets, each loaded)
             import ray
 
             blob = ray.get(blob)

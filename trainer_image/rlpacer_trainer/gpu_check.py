@@ -9,6 +9,13 @@ weight publication the engines load). One JSON line per check, then ``GPU CHECK 
   on the same batch: loss and per-parameter gradients within tolerance.
 * ``checkpoint``: the learner's checkpoint written on the device and loaded back (weights
   fingerprint and the next update equal).
+* ``sharded_learner``: the FSDP learner on every GPU the machine has (1 GPU: world 1, FSDP
+  for its mixed precision; more: all of them, NCCL), a Qwen2-layout model of
+  ``--sharded-params`` (default ~0.5 B): the first update's loss in bfloat16 against the
+  unsharded float32 learner's on the same batch, the gathered weights' fingerprint equal on
+  every rank, and each rank's peak CUDA memory (``max_memory_allocated``) against the fit
+  estimate (:mod:`rlpacer.control.memory`, without its fixed overhead). The CPU dry run uses
+  2 gloo ranks and float32.
 * ``weight_publish``: publish throughput (device -> CPU copy, serialization, fingerprint) for
   a larger Qwen2 (``--publish-params``, default ~0.5 B), with bytes per update.
 
@@ -28,7 +35,7 @@ from typing import Any
 
 import torch
 
-from rlpacer_trainer import tiny, weights
+from rlpacer_trainer import sharding, tiny, weights
 from rlpacer_trainer.learner import Learner, LearnerConfig, Sample
 from rlpacer_trainer.learners import LearnerWorker
 
@@ -92,6 +99,87 @@ def check_checkpoint(device: str) -> None:
     assert a.fingerprint() == b.fingerprint()
 
 
+def _sharded_rank(rank: int, world: int, port: int, model: str, device: str, tokens: int,
+                  seq: int, out: str) -> None:
+    import os
+
+    if device == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # before CUDA starts: one GPU a rank
+
+    from rlpacer_trainer import bench_memory
+
+    cfg = LearnerConfig(learning_rate=1e-5, mini_batches=1, sharding="FSDP",
+                        micro_batch_tokens=tokens, activation_checkpointing=True)
+    w = LearnerWorker(model, cfg, rank=rank, world=world, threads=1)
+    w.join(f"tcp://127.0.0.1:{port}")
+    n = 8 * world
+    losses = []
+    for step in range(2):
+        batch = bench_memory._batch(n, seq, 4096, seed=step)
+        pos = [i for i in range(n) if i % world == rank]
+        losses.append(w.train_step([batch[i] for i in pos], pos, n)["loss"])
+    peak = int(torch.cuda.max_memory_allocated()) if device == "cuda" else 0
+    version = w.fingerprint()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(
+        {"loss": losses[0], "peak": peak, "version": version}))
+    w.leave()
+
+
+def check_sharded_learner(device: str, params: float) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from rlpacer.control import memory
+    from rlpacer_trainer import bench_memory
+
+    world = torch.cuda.device_count() if device == "cuda" else 2
+    hidden = 1024 if params < 1e9 else 2048
+    layers = max(1, int(params / (12 * hidden * hidden)))
+    tokens = 4096
+    seq = 512 if device == "cuda" else 48  # sequence length (the dry run: seconds)
+    with tempfile.TemporaryDirectory() as d:
+        model = bench_memory.make_model(Path(d) / "m", vocab=4096, hidden=hidden,
+                                        intermediate=4 * hidden, layers=layers,
+                                        heads=hidden // 64, kv_heads=hidden // 256)
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        t0 = time.perf_counter()
+        procs = [ctx.Process(target=sharding.spawned_rank,
+                             args=(_sharded_rank, r, world, port, str(model), device, tokens,
+                                   seq, d))
+                 for r in range(world)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=1200)
+        assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+        seconds = time.perf_counter() - t0
+        ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
+        # the unsharded float32 learner on the same first batch (this process, the CPU)
+        ref = Learner(bench_memory.load_for_check(model), LearnerConfig(
+            learning_rate=1e-5, mini_batches=1, micro_batch_tokens=tokens))
+        loss_fp32 = ref.train_step(bench_memory._batch(8 * world, seq, 4096, seed=0))["loss"]
+        shape = memory.ModelShape.from_config(json.loads((model / "config.json").read_text()))
+    est = memory.estimate(shape, memory.LearnerLayout(
+        world=world, sharded=True,
+        precision=memory.Precision.BF16_MIXED if device == "cuda" else memory.Precision.FP32,
+        micro_batch_tokens=tokens, activation_checkpointing=True))
+    loss = sum(r["loss"] for r in ranks)  # each rank's share of the batch's loss
+    peak = max(r["peak"] for r in ranks)
+    estimate = est.total - est.overhead
+    _emit(check="sharded_learner", device=device, world=world, params=shape.params,
+          loss=round(loss, 5), loss_fp32_unsharded=round(loss_fp32, 5),
+          fingerprints_equal=len({r["version"] for r in ranks}) == 1,
+          peak_bytes_per_rank=[r["peak"] for r in ranks], estimate_bytes=estimate,
+          peak_over_estimate=round(peak / estimate, 3) if peak else None,
+          seconds=round(seconds, 1))
+    assert len({r["version"] for r in ranks}) == 1
+    assert abs(loss - loss_fp32) <= 0.02 * max(1.0, abs(loss_fp32)), (loss, loss_fp32)
+
+
 def check_weight_publish(device: str, params: float) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -121,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlpacer_trainer.gpu_check")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--publish-params", type=float, default=5e8)
+    ap.add_argument("--sharded-params", type=float, default=5e8)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device visible (use --device cpu for a dry run)", file=sys.stderr)
@@ -129,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         _emit(check="device", name=torch.cuda.get_device_name(0), torch=torch.__version__)
     check_learner_bf16(args.device)
     check_checkpoint(args.device)
+    check_sharded_learner(args.device, args.sharded_params)
     check_weight_publish(args.device, args.publish_params)
     print("GPU CHECK OK", flush=True)
     return 0

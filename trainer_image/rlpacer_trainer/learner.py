@@ -87,6 +87,21 @@ class LearnerConfig:
     # learners), master weights and optimizer state stay float32; None or "float32": full
     # float32 (LearnerWorker turns None into "bfloat16" on a GPU: spec.model.dtype unset)
     autocast: str | None = None
+    # padded tokens (rows x longest sequence) per forward/backward pass on one rank: a
+    # mini-batch is split into micro-batches of at most this many, their gradients summed
+    # (0: one pass per mini-batch). Bounds a step's activation memory whatever G and the
+    # response lengths are (spec.trainer.microBatchTokens).
+    micro_batch_tokens: int = 0
+    # "FSDP" (sharded over the ranks, :mod:`rlpacer_trainer.sharding`) or "Replicated" (a full
+    # copy per rank, gradients all-reduced): spec.trainer.sharding. A single CPU rank is never
+    # sharded (nothing to shard)
+    sharding: str = "Replicated"
+    activation_checkpointing: bool = False  # spec.trainer.activationCheckpointing
+    # the engines' dtype: the weights are published in it and fingerprinted as the engines
+    # hold them (None: as the learner holds them)
+    publish_dtype: str | None = None
+    # a sharded learner publishes its weights in buckets of at most this many bytes
+    publish_bucket_bytes: int = 256 << 20
 
 
 def _raw_count(mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -106,11 +121,12 @@ class Shard:
     total: int
     group: Any = None
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist
 
         t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                        group=self.group)
         return t
 
     def all_reduce_grads(self, params: Any) -> None:
@@ -130,13 +146,18 @@ class Shard:
 class Learner:
     """Owns the policy, its optimizer and (when ``kl_coef > 0``) a frozen reference copy."""
 
-    def __init__(self, model: Any, cfg: LearnerConfig) -> None:
+    def __init__(self, model: Any, cfg: LearnerConfig, *, fsdp: bool = False,
+                 ref: Any = None) -> None:
+        """``fsdp``: ``model`` (and ``ref``, the frozen reference model, given when
+        ``kl_coef > 0``) are sharded with FSDP (:mod:`rlpacer_trainer.sharding`): every rank
+        makes the same passes, and FSDP reduces the gradients itself."""
         self.model = model
         self.cfg = cfg
+        self.fsdp = fsdp
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
         self.updates = 0  # optimizer steps taken (drives the warm-up)
-        self.ref = None
-        if cfg.kl_coef > 0:
+        self.ref = ref
+        if cfg.kl_coef > 0 and ref is None:
             import copy
 
             self.ref = copy.deepcopy(model).eval()
@@ -154,13 +175,17 @@ class Learner:
         backward for ``k`` mini-batches, plus one no-grad forward over (k-1)/k of the batch
         (none at k = 1), plus the reference model's forward with KL on. (The policy is in
         train mode throughout; the models here have no dropout, so a no-grad pass and the
-        grad pass give the same log-probs.)
+        grad pass give the same log-probs.) Each of these passes is split into micro-batches
+        of at most ``cfg.micro_batch_tokens`` padded tokens whose gradients are summed (each
+        loss normalized by the whole mini-batch's count): the same update, memory bounded by
+        the budget.
 
         With ``shard`` (data parallel), ``samples`` are this rank's part of a batch of
         ``shard.total``: mini-batches are formed by position in the whole batch, each loss is
         normalized by the whole mini-batch's count, and gradients are summed over the ranks
-        before clipping, so every rank takes exactly the update a single learner would take
-        on the whole batch (up to float summation order).
+        before clipping (by the all-reduce of :class:`Shard`, or FSDP's reduce-scatter when
+        ``fsdp``), so every rank takes exactly the update a single learner would take on the
+        whole batch (up to float summation order).
         """
         n = shard.total if shard is not None else len(samples)
         if n == 0:
@@ -179,81 +204,161 @@ class Learner:
         device = next(self.model.parameters()).device.type
         return torch.autocast(device_type=device, dtype=getattr(torch, self.cfg.autocast))
 
+    def _micro_batches(self, idx: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
+        """``idx`` split, in order, into micro-batches of at most ``micro_batch_tokens`` padded
+        tokens (rows x the longest sequence's length) each; a sequence longer than the budget
+        is a micro-batch of its own. A budget of 0: one micro-batch."""
+        budget = self.cfg.micro_batch_tokens
+        if not idx:
+            return []
+        if budget <= 0:
+            return [list(idx)]
+        out: list[list[int]] = []
+        cur: list[int] = []
+        width = 0
+        for i in idx:
+            w = max(width, int(lengths[i]))
+            if cur and (len(cur) + 1) * w > budget:
+                out.append(cur)
+                cur, w = [], int(lengths[i])
+            cur.append(i)
+            width = w
+        out.append(cur)
+        return out
+
+    def _even(self, parts: list[list[int]], shard: Shard | None) -> list[list[int]]:
+        """Sharded (FSDP) ranks run the same number of passes (each forward gathers every
+        layer's shards, each backward reduce-scatters their gradients, together on all
+        ranks): ``parts`` padded with empty micro-batches (a dummy pass) up to the most any
+        rank has."""
+        if not self.fsdp or shard is None:
+            return parts
+        most = int(shard.all_reduce(torch.tensor(len(parts)), op="max"))
+        return parts + [[] for _ in range(most - len(parts))]
+
+    def _dummy_pass(self, model: Any, *, backward: bool) -> None:
+        """A rank's share of a sharded pass it has no samples for: a two-token forward (and a
+        backward of a zero loss: gradients of 0, reduced with the other ranks')."""
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self._device())
+        pos = torch.arange(2, device=ids.device).unsqueeze(0)
+        with self._autocast():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=pos,
+                        use_cache=False)
+        if backward:
+            (out.logits.float().sum() * 0.0).backward()  # type: ignore[no-untyped-call]
+
+    def _device(self) -> torch.device:
+        return torch.device(next(self.model.parameters()).device)
+
+    def _logprobs(self, model: Any, packed: Any, sel: torch.Tensor) -> torch.Tensor:
+        ids, attn, pos, tgt, _ = packed
+        w = int(attn[sel].sum(dim=1).max())
+        dev = self._device()
+        return sequence_logprobs(model, ids[sel, :w].to(dev), attn[sel, :w].to(dev),
+                                 pos[sel, :w].to(dev), tgt[sel, : w - 1].to(dev),
+                                 self.cfg.temperature).float().cpu()
+
     def _train_step(self, samples: Sequence[Sample], shard: Shard | None, n: int,
                     positions: list[int]) -> dict[str, float]:
         cfg = self.cfg
         packed = old = ref = adv = None
+        lengths: list[int] = []
         k = max(1, min(cfg.mini_batches, n))
         # a fixed (not random) split keeps the update deterministic for resume tests
         chunks = [[i for i, g in enumerate(positions) if g % k == j] for j in range(k)]
         if samples:
             packed = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples])
-            ids, attn, pos, tgt, mask = packed
+            lengths = [int(v) for v in packed[1].sum(dim=1)]
             adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-            t = cfg.temperature
-            # behaviour log-probs: the first mini-batch's are its own forward's (detached,
-            # below: it runs before any optimizer step), so the no-grad pass covers only the
-            # later mini-batches' samples, at their own width (none with one mini-batch)
-            old = torch.zeros(tgt.shape, dtype=torch.float32)
-            later = [i for c in chunks[1:] for i in c]
-            with torch.no_grad(), self._autocast():
-                if later:
-                    sel = torch.tensor(later, dtype=torch.long)
-                    w = int(attn[sel].sum(dim=1).max())
-                    old[sel, : w - 1] = sequence_logprobs(
-                        self.model, ids[sel, :w], attn[sel, :w], pos[sel, :w],
-                        tgt[sel, : w - 1], t).float()
-                ref = (sequence_logprobs(self.ref, ids, attn, pos, tgt, t).float()
-                       if self.ref is not None else None)
-        stats = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0}
+            old = torch.zeros(packed[3].shape, dtype=torch.float32)
+            if self.ref is not None:
+                ref = torch.zeros(packed[3].shape, dtype=torch.float32)
+        # behaviour log-probs: the first mini-batch's are its own forward's (detached, below:
+        # it runs before any optimizer step), so the no-grad pass covers only the later
+        # mini-batches' samples (none with one mini-batch); then the reference model's
+        later = [i for c in chunks[1:] for i in c]
+        self._no_grad_logprobs(self.model, later, packed, lengths, old, shard)
+        if self.ref is not None:
+            self._no_grad_logprobs(self.ref, list(range(len(samples))), packed, lengths, ref,
+                                   shard)
+        stats = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "micro_batches": 0.0}
         for j, idx in enumerate(chunks):
-            loss: torch.Tensor | None = None
-            st = {"clipfrac": 0.0}
-            kl_val = 0.0
+            # the loss's denominator is the whole mini-batch's (all micro-batches, all ranks)
             count = torch.zeros((), dtype=torch.float64)
-            m = None
             if idx:
-                assert packed is not None and old is not None and adv is not None
-                ids, attn, pos, tgt, mask = packed
-                sel = torch.tensor(idx, dtype=torch.long)
-                width = int(attn[sel].sum(dim=1).max())
-                m = mask[sel, : width - 1]
-                count = _raw_count(m, cfg.aggregation)
-            denom = None
+                assert packed is not None
+                count = _raw_count(packed[4][torch.tensor(idx, dtype=torch.long)],
+                                   cfg.aggregation)
             if shard is not None:
                 count = shard.all_reduce(count)
-                denom = count.clamp_min(1.0).to(torch.float32)
-            if idx:
-                assert m is not None and old is not None and adv is not None
+            denom = count.clamp_min(1.0).to(torch.float32)
+            self._set_lr(n)
+            self.opt.zero_grad(set_to_none=True)
+            loss_sum = kl_sum = clipped = tokens = 0.0
+            parts = self._even(self._micro_batches(idx, lengths), shard)
+            for mb in parts:
+                if not mb:
+                    self._dummy_pass(self.model, backward=True)
+                    continue
+                assert packed is not None and old is not None and adv is not None
+                sel = torch.tensor(mb, dtype=torch.long)
+                width = max(lengths[i] for i in mb)
+                m = packed[4][sel, : width - 1]
                 with self._autocast():  # the forward pass only; backward follows its dtypes
-                    logp = sequence_logprobs(self.model, ids[sel, :width], attn[sel, :width],
-                                             pos[sel, :width], tgt[sel, : width - 1],
-                                             cfg.temperature).float()
-                behaviour = logp.detach() if j == 0 else old[sel, : width - 1]
+                    logp = self._logprobs_grad(packed, sel)
+                dev = logp.device
+                m = m.to(dev)
+                behaviour = logp.detach() if j == 0 else old[sel, : width - 1].to(dev)
                 loss, st = algos.clipped_policy_loss(
-                    logp, behaviour, adv[sel], m,
+                    logp, behaviour, adv[sel].to(dev), m,
                     clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                     aggregation=cfg.aggregation, denominator=denom,
                 )
                 if ref is not None:
-                    kl = algos.aggregate(algos.kl_k3(logp, ref[sel, : width - 1]), m,
+                    kl = algos.aggregate(algos.kl_k3(logp, ref[sel, : width - 1].to(dev)), m,
                                          cfg.aggregation, denom)
                     loss = loss + cfg.kl_coef * kl
-                    kl_val = float(kl.detach())
-            self._set_lr(n)
-            self.opt.zero_grad(set_to_none=True)
-            if loss is not None:
+                    kl_sum += float(kl.detach())
                 loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-            if shard is not None:
+                loss_sum += float(loss.detach())
+                ntok = float(m.sum())
+                clipped += st["clipfrac"] * ntok
+                tokens += ntok
+            if shard is not None and not self.fsdp:
                 shard.all_reduce_grads(self.model.parameters())
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             self.opt.step()
             self.updates += 1
-            stats["loss"] += float(loss.detach()) / k if loss is not None else 0.0
-            stats["clipfrac"] += st["clipfrac"] / k
-            stats["kl"] += kl_val / k
+            stats["loss"] += loss_sum / k
+            stats["clipfrac"] += (clipped / tokens if tokens else 0.0) / k
+            stats["kl"] += kl_sum / k
+            stats["micro_batches"] += float(len(parts))
         stats["samples"] = float(n)
         return stats
+
+    def _no_grad_logprobs(self, model: Any, idx: list[int], packed: Any, lengths: list[int],
+                          out: torch.Tensor | None, shard: Shard | None) -> None:
+        """``model``'s log-probs of samples ``idx`` into ``out``, micro-batch by micro-batch
+        without a graph (a sharded rank with none left makes the dummy pass)."""
+        with torch.no_grad():
+            for mb in self._even(self._micro_batches(idx, lengths), shard):
+                if not mb:
+                    self._dummy_pass(model, backward=False)
+                    continue
+                assert packed is not None and out is not None
+                sel = torch.tensor(mb, dtype=torch.long)
+                with self._autocast():
+                    lp = self._logprobs(model, packed, sel)
+                out[sel, : lp.shape[1]] = lp
+
+    def _logprobs_grad(self, packed: Any, sel: torch.Tensor) -> torch.Tensor:
+        """:meth:`_logprobs` of the policy with the graph kept (on the learner's device)."""
+        ids, attn, pos, tgt, _ = packed
+        w = int(attn[sel].sum(dim=1).max())
+        dev = self._device()
+        return sequence_logprobs(self.model, ids[sel, :w].to(dev), attn[sel, :w].to(dev),
+                                 pos[sel, :w].to(dev), tgt[sel, : w - 1].to(dev),
+                                 self.cfg.temperature).float()
 
     def _set_lr(self, n: int) -> None:
         lr = self.cfg.learning_rate
@@ -270,8 +375,16 @@ class Learner:
 
     def publish(self) -> tuple[bytes, str]:
         """The policy's weights as the engines load them, and their policy version."""
-        sd = weights.cpu_state(self.model)
+        sd = self.published_state()
         return weights.to_bytes(sd), weights.fingerprint(sd.items())
+
+    def published_state(self) -> dict[str, torch.Tensor]:
+        """The policy's state dict on CPU in the engines' dtype (``cfg.publish_dtype``)."""
+        sd = weights.cpu_state(self.model)
+        if self.cfg.publish_dtype:  # the engines' dtype: what they will hold
+            dt = getattr(torch, self.cfg.publish_dtype)
+            sd = {k: v.to(dt) if v.is_floating_point() else v for k, v in sd.items()}
+        return sd
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "opt": self.opt.state_dict(),

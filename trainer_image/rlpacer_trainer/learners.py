@@ -37,22 +37,49 @@ from rlpacer_trainer.learner import Learner, LearnerConfig, Sample, Shard
 
 
 class LearnerWorker:
-    """One learner replica; a Ray actor on its pod, or a plain object in-process."""
+    """One learner rank; a Ray actor on its pod, or a plain object in-process.
+
+    Sharded (``cfg.sharding == "FSDP"`` with two or more ranks, or on a GPU): the model is
+    built when the rank joins the process group (:meth:`join`, :mod:`rlpacer_trainer.sharding`)
+    and every rank takes part in :meth:`publish`, :meth:`save` and :meth:`fingerprint` (each
+    gathers the shards together). Otherwise each rank holds the whole model from the start."""
 
     def __init__(self, model_path: str, cfg: LearnerConfig, *, rank: int = 0, world: int = 1,
-                 threads: int = 1) -> None:
+                 threads: int = 1, ranks_per_host: int = 1) -> None:
+        from rlpacer_trainer import fit
+
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.sharded = is_sharded(cfg, world, gpu=self.device == "cuda")
+        # fit before start: this rank's memory against the learner's estimate, before the
+        # model loads (LearnerDoesNotFit with the numbers; the driver fails the job with it)
+        fit.check_learner(model_path, world=world, sharded=self.sharded,
+                          micro_batch_tokens=cfg.micro_batch_tokens,
+                          activation_checkpointing=cfg.activation_checkpointing,
+                          kl=cfg.kl_coef > 0, device=self.device,
+                          ranks_per_host=ranks_per_host)
         tiny.set_threads(threads)
         self.rank, self.world = rank, world
         self.model_path = model_path
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = models.load_causal_lm(Path(model_path)).to(self.device)
         if self.device == "cuda" and cfg.autocast is None:
             cfg = dataclasses.replace(cfg, autocast="bfloat16")  # float32 master weights
-        self.learner = Learner(model, cfg)
+        self.cfg = cfg
+        self._learner: Learner | None = None
+        if not self.sharded:
+            model = models.load_causal_lm(Path(model_path)).to(self.device)
+            if cfg.activation_checkpointing:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._learner = Learner(model, cfg)
         self._group = False
         self._updates = 0  # train steps taken, for the pod's log
 
-    # --- data parallel ----------------------------------------------------------------------
+    @property
+    def learner(self) -> Learner:
+        if self._learner is None:
+            raise RuntimeError("a sharded learner rank has no model before it joins its group")
+        return self._learner
+
+    # --- the process group ------------------------------------------------------------------
     def rendezvous(self) -> str:
         """Rank 0: the address the others join (this host's address, a free port)."""
         from rlpacer_trainer.engine import host_address
@@ -64,13 +91,49 @@ class LearnerWorker:
         return f"tcp://{addr}:{port}"
 
     def join(self, init_method: str) -> str:
+        """Joins the learners' process group; a sharded rank then loads its shards."""
         import torch.distributed as dist
 
         backend = "nccl" if self.device == "cuda" else "gloo"
+        if self.device == "cuda":
+            torch.cuda.set_device(0)  # Ray shows each rank its own GPU
         dist.init_process_group(backend, init_method=init_method, rank=self.rank,
                                 world_size=self.world)
-        self._group = True
+        self._group = self.world > 1
+        if self.sharded:
+            from rlpacer_trainer import sharding
+
+            cfg = self.cfg
+            param_dtype = (getattr(torch, cfg.autocast)
+                           if self.device == "cuda" and cfg.autocast not in (None, "float32")
+                           else None)
+            model, ref = sharding.load_sharded(
+                Path(self.model_path), rank=self.rank,
+                device=torch.device(self.device, 0) if self.device == "cuda"
+                else torch.device("cpu"),
+                param_dtype=param_dtype, activation_checkpointing=cfg.activation_checkpointing,
+                reference=cfg.kl_coef > 0)
+            # FSDP casts the gathered parameters itself: no autocast on top
+            self._learner = Learner(model, dataclasses.replace(cfg, autocast="float32"),
+                                    fsdp=True, ref=ref)
         return backend
+
+    def leave(self) -> None:
+        """Leaves the process group, if this rank joined one. The model, optimizer and
+        reference go first (FSDP's device mesh holds the group), so the group's threads end
+        here and not in the interpreter's teardown, where gloo's can abort the process."""
+        import gc
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        if self.world > 1:
+            dist.barrier()  # no rank leaves while another still sends to it
+        self._learner = None
+        gc.collect()
+        dist.destroy_process_group()
+        self._group = False
 
     # --- training ---------------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample], positions: Sequence[int] | None = None,
@@ -84,13 +147,43 @@ class LearnerWorker:
         stats = self.learner.train_step(samples, shard)
         self._updates += 1
         pod_log(f"learner rank {self.rank}: update {self._updates} on"
-                f" {len(shard.positions) if shard else len(samples)} samples,"
+                f" {len(shard.positions) if shard else len(samples)} samples"
+                f" ({int(stats.get('micro_batches', 0))} micro-batches),"
                 f" loss {stats.get('loss', float('nan')):.4f}")
         return stats
 
-    def publish(self) -> tuple[bytes, str]:
-        """The weights as the engines load them, and their fingerprint (policy version)."""
-        return self.learner.publish()
+    def publish(self) -> tuple[Any, str | None]:
+        """The weights as the engines load them, and their fingerprint (policy version).
+
+        Unsharded: one ``torch.save`` blob of the whole state dict. Sharded (every rank calls
+        it): the tensors are gathered one at a time, cast to the engines' dtype and packed
+        into buckets of at most ``cfg.publish_bucket_bytes``, each put in Ray's object store
+        by rank 0 as it fills; rank 0 returns the list of bucket references (the engines
+        fetch and load them one by one), the other ranks ``(None, None)``."""
+        if not self.sharded:
+            return self.learner.publish()
+        from rlpacer_trainer import sharding
+
+        dt = getattr(torch, self.cfg.publish_dtype) if self.cfg.publish_dtype else None
+        named = sharding.gathered(self.learner.model, dt)
+        if self.rank != 0:
+            for _ in named:  # this rank's part of each gather
+                pass
+            return None, None
+        import ray
+
+        fp = weights.Fingerprint()
+        refs: list[Any] = []  # object refs; bytes in a process without Ray (in-process)
+        put = ray.put if ray.is_initialized() else (lambda blob: blob)
+
+        def counted() -> Any:
+            for name, t in named:
+                fp.add(name, t)
+                yield name, t
+
+        for bucket in weights.buckets(counted(), self.cfg.publish_bucket_bytes):
+            refs.append(put(weights.to_bytes(bucket)))
+        return refs, fp.version()
 
     def nccl_open(self, host: str, port: int, world_size: int) -> None:
         """Rank 0: open the NCCL weight group at ``host:port`` (from :meth:`rendezvous`) with
@@ -116,16 +209,31 @@ class LearnerWorker:
         return nccl_weights.tensor_meta(state), weights.fingerprint(state.items())
 
     def fingerprint(self) -> str:
-        return weights.fingerprint(self.learner.model.state_dict().items())
+        """The fingerprint of the weights this rank's model holds (sharded: of the gathered
+        weights, every rank calling), in the engines' dtype: equal to the engines' version."""
+        if self.sharded:
+            from rlpacer_trainer import sharding
+
+            dt = getattr(torch, self.cfg.publish_dtype) if self.cfg.publish_dtype else None
+            fp = weights.Fingerprint()
+            for name, t in sharding.gathered(self.learner.model, dt):
+                fp.add(name, t)
+            return fp.version()
+        return weights.fingerprint(self.learner.published_state().items())
 
     # --- checkpoints ------------------------------------------------------------------------
     def save(self, path: str) -> dict[str, bytes] | None:
-        """Writes the learner's part of a checkpoint (model, optimizer, RNG) to ``path``, and
-        the policy in Hugging Face format beside it (:func:`models.save_hf`: ``model/``).
+        """Writes the learner's part of a checkpoint to ``path`` (``learner.pt``) and the
+        policy in Hugging Face format beside it (:func:`models.save_hf`: ``model/``).
+        Unsharded: rank 0 writes the whole model, optimizer and RNG to ``learner.pt``.
+        Sharded (every rank calls it): each rank writes its shards to ``learner-dcp/`` (a
+        ``torch.distributed.checkpoint`` folder) and rank 0 a small ``learner.pt`` that
+        points to it, and the gathered policy in ``model/``.
 
         ``path``'s folder is the driver's. When it is not on this host (a job without a
         shared checkpoint claim: each pod's checkpoint folder is its own emptyDir), the files
-        are returned instead, by path relative to that folder, for the driver to write."""
+        are written to a folder of this host and returned, by path relative to that folder,
+        for the driver to write."""
         target = Path(path)
         if target.parent.is_dir():
             self._write(target)
@@ -140,23 +248,63 @@ class LearnerWorker:
 
     def _write(self, path: Path) -> None:
         tmp = path.with_name(path.name + ".tmp")
-        torch.save({"learner": self.learner.state_dict(), "torch_rng": torch.get_rng_state()},
-                   tmp)
-        tmp.replace(path)
-        models.save_hf(self.learner.model, Path(self.model_path), path.parent / "model")
+        if not self.sharded:
+            torch.save({"learner": self.learner.state_dict(),
+                        "torch_rng": torch.get_rng_state()}, tmp)
+            tmp.replace(path)
+            models.save_hf(self.learner.model, Path(self.model_path), path.parent / "model")
+            return
+        from rlpacer_trainer import sharding
+
+        sharding.save_dcp(self.learner.model, self.learner.opt, path.parent / sharding.DCP_DIR)
+        dt = getattr(torch, self.cfg.publish_dtype) if self.cfg.publish_dtype else None
+        full = sharding.full_state(self.learner.model, dt)
+        if self.rank == 0:
+            assert full is not None
+            torch.save({"format": "dcp", "folder": sharding.DCP_DIR, "world": self.world,
+                        "updates": self.learner.updates, "torch_rng": torch.get_rng_state()},
+                       tmp)
+            tmp.replace(path)
+            models.save_hf_state(full, Path(self.model_path), path.parent / "model")
 
     def load(self, path: str) -> None:
-        blob = torch.load(path, map_location=self.device, weights_only=False)
-        self.learner.load_state_dict(blob["learner"])
+        """Loads a checkpoint's learner part, whichever kind wrote it: sharded or not, on any
+        number of ranks (every rank calls it)."""
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+        if blob.get("format") == "dcp":
+            from rlpacer_trainer import sharding
+
+            sharding.load_dcp(self.learner.model, self.learner.opt,
+                              Path(path).parent / str(blob["folder"]))
+            self.learner.updates = int(blob.get("updates", 0))
+        elif self.sharded:
+            from rlpacer_trainer import sharding
+
+            sharding.load_full(self.learner.model, self.learner.opt, blob["learner"])
+            self.learner.updates = int(blob["learner"].get("updates", 0))
+        else:
+            self.learner.load_state_dict(blob["learner"])
         if "torch_rng" in blob:
             torch.set_rng_state(blob["torch_rng"].cpu())
 
     def info(self) -> dict[str, Any]:
         from rlpacer_trainer.engine import host_address, netns_inode
 
-        return {"rank": self.rank, "address": host_address(), "hostname": socket.gethostname(),
-                "netns": netns_inode(), "pid": os.getpid(), "device": self.device,
-                "threads": torch.get_num_threads()}
+        out = {"rank": self.rank, "world": self.world, "sharded": self.sharded,
+               "address": host_address(), "hostname": socket.gethostname(),
+               "netns": netns_inode(), "pid": os.getpid(), "device": self.device,
+               "threads": torch.get_num_threads()}
+        if self._learner is not None:
+            from rlpacer_trainer import sharding
+
+            out["bytes"] = sharding.local_bytes(self._learner.model, self._learner.opt)
+        return out
+
+
+def is_sharded(cfg: LearnerConfig, world: int, *, gpu: bool) -> bool:
+    """Whether the learner is FSDP-sharded: asked for (``cfg.sharding``) and something to
+    shard over (two or more ranks) or a GPU (FSDP's mixed precision, even on one)."""
+    return cfg.sharding == "FSDP" and (world > 1 or gpu)
 
 
 def host_cores() -> int:
@@ -181,11 +329,17 @@ def shard_positions(n: int, world: int) -> list[list[int]]:
 
 
 class InProcessLearners:
-    """One learner replica in this process."""
+    """One learner rank in this process (sharded on a GPU: a group of one, for FSDP's mixed
+    precision; its published buckets are bytes, not object refs, without Ray)."""
 
     def __init__(self, worker: LearnerWorker) -> None:
         self.worker = worker
         self.replicas = 1
+        if worker.sharded and worker._learner is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            worker.join(f"tcp://127.0.0.1:{port}")
 
     @property
     def model(self) -> Any:
@@ -194,7 +348,7 @@ class InProcessLearners:
     def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
         return self.worker.train_step(samples)
 
-    def publish(self) -> tuple[bytes, str]:
+    def publish(self) -> tuple[Any, str | None]:
         return self.worker.publish()
 
     def save(self, path: Path) -> None:
@@ -207,41 +361,48 @@ class InProcessLearners:
         return [self.worker.info()]
 
     def shutdown(self) -> None:
-        pass
+        self.worker.leave()
 
 
 class RayLearners:
-    """``replicas`` learner actors (see the module docstring). ``threads``: torch's intra-op
-    threads per replica; 0 picks them: 1 on learner pods (``pinned``), else this host's
-    cores divided among the replicas (``rlpacer run``: the learner trains while the engines
-    wait, so it gets the cores they generate on; docs/runtime.md has the measurements)."""
+    """The learner's ranks as Ray actors (see the module docstring): ``replicas`` learner pods
+    with ``ranks_per_pod`` ranks each (one per GPU: ``gpus`` = 1 per rank; or CPU ranks),
+    rank r on pod r // ranks_per_pod. ``threads``: torch's intra-op threads per rank; 0
+    picks them: 1 on learner pods (``pinned``), else this host's cores divided among the
+    ranks (``rlpacer run``: the learner trains while the engines wait, so it gets the cores
+    they generate on; docs/runtime.md has the measurements)."""
 
     def __init__(self, model_path: str, cfg: LearnerConfig, replicas: int, *,
-                 num_cpus: float = 0.5, gpus: int = 0, threads: int = 1,
-                 pinned: bool | None = None, wait: bool = True) -> None:
+                 ranks_per_pod: int = 1, num_cpus: float = 0.5, gpus: int = 0,
+                 threads: int = 1, pinned: bool | None = None, wait: bool = True) -> None:
         import ray
 
         self._ray = ray
-        self.replicas = replicas
+        self.pods = replicas
+        self.replicas = world = replicas * ranks_per_pod  # ranks
+        self.sharded = is_sharded(cfg, world, gpu=gpus > 0)
         if pinned is None:  # pin to learner pods when the cluster has them
             have = ray.cluster_resources()  # type: ignore[no-untyped-call]
             pinned = all(topology.pod_resource("learner", i) in have for i in range(replicas))
-        self.threads = threads = pick_threads(threads, pinned=pinned, replicas=replicas)
+        self.threads = threads = pick_threads(threads, pinned=pinned, replicas=world)
         actor_cls = ray.remote(LearnerWorker)
         self.actors: list[Any] = []
-        for rank in range(replicas):
-            opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": gpus}
+        for rank in range(world):
+            opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": 1 if gpus > 0 else 0}
             if pinned:
-                opts["resources"] = {topology.pod_resource("learner", rank): 0.01}
+                pod = rank // ranks_per_pod
+                opts["resources"] = {topology.pod_resource("learner", pod): 0.01}
             self.actors.append(actor_cls.options(**opts).remote(
-                model_path, cfg, rank=rank, world=replicas, threads=threads))
-        self._joined = replicas == 1
+                model_path, cfg, rank=rank, world=world, threads=threads,
+                ranks_per_host=ranks_per_pod if pinned else world))
+        self._joined = world == 1 and not self.sharded
         if wait:
             self.ready()
 
     def ready_refs(self) -> list[Any]:
-        """Ray references that resolve once every learner is up; from two replicas on they
-        join one process group first (the rendezvous waits for the first actor's start)."""
+        """Ray references that resolve once every learner is up; from two ranks on (or one
+        sharded GPU rank) they join one process group first (the rendezvous waits for the
+        first actor's start), and sharded ranks load their shards then."""
         if not self._joined:
             url = self._ray.get(self.actors[0].rendezvous.remote())
             self._joined = True
@@ -260,33 +421,53 @@ class RayLearners:
                 refs.append(actor.train_step.remote(list(samples)))
             else:
                 refs.append(actor.train_step.remote([samples[i] for i in pos], pos, n))
-        stats = self._ray.get(refs)
-        return cast("dict[str, float]", stats[0])
+        stats = cast("list[dict[str, float]]", self._ray.get(refs))
+        out = dict(stats[0])
+        # each rank's loss and KL are its samples' share of the batch's (normalized by the
+        # whole batch's count): the batch's are their sums
+        for key in ("loss", "kl"):
+            out[key] = sum(s.get(key, 0.0) for s in stats)
+        out["clipfrac"] = sum(s.get("clipfrac", 0.0) for s in stats) / len(stats)
+        return out
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        """``method`` on every rank (sharded: each gathers with the others)."""
+        return list(self._ray.get([getattr(a, method).remote(*args) for a in self.actors]))
 
     def publish(self) -> tuple[Any, str]:
         """(an object ref to rank 0's weights, their version): the bytes stay in the object
-        store, and each engine's node fetches them from there."""
+        store, and each engine's node fetches them from there. Sharded: every rank gathers,
+        and the ref is to rank 0's list of bucket references."""
+        if self.sharded:
+            refs = [a.publish.options(num_returns=2).remote() for a in self.actors]
+            blob_ref, version_ref = refs[0]
+            self._ray.get([v for _, v in refs])  # every rank's part of the gathers done
+            return blob_ref, str(self._ray.get(version_ref))
         blob_ref, version_ref = self.actors[0].publish.options(num_returns=2).remote()
         return blob_ref, str(self._ray.get(version_ref))
 
     def save(self, path: Path) -> None:
-        files = self._ray.get(self.actors[0].save.remote(str(path)))
-        for rel, blob in (files or {}).items():  # rank 0 has no access to this folder
-            out = path.parent / rel
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(blob)
+        actors = self.actors if self.sharded else self.actors[:1]
+        for files in self._ray.get([a.save.remote(str(path)) for a in actors]):
+            for rel, blob in (files or {}).items():  # the rank has no access to this folder
+                out = path.parent / rel
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(blob)
 
     def load(self, path: Path) -> None:
-        self._ray.get([a.load.remote(str(path)) for a in self.actors])
+        self._all("load", str(path))
 
     def infos(self) -> list[dict[str, Any]]:
-        return list(self._ray.get([a.info.remote() for a in self.actors]))
+        return self._all("info")
 
     def nccl_sync(self, engines: Sequence[Any]) -> str:
         """The GPU weight path (UNVERIFIED, :mod:`rlpacer_trainer.nccl_weights`): rank 0
         broadcasts this update to every engine's workers over NCCL; the group is made on first
         use and anew when the engines change. Returns the learner's version."""
         ray = self._ray
+        if self.sharded:
+            raise RuntimeError("RLPACER_WEIGHT_TRANSPORT=nccl sends rank 0's whole model: it"
+                               " needs spec.trainer.sharding: Replicated")
         rank0 = self.actors[0]
         key = tuple(id(e) for e in engines)
         if getattr(self, "_nccl_key", None) != key:
@@ -309,7 +490,9 @@ class RayLearners:
         return str(version)
 
     def fingerprints(self) -> list[str]:
-        return list(self._ray.get([a.fingerprint.remote() for a in self.actors]))
+        """Each rank's fingerprint of the weights it holds (sharded: of the gathered model,
+        so all equal) in the engines' dtype."""
+        return [str(v) for v in self._all("fingerprint")]
 
     def shutdown(self) -> None:
         for a in self.actors:

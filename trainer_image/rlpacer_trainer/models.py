@@ -119,6 +119,30 @@ def save_hf(model: Any, source: Path, out: Path) -> Path:
     return out
 
 
+def save_hf_state(state: dict[str, Any], source: Path, out: Path) -> Path:
+    """:func:`save_hf` from a gathered state dict (a sharded learner's rank 0): the weights as
+    safetensors (in shards of at most 5 GB, with their index, as ``save_pretrained`` writes
+    them; a tied head is stored once), the source's config and tokenizer files."""
+    import shutil
+
+    from huggingface_hub import save_torch_state_dict
+
+    cfg = json.loads((source / "config.json").read_text())
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" in state:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_torch_state_dict(state, str(tmp), max_shard_size="5GB")
+    for f in sorted(source.iterdir()):
+        if f.is_file() and not any(f.match(p) for p in _WEIGHT_FILES[:4]) and \
+                not (tmp / f.name).exists():
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 class PromptTokenizer(Protocol):
     eos_ids: frozenset[int]
 

@@ -71,8 +71,8 @@ class ReceiverExtension:
                                          self.device)
 
     def rlpacer_nccl_receive(self, meta: Sequence[tuple[str, str, tuple[int, ...]]]) -> str:
-        from rlpacer_trainer import weights
-
+        """Receives one update and loads it; the version is read back from the weights the
+        engine holds after the reload (the WorkerExtension's load path)."""
         stream = torch.cuda.current_stream()
         received: list[tuple[str, torch.Tensor]] = []
         for name, dtype, shape in meta:
@@ -80,10 +80,8 @@ class ReceiverExtension:
             self.rlpacer_comm.broadcast(t, src=0, stream=stream)
             received.append((name, t))
         stream.synchronize()
-        version = weights.fingerprint(received)
-        self.model_runner.reload_weights(weights_iterator=iter(received))
-        self.rlpacer_version = version  # what WorkerExtension.rlpacer_policy_version reports
-        return version
+        self.rlpacer_load_tensors(received)  # type: ignore[attr-defined]  # WorkerExtension's
+        return str(self.rlpacer_finish_load())  # type: ignore[attr-defined]
 
 
 def world_size(engine_workers: Iterable[int]) -> int:

@@ -16,7 +16,11 @@ Reads the env the operator sets (names in :mod:`rlpacer.api.contract`, re-export
   not verify): the operator then starts a new attempt (``RLPACER_ATTEMPT``) from the last
   checkpoint. Bad data (``spec.data``) exits with ``EXIT_DATA_INVALID`` (4) before anything
   heavy starts, its message last on stderr: the operator fails the job (reason DataInvalid)
-  without a retry.
+  without a retry. A learner whose estimated memory per rank exceeds a rank's
+  (:mod:`rlpacer_trainer.fit`: checked here before the engines start when the learner runs on
+  this host or ``RLPACER_LEARNER_MEMORY_BYTES`` is set, and by each learner rank before it
+  loads the model) exits with ``EXIT_LEARNER_DOES_NOT_FIT`` (5), the numbers and the fixes
+  last on stderr: the operator fails the job (reason LearnerDoesNotFit) without a retry.
 * ``head``    ``ray start --head --block`` bound to the pod's IP (``RLPACER_POD_IP``).
 * ``rollout`` / ``learner``  ``ray start --address=$RAY_ADDRESS --block``: they contribute
   resources on which the driver places its engine actors and learners, and advertise their
@@ -67,7 +71,13 @@ def run_driver(env: Mapping[str, str]) -> int:
     cfg_path = Path(env.get(c.ENV_CONFIG) or c.CONFIG_PATH)
     ckpt = Path(env.get(c.ENV_CHECKPOINT_DIR) or c.CHECKPOINT_DIR)
     attempt = int(env.get(c.ENV_ATTEMPT, "0"))
-    cfg = RunConfig.load(cfg_path, out_dir=ckpt)
+    # the job as the API server holds it: admitted under its own version's rules
+    cfg = RunConfig.load(cfg_path, out_dir=ckpt, stored=True)
+    from rlpacer_trainer import fit
+
+    # the learner's memory per rank, before any engine starts (where the driver can know it;
+    # each learner rank checks itself too)
+    fit.check_run(cfg, local=not env.get(c.ENV_RAY_ADDRESS), env=env)
     controller = None
     url = env.get(c.ENV_REPORT_URL)
     if url:
@@ -213,6 +223,12 @@ def main(env: Mapping[str, str] | None = None) -> int:
         if isinstance(err, (ReportTLSError, ControllerError)):
             print(f"error: {err}", file=sys.stderr)
             return 3
+        from rlpacer_trainer.fit import does_not_fit
+
+        unfit = does_not_fit(err)  # the driver's check, or a learner rank's through Ray
+        if unfit is not None:  # permanent: the operator fails the job, no retry
+            print(f"error: {unfit}", file=sys.stderr)
+            return c.EXIT_LEARNER_DOES_NOT_FIT
         raise
 
 

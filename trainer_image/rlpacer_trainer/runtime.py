@@ -202,6 +202,7 @@ def build_driver(
                  planner=planner, attempt=attempt, checkpoint_dir=checkpoint_dir,
                  on_step=on_step, engine_factory=engine_factory,
                  offered_replicas=offered_replicas)
+    drv.owns_learner = learners is None
     if os.environ.get("RLPACER_WEIGHT_TRANSPORT") == "nccl":
         if not isinstance(learner, RayLearners) or int(cfg.spec.rollout.gpus_per_replica) < 1:
             raise ValueError("RLPACER_WEIGHT_TRANSPORT=nccl needs GPU engines and learner actors")
@@ -239,12 +240,16 @@ def wait_for_pods(cfg: RunConfig, timeout_s: float = 600.0, poll_s: float = 1.0)
 
 
 def start_learners(cfg: RunConfig, *, wait: bool = True) -> RayLearners:
-    """``spec.trainer.replicas`` learner actors, each on its learner pod when the job's Ray
-    cluster has them (data parallel from two replicas on), else on this machine's Ray."""
+    """The learner's ranks: ``spec.trainer.replicas`` pods x (``gpusPerReplica``, or
+    ``cpuRanksPerReplica`` without GPUs) Ray actors, each on its learner pod when the job's
+    Ray cluster has them, else on this machine's Ray; from two ranks on they train together,
+    FSDP-sharded or replicated (``spec.trainer.sharding``)."""
     spec = cfg.spec.trainer
+    gpus = int(spec.gpus_per_replica)
     return RayLearners(str(cfg.model_path), cfg.learner_config(), int(spec.replicas),
-                       num_cpus=cfg.learner_cpus, gpus=int(spec.gpus_per_replica),
-                       threads=cfg.learner_threads, wait=wait)
+                       ranks_per_pod=cfg.learner_ranks_per_pod,
+                       num_cpus=cfg.learner_cpus, gpus=gpus, threads=cfg.learner_threads,
+                       wait=wait)
 
 
 def local_cpu_count() -> int:

@@ -283,15 +283,28 @@ def _drop(data: Any, loc: tuple[int | str, ...]) -> bool:
     return True
 
 
+#: Validation context of a *stored* object (:func:`read_stored`, a driver's config): rules
+#: added after an object could have been admitted without them are enforced at admission only
+#: (see :func:`stored`), as the API server ratchets the CRD's rules for unchanged objects.
+STORED_CONTEXT: dict[str, Any] = {"stored": True}
+
+
+def stored(info: Any) -> bool:
+    """In a validator (its ``ValidationInfo``): is a stored object being read?"""
+    context = getattr(info, "context", None)
+    return isinstance(context, dict) and bool(context.get("stored"))
+
+
 def read_stored(model: type[M], data: Any, *, drop_invalid: bool) -> tuple[M, list[str]]:
     """Validate a stored object's part (spec, status) tolerantly: unknown fields are ignored;
     with ``drop_invalid`` also values this version cannot read (an enum value a newer version
-    added, ...), dropped to their defaults. Returns the model and what was left out.
+    added, ...), dropped to their defaults; rules newer than the object may be are not
+    enforced (:data:`STORED_CONTEXT`). Returns the model and what was left out.
     Raises ``ValidationError`` for what remains invalid (without ``drop_invalid``: any)."""
     clean, ignored = strip_unknown(model, copy.deepcopy(data) if data is not None else {})
     for _ in range(32):
         try:
-            return model.model_validate(clean), ignored
+            return model.model_validate(clean, context=STORED_CONTEXT), ignored
         except ValidationError as err:
             if not drop_invalid:
                 raise
@@ -302,4 +315,4 @@ def read_stored(model: type[M], data: Any, *, drop_invalid: bool) -> tuple[M, li
             if not dropped:
                 raise
             ignored += [_path(loc) + " (unreadable)" for loc in dropped]
-    return model.model_validate(clean), ignored
+    return model.model_validate(clean, context=STORED_CONTEXT), ignored

@@ -203,6 +203,12 @@ class Role(enum.StrEnum):
 #: the operator fails the job with reason DataInvalid and the driver's message, spending no
 #: backoffLimit retries (the same data would fail the same way).
 EXIT_DATA_INVALID = 4
+#: The learner does not fit: its estimated memory per rank (the model, the ranks, the micro-batch
+#: budget; rlpacer.control.memory) exceeds what a rank has. Checked before the engines start
+#: (and by each learner rank before it loads the model). Permanent, as bad data: the operator
+#: fails the job with reason LearnerDoesNotFit and the driver's message (the numbers and the
+#: spec fields that fix it), spending no backoffLimit retries.
+EXIT_LEARNER_DOES_NOT_FIT = 5
 #: The driver's error message reaches the operator through the container's termination
 #: message: the builders set this policy on the driver, so the log's tail stands in for it.
 DRIVER_TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"

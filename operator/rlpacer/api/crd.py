@@ -65,10 +65,23 @@ _DEFAULT_MAX_TOKENS = job_api.RolloutSpec().max_response_tokens
 #: field's ``DecimalRange``.)
 CEL_RULES: dict[str, list[dict[str, str]]] = {
     "RolloutSpec": [
+        # (the API server ratchets it: a job stored before it was added keeps updating as
+        # long as its rollout is unchanged)
         _rule(
-            "self.gpusPerReplica == 0 || self.tensorParallelSize <= self.gpusPerReplica",
-            "tensorParallelSize must be <= gpusPerReplica",
+            "self.gpusPerReplica == 0 ? self.tensorParallelSize == 1"
+            " : self.tensorParallelSize == self.gpusPerReplica",
+            "tensorParallelSize must equal gpusPerReplica (each engine spans its replica's"
+            " GPUs), and be 1 when gpusPerReplica is 0",
             "tensorParallelSize",
+        ),
+    ],
+    "TrainerSpec": [
+        _rule(
+            "self.gpusPerReplica == 0 || !has(self.cpuRanksPerReplica)"
+            " || self.cpuRanksPerReplica == 1",
+            "cpuRanksPerReplica applies only without GPUs (gpusPerReplica: 0); with GPUs the"
+            " learner has one rank per GPU",
+            "cpuRanksPerReplica",
         ),
     ],
     "GroupControlSpec": [

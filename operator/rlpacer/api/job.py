@@ -18,18 +18,26 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from rlpacer.api import sources
 from rlpacer.api._base import (
     MAX_DURATION_SECONDS,
     MAX_SEED,
+    STORED_CONTEXT,
     APIModel,
     Decimal,
     DecimalRange,
     TypedObject,
     decimal,
     read_stored,
+    stored,
 )
 
 GROUP = "rlpacer.io"
@@ -74,6 +82,11 @@ class GroupControlMode(enum.StrEnum):
 class TailBatchingActivation(enum.StrEnum):
     ADAPTIVE = "Adaptive"  # over-provision short rounds only while their lengths straggle
     ALWAYS = "Always"  # over-provision every short round
+
+
+class LearnerSharding(enum.StrEnum):
+    FSDP = "FSDP"  # parameters, gradients and optimizer state sharded over the ranks
+    REPLICATED = "Replicated"  # every rank a full copy; gradients all-reduced
 
 
 class ModelDType(enum.StrEnum):
@@ -461,7 +474,13 @@ class RolloutSpec(PodSettings):
     )
     replicas: int = Field(default=1, ge=1, le=1024, description="Rollout replicas in short rounds.")
     gpus_per_replica: int = Field(default=1, ge=0, le=64, description="GPUs per rollout replica.")
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM tensor parallel.")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64,
+        description=(
+            "vLLM tensor parallelism: GPUs per engine. Must equal gpusPerReplica (one engine"
+            " per replica spans all of its GPUs), and be 1 when gpusPerReplica is 0."
+        ),
+    )
     max_response_tokens: int = Field(
         default=512, ge=1, le=MAX_TOKENS, description="Length cap of a response, in tokens."
     )
@@ -482,9 +501,22 @@ class RolloutSpec(PodSettings):
     )
 
     @model_validator(mode="after")
-    def _ranges(self) -> RolloutSpec:
-        if self.gpus_per_replica and self.tensor_parallel_size > self.gpus_per_replica:
+    def _ranges(self, info: ValidationInfo) -> RolloutSpec:
+        gpus, tp = self.gpus_per_replica, self.tensor_parallel_size
+        if gpus and tp > gpus:
             raise ValueError("tensorParallelSize must be <= gpusPerReplica")
+        if stored(info):
+            # admitted before tensorParallelSize had to equal gpusPerReplica: a stored job
+            # keeps running as it did (admission refuses the change; the CRD ratchets it)
+            return self
+        if gpus and tp != gpus:
+            raise ValueError(
+                f"tensorParallelSize must equal gpusPerReplica ({gpus}): each engine spans"
+                f" the GPUs its replica reserves (tensorParallelSize {tp} would leave"
+                f" {gpus - tp} idle)")
+        if not gpus and tp != 1:
+            raise ValueError(f"tensorParallelSize must be 1 when gpusPerReplica is 0 (a CPU"
+                             f" engine has no tensor parallelism), not {tp}")
         return self
 
 
@@ -496,8 +528,57 @@ class TrainerSpec(PodSettings):
             " imagePullSecrets here are the learner pods'; head and driver have their own."
         ),
     )
-    replicas: int = Field(default=1, ge=1, le=1024, description="Learner replicas.")
-    gpus_per_replica: int = Field(default=1, ge=0, le=64, description="GPUs per learner replica.")
+    replicas: int = Field(
+        default=1, ge=1, le=1024,
+        description="Learner pods. The learner has one rank per trainer GPU (replicas x"
+                    " gpusPerReplica), or replicas x cpuRanksPerReplica without GPUs.",
+    )
+    gpus_per_replica: int = Field(
+        default=1, ge=0, le=64,
+        description="GPUs per learner pod: one learner rank (process) on each.",
+    )
+    cpu_ranks_per_replica: int = Field(
+        default=1, ge=1, le=16,
+        description=(
+            "Learner ranks per learner pod when gpusPerReplica is 0 (CPU ranks, gloo); with"
+            " GPUs there is one rank per GPU and this must stay 1."
+        ),
+    )
+    sharding: LearnerSharding = Field(
+        default=LearnerSharding.FSDP,
+        description=(
+            "FSDP: parameters, gradients and AdamW state sharded over all learner ranks"
+            " (bfloat16 compute over float32 master shards on GPUs); a single CPU rank has"
+            " nothing to shard. Replicated: every rank holds the whole model and optimizer,"
+            " gradients all-reduced (a model must fit on one GPU)."
+        ),
+    )
+    micro_batch_tokens: int = Field(
+        default=16384, ge=0, le=16 * MAX_TOKENS,
+        description=(
+            "Padded tokens (sequences x the longest one) per forward/backward pass on one"
+            " rank: each optimizer step's batch is split into micro-batches of at most this"
+            " many and their gradients summed, so a step's activation memory is bounded"
+            " whatever the group size and response lengths (a sequence longer than the"
+            " budget is a micro-batch of its own). 0: one pass per optimizer step."
+        ),
+    )
+    activation_checkpointing: bool = Field(
+        default=True,
+        description=(
+            "Recompute each decoder layer's activations in the backward pass instead of"
+            " keeping them: about a third more learner compute for activation memory of one"
+            " layer plus each layer's input (without it no Qwen2.5 size fits 80 GB GPUs at"
+            " the default microBatchTokens; docs/learner-fit.md)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _ranks(self) -> TrainerSpec:
+        if self.gpus_per_replica and self.cpu_ranks_per_replica != 1:
+            raise ValueError("cpuRanksPerReplica applies only without GPUs (gpusPerReplica:"
+                             " 0); with GPUs the learner has one rank per GPU")
+        return self
 
 
 class GroupControlSpec(APIModel):
@@ -855,18 +936,22 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def parse_job(obj: dict[str, Any]) -> RLTrainingJob:
-    """Validate a manifest dict; raise :class:`ManifestError` naming each bad field."""
+def parse_job(obj: dict[str, Any], *, stored: bool = False) -> RLTrainingJob:
+    """Validate a manifest dict; raise :class:`ManifestError` naming each bad field.
+    ``stored``: a job the API server already holds (a driver's config): rules newer than
+    it may be are not enforced (``_base.STORED_CONTEXT``)."""
     try:
-        return RLTrainingJob.model_validate(obj)
+        return RLTrainingJob.model_validate(obj, context=STORED_CONTEXT if stored else None)
     except ValidationError as err:
         raise ManifestError("invalid RLTrainingJob:\n" + format_validation_error(err)) from None
 
 
-def parse_spec(spec: dict[str, Any]) -> RLTrainingJobSpec:
-    """Validate a spec dict (what the operator reads from a live object)."""
+def parse_spec(spec: dict[str, Any], *, stored: bool = False) -> RLTrainingJobSpec:
+    """Validate a spec dict (what the admission webhook reads; ``stored`` as
+    :func:`parse_job`)."""
     try:
-        return RLTrainingJobSpec.model_validate(spec)
+        return RLTrainingJobSpec.model_validate(spec, context=STORED_CONTEXT if stored
+                                                else None)
     except ValidationError as err:
         raise ManifestError(
             "invalid RLTrainingJob spec:\n" + format_validation_error(err, prefix="spec.")
@@ -886,13 +971,14 @@ def read_spec(spec: dict[str, Any]) -> tuple[RLTrainingJobSpec, list[str]]:
     return model, [f"spec.{p}" for p in ignored]
 
 
-def load_manifest(path: str | Path) -> RLTrainingJob:
-    """Read a YAML manifest (the first RLTrainingJob document in the file)."""
+def load_manifest(path: str | Path, *, stored: bool = False) -> RLTrainingJob:
+    """Read a YAML manifest (the first RLTrainingJob document in the file); ``stored`` as
+    :func:`parse_job`."""
     text = Path(path).read_text()
     for doc in yaml.safe_load_all(text):
         if isinstance(doc, dict) and doc.get("kind") == KIND:
             try:
-                return parse_job(doc)
+                return parse_job(doc, stored=stored)
             except ManifestError as err:
                 raise ManifestError(f"{path}: {err}") from None
     raise ManifestError(f"{path}: no document with kind: {KIND}")

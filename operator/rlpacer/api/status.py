@@ -106,6 +106,8 @@ class Reason(enum.StrEnum):
     BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     DATA_INVALID = "DataInvalid"  # the driver found bad data at start (no retry)
+    # the learner's estimated memory per rank exceeds a rank's (checked at start, no retry)
+    LEARNER_DOES_NOT_FIT = "LearnerDoesNotFit"
     # StateRebuilt (True), and Failed when no rebuild was possible
     CONTROLLER_STATE_UNREADABLE = "ControllerStateUnreadable"
     CONTROLLER_STATE_MISSING = "ControllerStateMissing"

@@ -169,8 +169,13 @@ class PolicyAdmission:
             or (old is not None and (old.get("spec") or {}) == spec)
         ):
             return  # not a change a user asks for: never block a job's own lifecycle
+        # ratcheting, as the API server does for the CRD's rules: an update that leaves
+        # spec.rollout as stored is not refused for a rule newer than the job
+        # (tensorParallelSize == gpusPerReplica)
+        ratchet = (operation == "UPDATE" and old is not None
+                   and (old.get("spec") or {}).get("rollout") == spec.get("rollout"))
         try:
-            parsed = parse_spec(copy.deepcopy(dict(spec)))
+            parsed = parse_spec(copy.deepcopy(dict(spec)), stored=ratchet)
         except ManifestError as err:
             raise kopf.AdmissionError(str(err), code=422) from None
         ns = namespace or "default"

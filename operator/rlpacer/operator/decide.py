@@ -23,7 +23,9 @@ Lifecycle (conditions, see ``rlpacer.api.status``):
 * Driver pod of the current attempt Failed: ``failures`` += 1; within ``backoffLimit`` a new
   attempt (new driver pod, the controller state kept: it continues from what it learnt), else
   Failed/BackoffLimitExceeded. Driver Failed with ``contract.EXIT_DATA_INVALID`` (bad data,
-  checked at start): Failed/DataInvalid with the driver's message, no retry. Driver
+  checked at start): Failed/DataInvalid with the driver's message, no retry; with
+  ``contract.EXIT_LEARNER_DOES_NOT_FIT`` (the learner's memory per rank exceeds a rank's,
+  checked at start): Failed/LearnerDoesNotFit with the driver's message, no retry. Driver
   Succeeded: Succeeded/Completed.
 * ``activeDeadlineSeconds`` past ``startTime``: Failed/DeadlineExceeded.
 * Terminal: workloads deleted (GPUs released); after ``ttlSecondsAfterFinished`` the job is
@@ -74,6 +76,14 @@ from rlpacer.control.sagc import GroupControlMode
 from rlpacer.operator import hosting, scaler
 from rlpacer.operator.scaler import Event
 from rlpacer.operator.timeutil import fmt_time, parse_time
+
+#: Driver exit codes that fail the job at once, without a retry: the reason, and the message
+#: when the driver's termination message has none.
+PERMANENT_EXITS: dict[int, tuple[Reason, str]] = {
+    contract.EXIT_DATA_INVALID: (Reason.DATA_INVALID, "data invalid: see the driver pod's log"),
+    contract.EXIT_LEARNER_DOES_NOT_FIT: (
+        Reason.LEARNER_DOES_NOT_FIT, "the learner does not fit: see the driver pod's log"),
+}
 
 
 @dataclass(frozen=True)
@@ -235,13 +245,15 @@ def decide(
                " resumes from the last checkpoint (not counted against backoffLimit)")
         _next_attempt(spec, st, msg, t, gen)
         ev.append(Event("Warning", "Restarting", msg))
-    elif phase == "Failed" and observed.driver_exit_code == contract.EXIT_DATA_INVALID:
-        # permanent: the data is bad; another attempt would fail the same way
-        msg = observed.driver_message or "data invalid: see the driver pod's log"
-        _cond(st, ConditionType.FAILED, True, Reason.DATA_INVALID, msg, t, gen)
+    elif phase == "Failed" and observed.driver_exit_code in PERMANENT_EXITS:
+        # permanent: the data is bad, or the learner does not fit; another attempt would
+        # fail the same way
+        reason, default = PERMANENT_EXITS[observed.driver_exit_code]
+        msg = observed.driver_message or default
+        _cond(st, ConditionType.FAILED, True, reason, msg, t, gen)
         _cond(st, ConditionType.TRAINING, False, Reason.STOPPED, msg, t, gen)
         _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED, "failed", t, gen)
-        ev.append(Event("Warning", "DataInvalid", msg))
+        ev.append(Event("Warning", reason.value, msg))
         _finish(st, t)
         d.workloads = False
         if spec.ttl_seconds_after_finished is not None:

@@ -667,7 +667,8 @@ class Jobs:
                 if term:
                     code, why = term.get("exitCode"), term.get("reason", "")
                     exit_code = code if isinstance(code, int) else None
-                    if code == contract.EXIT_DATA_INVALID and term.get("message"):
+                    if code in (contract.EXIT_DATA_INVALID,
+                                contract.EXIT_LEARNER_DOES_NOT_FIT) and term.get("message"):
                         message = last_error_line(str(term["message"]))
                     message = message or f"exit code {code}: {why}"
         sts = await self.kube.get(object_path(

@@ -77,10 +77,19 @@ def plan_round(
                    f"step {step} is a long round: rollout replicas {cur} -> {target}{clamped}")
         return new, [action], [ev]
     if target < cur or (next_kind is RoundKind.SHORT and rollout.state != RolloutState.READY):
-        new = rollout.model_copy(update={
+        update: dict[str, Any] = {
             "desired_replicas": target, "state": RolloutState.READY.value,
             "scale_up_started_at": None,
-        })
+        }
+        if rollout.ready_ordinals is not None:
+            # the replicas cut here are being deleted: not ready for any later round, though
+            # no pod has been seen going yet. Kept, a long round asked for right after (a
+            # one-second short round) would be Ready at once on the terminating pods' stale
+            # readiness, and run without the replicas it named usable
+            kept = sorted(i for i in set(rollout.ready_ordinals) if i < target)
+            update |= {"ready_ordinals": kept,
+                       "ready_replicas": min(rollout.ready_replicas, len(kept))}
+        new = rollout.model_copy(update=update)
         if target == cur:
             return new, [], []
         action = ScaleAction(time=t, from_replicas=cur, to_replicas=target,

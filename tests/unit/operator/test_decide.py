@@ -207,6 +207,30 @@ def test_ready_ordinals_and_usable_replicas_with_a_gap() -> None:
     assert scaler.capacity(ro).usable_replicas == [0]
 
 
+def test_a_long_round_right_after_a_scale_down_waits_for_its_replicas() -> None:
+    """A short round cuts the long round's replicas; another long round asked for before any
+    pod was seen going (a one-second short round) must wait for its replicas to be ready
+    again, not start at once on the cut pods' stale readiness (they are being deleted)."""
+    spec = _spec()
+    ro = RLTrainingJobStatus().rollout.model_copy(
+        update={"desired_replicas": 1, "ready_replicas": 1})
+    ro, _, _ = scaler.observe(ro, spec, 1, 1, T0, ordinals=[0])
+    ro, _, _ = scaler.plan_round(ro, spec, RoundKind.LONG, 1, T0)
+    ro, _, _ = scaler.observe(ro, spec, 3, 1, T0 + timedelta(seconds=20), ordinals=[0, 1, 2])
+    assert ro.state == "Ready" and scaler.capacity(ro).usable_replicas == [0, 1, 2]
+    # step 2 short: cut to 1; no pod observed since
+    ro, acts, _ = scaler.plan_round(ro, spec, RoundKind.SHORT, 2, T0 + timedelta(seconds=30))
+    assert (acts[0].from_replicas, acts[0].to_replicas) == (3, 1)
+    assert ro.ready_ordinals == [0] and ro.ready_replicas == 1
+    # step 3 long again, one second later: scaling up, only replica 0 usable
+    ro, acts, _ = scaler.plan_round(ro, spec, RoundKind.LONG, 3, T0 + timedelta(seconds=31))
+    assert ro.state == "ScalingUp" and scaler.capacity(ro).usable_replicas == [0]
+    assert (acts[0].from_replicas, acts[0].to_replicas) == (1, 3)
+    # ready once the pods are seen ready (not being deleted) again
+    ro, _, ev = scaler.observe(ro, spec, 3, 3, T0 + timedelta(seconds=50), ordinals=[0, 1, 2])
+    assert ro.state == "Ready" and ev[-1].reason == "ScaledUp"
+
+
 def test_a_policy_tightened_while_a_scale_up_pends_cuts_it_at_once() -> None:
     """The long round asked for the spec's replicas; a policy then allows fewer: the next
     observation (a reconcile pass, no report) cuts the pending scale-up to the cap, recorded

@@ -79,6 +79,8 @@ def extreme_spec(top: bool) -> RLTrainingJobSpec:
     spec["algorithm"]["overlongPenalty"]["bufferTokens"] = min(
         spec["algorithm"]["overlongPenalty"]["bufferTokens"], cap - 1)
     spec["algorithm"]["name"] = "DAPO"  # dynamic sampling: the report bounds' largest factor
+    if spec["trainer"]["gpusPerReplica"]:  # CPU ranks per pod only without GPUs
+        spec["trainer"]["cpuRanksPerReplica"] = 1
     return parse_spec(spec)
 
 

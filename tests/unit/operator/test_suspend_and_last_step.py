@@ -65,9 +65,14 @@ def test_a_suspended_job_refuses_reports_409_and_resumes_at_the_right_step() -> 
     run(body)
 
 
-def test_the_last_steps_report_scales_nothing_up_for_a_round_that_never_runs() -> None:
-    """The planner asks for a long round next, but the step just reported was the job's
-    last (the plan says done): no scale-up, no LongRound, the StatefulSet stays as it is."""
+@pytest.mark.parametrize(("nxt", "queue"), [("Long", 0), ("Long", 4), ("Short", 4)])
+def test_the_last_steps_report_scales_nothing_up_for_a_round_that_never_runs(
+    nxt: str, queue: int,
+) -> None:
+    """The planner asks for a long round next (or its queue is full), but the step just
+    reported was the job's last (the plan says done): no scale-up (desiredReplicas stays at
+    the short round's count, never ScalingUp), no LongRound, no scale action or Event, and the
+    rollout StatefulSet keeps its replicas through the operator's next pass."""
 
     async def body() -> None:
         fk = FakeKube()
@@ -77,31 +82,38 @@ def test_the_last_steps_report_scales_nothing_up_for_a_round_that_never_runs() -
             rt = await env.jobs.get(NS, "job")
             assert rt is not None
             await env.jobs.reconcile(rt)
+            sts_path = object_path(
+                "apps/v1", "statefulsets", NS, names.statefulset("job", contract.Role.ROLLOUT))
+            assert env.fk.objects[sts_path]["spec"]["replicas"] == 1
             g = (await env.plan("job"))["groupSize"]
             for step in range(2):
                 code, plan = await env.post("job", report(step, g, 20))
                 assert code == 200 and not plan["done"]
                 g = plan["groupSize"]
-            code, plan = await env.post("job", report(2, g, 20, nxt="Long"))
+            code, plan = await env.post(
+                "job", {**report(2, g, 20, nxt=nxt), "longQueue": queue})
             assert code == 200 and plan["done"] and plan["step"] == 3, plan
             assert plan["rollout"]["desiredReplicas"] == 1, plan
             assert plan["rollout"]["state"] == "Ready", plan
             st = env.status("job")
             assert st["rollout"]["desiredReplicas"] == 1 and st.get("scaleActions", []) == []
+            assert st["rollout"]["state"] == "Ready", st["rollout"]
             assert st.get("longRounds", 0) == 0
             lr = next((c for c in st["conditions"]
                        if c["type"] == ConditionType.LONG_ROUND.value), None)
             assert lr is None or lr["status"] == "False", lr
+            # the plan read afterwards says the same (done, nothing pending)
+            again = await env.plan("job")
+            assert again["done"] and again["rollout"]["desiredReplicas"] == 1, again
+            assert again["rollout"]["state"] == "Ready", again
             await env.jobs.reconcile(rt)
-            sts = env.fk.objects[object_path(
-                "apps/v1", "statefulsets", NS, names.statefulset("job", contract.Role.ROLLOUT))]
-            assert sts["spec"]["replicas"] == 1
-            assert not [e for e in env.fk.of_kind("events") if e["reason"] == "ScalingUp"]
+            assert env.fk.objects[sts_path]["spec"]["replicas"] == 1
+            assert not [e for e in env.fk.of_kind("events")
+                        if e["reason"] in ("ScalingUp", "ScaledDown")]
         finally:
             await close()
 
     run(body)
-
 
 
 @pytest.mark.parametrize("nxt", ["Long", "Short"])
@@ -109,8 +121,11 @@ def test_a_long_last_step_asks_for_no_more_capacity_and_gives_back_what_the_driv
     nxt: str,
 ) -> None:
     """The last step is a long round (scaled up for it). Its report asking for another long
-    round scales nothing up; one asking for a short round scales back down as on any step
-    (the driver released the long round's engines before it)."""
+    round scales nothing up: no scale action, no ScalingUp Event, the StatefulSet keeps the
+    long round's replicas (the driver, whose planner says Long, still holds engines on them;
+    they go with the job's end, not under a live engine). One asking for a short round
+    scales back down as on any step (the driver released the long round's engines before
+    it)."""
 
     async def body() -> None:
         fk = FakeKube()
@@ -137,6 +152,12 @@ def test_a_long_last_step_asks_for_no_more_capacity_and_gives_back_what_the_driv
             assert st["longRounds"] == 1
             lr = next(c for c in st["conditions"] if c["type"] == ConditionType.LONG_ROUND.value)
             assert lr["status"] == "False", lr
+            await env.jobs.reconcile(rt)
+            sts = env.fk.objects[object_path(
+                "apps/v1", "statefulsets", NS, names.statefulset("job", contract.Role.ROLLOUT))]
+            assert sts["spec"]["replicas"] == plan["rollout"]["desiredReplicas"]
+            ups = [e["message"] for e in env.fk.of_kind("events") if e["reason"] == "ScalingUp"]
+            assert len(ups) == 1 and ups[0].startswith("step 2 "), ups
         finally:
             await close()
 

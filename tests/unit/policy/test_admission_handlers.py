@@ -197,3 +197,22 @@ def test_cluster_policy_validation() -> None:
     with pytest.raises(kopf.AdmissionError, match=r"spec\.namespaceSelector"):
         _call(adm_call, {"apiVersion": "rlpacer.io/v1alpha1", "kind": "ClusterRLTrainingPolicy",
                          "metadata": {"name": "x", "namespace": ""}, "spec": {}})
+
+
+def test_tensor_parallel_size_is_refused_unless_it_equals_the_gpus_ratcheted_on_update() -> None:
+    adm = _admission()
+    bad = _job(rollout={"gpusPerReplica": 4, "tensorParallelSize": 2})
+    with pytest.raises(kopf.AdmissionError, match=r"spec\.rollout: tensorParallelSize must"
+                                                  r" equal gpusPerReplica \(4\)") as info:
+        _call(adm.validate_job, bad)
+    assert info.value.code == 422
+    with pytest.raises(kopf.AdmissionError, match="tensorParallelSize must be 1 when"):
+        _call(adm.validate_job, _job(rollout={"gpusPerReplica": 0, "tensorParallelSize": 2}))
+    _call(adm.validate_job, _job(rollout={"gpusPerReplica": 4, "tensorParallelSize": 4}))
+    # a job stored before the rule: an update that leaves spec.rollout as it is passes (as the
+    # API server ratchets the CRD's rule); one that touches the rollout is judged
+    _call(adm.validate_job, _job(rollout=bad["spec"]["rollout"], steps=6), old=bad,
+          operation="UPDATE")
+    with pytest.raises(kopf.AdmissionError, match="tensorParallelSize"):
+        _call(adm.validate_job, _job(rollout={"gpusPerReplica": 4, "tensorParallelSize": 3}),
+              old=bad, operation="UPDATE")

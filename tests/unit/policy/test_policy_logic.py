@@ -67,7 +67,7 @@ def test_fixed_mode_is_judged_on_initial_only() -> None:
 
 def test_replica_and_gpu_limits() -> None:
     spec = job(
-        rollout={"replicas": 9, "gpusPerReplica": 2},
+        rollout={"replicas": 9, "gpusPerReplica": 2, "tensorParallelSize": 2},
         trainer={"replicas": 1, "gpusPerReplica": 8},
         tailBatching={"longRound": {"rolloutReplicas": 14}},
     )
@@ -76,7 +76,7 @@ def test_replica_and_gpu_limits() -> None:
     assert fields[:2] == ["spec.rollout.replicas", "spec.tailBatching.longRound.rolloutReplicas"]
     assert fields[2].startswith("spec (peak GPUs")
     # Without tail batching the long-round size does not count.
-    spec2 = job(rollout={"replicas": 4, "gpusPerReplica": 2},
+    spec2 = job(rollout={"replicas": 4, "gpusPerReplica": 2, "tensorParallelSize": 2},
                 tailBatching={"enabled": False, "longRound": {"rolloutReplicas": 12}})
     assert validate_job(spec2, policy(**STRICT)) == []
 
@@ -236,7 +236,7 @@ def test_selector_matches_like_kubernetes(selector: dict[str, Any], labels: dict
 def test_clamp_job_reads_the_spec() -> None:
     from rlpacer.control.policy import clamp_job
 
-    spec = job(rollout={"replicas": 2, "gpusPerReplica": 4},
+    spec = job(rollout={"replicas": 2, "gpusPerReplica": 4, "tensorParallelSize": 4},
                trainer={"replicas": 1, "gpusPerReplica": 8},
                groupControl={"candidates": [4, 8, 32], "initial": 8,
                              "targetStragglerRate": "0.4"},

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.unit
 
 
 def test_gpu_check_dry_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
-    assert gpu_check.main(["--device", "cpu", "--publish-params", "2e7"]) == 0
+    assert gpu_check.main(["--device", "cpu", "--publish-params", "2e7",
+                           "--sharded-params", "1e7"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == "GPU CHECK OK"
     checks = {d["check"]: d for d in map(json.loads, lines[:-1])}
@@ -23,3 +24,7 @@ def test_gpu_check_dry_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert checks["checkpoint"]["equal_after_next_update"] is True
     pub = checks["weight_publish"]
     assert pub["bytes"] >= 2 * pub["params"]  # bfloat16: two bytes a parameter, plus names
+    sharded = checks["sharded_learner"]
+    # two gloo ranks: the sharded learner's loss is the unsharded one's, one model gathered
+    assert sharded["world"] == 2 and sharded["fingerprints_equal"] is True
+    assert abs(sharded["loss"] - sharded["loss_fp32_unsharded"]) < 1e-4

@@ -112,7 +112,7 @@ def test_ray_reads_the_mounted_token_with_or_without_a_trailing_newline(
 def test_the_driver_pod_attaches_through_its_own_node(monkeypatch: pytest.MonkeyPatch) -> None:
     """run_driver: with RAY_ADDRESS, the loop runs inside topology.attached (never a bare
     ray.init on the cluster's address); without it, Ray starts locally."""
-    from rlpacer_trainer import pod, runtime
+    from rlpacer_trainer import fit, pod, runtime
     from rlpacer_trainer.config import RunConfig
 
     calls: list[str] = []
@@ -128,6 +128,7 @@ def test_the_driver_pod_attaches_through_its_own_node(monkeypatch: pytest.Monkey
             calls.append("exit")
 
     monkeypatch.setattr(RunConfig, "load", staticmethod(lambda *a, **k: "cfg"))
+    monkeypatch.setattr(fit, "check_run", lambda *a, **k: None)  # tests/unit/trainer/test_fit
     monkeypatch.setattr(topology, "attached", Attached)
     monkeypatch.setattr(runtime, "init_ray", lambda *a, **k: calls.append("local"))
     monkeypatch.setattr(pod, "_run_loop", lambda *a: calls.append("loop") or 0)
