@@ -14,6 +14,7 @@ import sys
 
 COMMANDS: tuple[str, ...] = (
     "rlpacer.sim.bench",  # rlpacer bench
+    "rlpacer.sim.pool",  # rlpacer bench-pool (jobs sharing a burst pool)
     "rlpacer.sim.plan",  # rlpacer plan
     "rlpacer.sim.fit",  # rlpacer fit (the learner's memory per GPU)
     "rlpacer.operator.commands",  # rlpacer crds, operator
