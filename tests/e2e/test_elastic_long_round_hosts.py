@@ -189,3 +189,34 @@ def test_a_timed_out_scale_up_with_a_higher_ordinal_ready_uses_what_is_ready(
     # nothing was tried on replica 1 (pending): the plan's usableReplicas, not the ready
     # count, decided
     assert "replica 1" not in driver_log, driver_log[-3000:]
+
+
+def test_an_early_scale_up_starts_the_added_engine_while_short_rounds_run(tmp_path: Path) -> None:
+    """``scaleUpLeadSeconds`` 60: the report after step 0 forecasts the long round at step 4
+    (one prompt deferred a round, four make a long round) and asks for its replica then (the
+    played operator scales up for it, as the operator's scaler does); rollout-1's pod comes
+    up and its engine starts in the background while the short rounds run on rollout-0
+    without waiting; the long round finds part of that start done (it waits less than the
+    ask took to serve), and rollout-1's engine generates part of it on its own host at the
+    learner's weights."""
+    run = run_long_round(tmp_path, "early", steps=5)
+    recs, log = run.records, run.driver_log
+    print(json.dumps([{k: r[k] for k in ("step", "round_kind", "replicas", "prepare_long_round",
+                                         "rounds_until_long", "seconds_capacity_wait",
+                                         "seconds_rollout", "scale_up_lead_s")}
+                      for r in recs], indent=1))
+    assert [r["round_kind"] for r in recs] == ["Short"] * 4 + ["Long"]
+    assert recs[0]["prepare_long_round"] is True and recs[0]["rounds_until_long"] == 3
+    assert "rollout replica 1: its engine starts in the background" in log
+    for r in recs[1:4]:
+        assert r["seconds_capacity_wait"] < 2.0, r  # no short round waited for the join
+    long = recs[4]
+    assert long["replicas"] == [0, 1], long
+    by = {e["replica"]: e for e in long["engines"]}
+    addr = {n: a for n, (a, _) in run.hosts.items()}
+    assert by[1]["address"] == addr["rollout-1"] and by[1]["responses"] > 0, long["engines"]
+    assert by[1]["policy_version"] == recs[3]["policy_version"], (by[1], recs[3])
+    # the lead measured (the ask to rollout-1's engine serving) less the long round's wait:
+    # the part of the scale-up that ran beside the short rounds (about 0 without the ask)
+    hidden = long["scale_up_lead_s"] - long["seconds_capacity_wait"]
+    assert hidden >= 0.25, (hidden, long)

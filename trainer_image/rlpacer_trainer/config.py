@@ -283,6 +283,15 @@ class RunConfig:
         )
 
     @property
+    def scale_up_lead_s(self) -> float:
+        """``tailBatching.longRound.scaleUpLeadSeconds``: how far ahead of a forecast long
+        round the driver asks for its replicas until one is measured (0: no early scale-up;
+        always 0 without tail batching)."""
+        if not self.tail_batching_enabled:
+            return 0.0
+        return float(self.spec.tail_batching.long_round.scale_up_lead_seconds)
+
+    @property
     def route_quantile(self) -> float | None:
         """``tailBatching.lengthPrior``: the rank from which prompts are routed to long
         rounds, or None (no routing; never without tail batching)."""

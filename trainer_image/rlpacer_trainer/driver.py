@@ -51,7 +51,7 @@ import torch
 from rlpacer.api import trace as trace_format
 from rlpacer.api.protocol import LengthSummary, Plan, RoundKind, StepReport, StepSeconds
 from rlpacer.control.length_prior import LengthPrior
-from rlpacer.control.tail_batching import TailBatchingPlanner
+from rlpacer.control.tail_batching import TailBatchingPlanner, ask_early
 from rlpacer_trainer import algos
 from rlpacer_trainer.engine import EngineInfo, EngineStats, Finished, GenRequest, total_stats
 from rlpacer_trainer.learner import Sample
@@ -178,6 +178,21 @@ class Driver:
         self.routed_total = 0
         self._trace: Any = None  # the open response trace (record_trace), or None
         self._trace_t0 = time.perf_counter()
+        # Early scale-up (tailBatching.longRound.scaleUpLeadSeconds; the module doc): the lead
+        # in use is the spec's until a scale-up is measured (request to added engines serving)
+        self.lead_s = float(cfg.scale_up_lead_s)  # 0: no early scale-up
+        self.lead_measured: float | None = None
+        self.long_replicas = int(cfg.spec.tail_batching.long_round.rollout_replicas)
+        self._asked_at: float | None = None  # when the reports began asking for the extras
+        self._lead_done = False  # this ask's lead measured
+        self._asked_early = False  # the last report asked ahead of a long round
+        self._joining: dict[int, Any] = {}  # replica -> the Future of its engine's start
+        self._join_threads: Any = None  # a ThreadPoolExecutor, made at the first use
+        self._joined_at: dict[int, float] = {}  # added engines serving, not yet used
+        self._last_join = 0.0  # when the latest added engine began serving
+        self._short_s: list[float] = []  # the last short steps' seconds
+        self._ready_wait_s = 0.0  # the step's wait for a scale-up (wait_ready)
+        self._extra_idle_s = 0.0  # the step's added engines' seconds between joining and use
 
     # --- the response trace -----------------------------------------------------------------
     def record_trace(self, path: Path) -> None:
@@ -231,6 +246,9 @@ class Driver:
         """Stops the reward workers (they also exit with this process); closes the trace;
         shuts down a learner this driver owns (a sharded one leaves its process group)."""
         self.scorer.close()
+        self._abandon_starts()
+        if self._join_threads is not None:
+            self._join_threads.shutdown(wait=False, cancel_futures=True)
         if self._trace is not None:
             self._trace.close()
             self._trace = None
@@ -458,8 +476,11 @@ class Driver:
         dropped = refills = routed = 0
         overprovisioned = False  # any of the step's rounds raced (tail batching's gate on)
         rewards_all: list[float] = []
+        if self._asked_early and kind is RoundKind.SHORT and self.engine_factory is not None:
+            # the capacity asked ahead: which added replicas are ready now (not at the report)
+            plan = plan.model_copy(update={"rollout": self.controller.plan().rollout})
         t_join = time.perf_counter()
-        used = self.use_plan(plan)
+        used = self.use_plan(plan, kind)
         join_s = time.perf_counter() - t_join  # engines started for this round, if any
         self._served = {}
         self._died_served = []
@@ -514,7 +535,10 @@ class Driver:
         # exactly what the straight run did.
         self.planner.observe_yield(kind, len(informative), float(path_tokens))
         retired = self.planner.retire_due_long_rounds()
-        if self.planner.next_round_kind is not RoundKind.LONG:
+        next_long = self.planner.next_round_kind is RoundKind.LONG
+        forecast = self.planner.rounds_until_long()
+        asking = not next_long and self._ask_early(forecast, rollout_s + reward_s + join_s)
+        if not next_long and not asking:
             self.release_extras()  # before the report that lets the operator scale down
         t0 = time.perf_counter()
         stats = self.learner.train_step(samples)
@@ -528,8 +552,17 @@ class Driver:
             seconds=StepSeconds(rollout=rollout_s, reward=reward_s, train=train_s, sync=sync_s),
             long_queue=self.planner.long_queue_len,
             next_round_kind=self.planner.next_round_kind, reward=mean_reward,
+            prepare_long_round=asking,
         )
         next_plan = self.controller.report(report)
+        self._asked_early = asking
+        if (next_long or asking) and self._asked_at is None:
+            self._asked_at, self._lead_done = time.perf_counter(), False
+        elif not (next_long or asking):
+            self._asked_at = None
+        step_s = rollout_s + reward_s + train_s + sync_s + join_s
+        if kind is RoundKind.SHORT:
+            self._short_s = [*self._short_s, step_s][-8:]
         est = total_stats([*self._engine_stats().values(), *self._retired])
         rec = {
             "step": self.step, "attempt": self.attempt, "group_size": g,
@@ -542,6 +575,9 @@ class Driver:
             "next_round_kind": report.next_round_kind.value,
             "seconds_rollout": rollout_s, "seconds_reward": reward_s, "seconds_train": train_s,
             "seconds_sync": sync_s, "seconds_join": join_s, "lambda": next_plan.lambda_,
+            "seconds_capacity_wait": self._ready_wait_s + join_s,
+            "seconds_extra_idle": self._extra_idle_s, "rounds_until_long": forecast,
+            "prepare_long_round": asking, "scale_up_lead_s": self.lead_in_use(),
             "straggler_rate": next_plan.straggler_rate,
             "straggler": getattr(self.controller, "last_straggler", None),
             "tau": float(self.cfg.spec.group_control.straggler_ratio),
@@ -605,26 +641,137 @@ class Driver:
         n = min(cap.ready_replicas, cap.desired_replicas)
         return sorted(set(range(n)) | self.base_replicas)
 
-    def use_plan(self, plan: Plan) -> list[int]:
-        """Fits the engines to the plan before a round: starts the engines of usable
-        replicas that have none (a long round's, or one whose engine died) once their pods
-        have joined Ray, each serving only after it holds the learner's weights; releases
-        extra engines the plan no longer names; returns the replicas the round uses."""
+    def use_plan(self, plan: Plan, kind: RoundKind | None = None) -> list[int]:
+        """Fits the engines to the plan before a round (of ``kind``, default the plan's):
+        starts the engines of usable replicas that have none (a long round's, or one whose
+        engine died) once their pods have joined Ray, each serving only after it holds the
+        learner's weights; releases extra engines the plan no longer names; returns the
+        replicas the round uses. Asked early (a long round forecast), a short round does not
+        wait for them: they start in the background and serve from the first round after
+        they are up; a long round waits for those still starting."""
+        kind = plan.round_kind if kind is None else kind
+        long = kind is RoundKind.LONG
         usable = self.usable_replicas(plan)
         self._drop_dead()
         for r in sorted(self.pool):
             if r not in usable and r not in self.base_replicas:
                 self._forget(r, "released")
-        missing = [r for r in usable if r not in self.pool]
+        self._admit_started(usable, wait=long)
+        missing = [r for r in usable if r not in self.pool and r not in self._joining]
         if missing and self.engine_factory is not None:
-            self._join(missing)
+            if self._asked_early and not long:
+                self._start_in_background(missing)
+            else:
+                self._join(missing)
         active = [r for r in sorted(self.pool) if r in usable]
         if not active:  # nothing the plan names is live: run on what is
             active = sorted(self.pool)
         if not active:
             raise RuntimeError("no rollout engine is live")
+        now = time.perf_counter()
+        self._extra_idle_s = sum(now - self._joined_at.pop(r) for r in active
+                                 if r in self._joined_at)
+        if (long and self._asked_at is not None and not self._lead_done
+                and self._last_join >= self._asked_at and set(usable) <= set(self.pool)):
+            # every replica the long round may use is serving: the lead this ask took
+            self.lead_measured = max(0.0, self._last_join - self._asked_at)
+            self._lead_done = True
         self.active = active
         return list(active)
+
+    def lead_in_use(self) -> float:
+        """Seconds ahead of a forecast long round to ask for its replicas (0: never)."""
+        if self.lead_s <= 0:
+            return 0.0
+        if self.lead_measured is None:
+            return self.lead_s
+        return max(self.lead_measured, 1e-3)  # joined at once: still ask a round ahead
+
+    def _ask_early(self, forecast: int | None, this_step_s: float) -> bool:
+        """Whether this step's report asks for the long round's replicas ahead of it."""
+        if (self.lead_s <= 0 or self.long_replicas <= len(self.base_replicas)
+                or self.step + 1 >= self.cfg.total_steps):
+            return False  # off, nothing to add, or this step is the job's last
+        step_s = (statistics.fmean(self._short_s) if self._short_s else this_step_s)
+        return ask_early(forecast, step_s, self.lead_in_use())
+
+    def _start_in_background(self, replicas: Sequence[int]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._join_threads is None:
+            self._join_threads = ThreadPoolExecutor(max_workers=4,
+                                                    thread_name_prefix="engine-start")
+        for r in replicas:
+            print(f"rollout replica {r}: its engine starts in the background (a long round"
+                  f" is forecast)", flush=True)
+            self._joining[r] = self._join_threads.submit(self._start_engine, r)
+
+    def _start_engine(self, r: int) -> Any:
+        """Replica r's engine once its pod has joined Ray (None: it has not, or its engine
+        died starting three times)."""
+        assert self.engine_factory is not None
+        if r not in self._offered([r]):
+            print(f"rollout replica {r} is usable but its pod has not joined Ray", flush=True)
+            return None
+        for attempt in range(3):
+            try:
+                return self.engine_factory(r)
+            except _died_errors() as err:
+                # e.g. placed on the pod's previous Ray node just before it was marked
+                # dead (same pod name, same address): try again on the one now offered
+                print(f"rollout replica {r}: its new engine died starting ({attempt + 1}"
+                      f"/3): {str(err).splitlines()[0]}", flush=True)
+                time.sleep(2.0)
+        return None
+
+    def _admit_started(self, usable: Sequence[int], *, wait: bool) -> None:
+        """The engines started in the background that are up (all of them, ``wait``): the
+        learner's weights pushed, then serving; one the plan no longer names is shut down."""
+        from concurrent.futures import wait as wait_all
+
+        if not self._joining:
+            return
+        if wait:
+            wait_all(list(self._joining.values()))
+        started: dict[int, Any] = {}
+        for r, fut in list(self._joining.items()):
+            if not fut.done():
+                continue
+            del self._joining[r]
+            try:
+                eng = fut.result()
+            except Exception as err:  # a failed start is reported, not fatal
+                print(f"rollout replica {r}: its engine failed to start: {err}", flush=True)
+                continue
+            if eng is None:
+                continue
+            if r in usable:
+                started[r] = eng
+            elif hasattr(eng, "shutdown"):
+                eng.shutdown()
+        if started:
+            self._admit(started)
+            now = time.perf_counter()
+            for r in started:
+                if r in self.pool:
+                    self._joined_at[r] = now
+
+    def _abandon_starts(self) -> None:
+        """Background starts no longer wanted: each engine is shut down once it is up."""
+        for r, fut in list(self._joining.items()):
+            del self._joining[r]
+
+            def _down(f: Any, r: int = r) -> None:
+                try:
+                    eng = f.result()
+                except Exception:  # it never started: nothing to shut down
+                    return
+                if eng is not None and hasattr(eng, "shutdown"):
+                    eng.shutdown()
+                print(f"rollout replica {r}: its engine, started for a long round no longer"
+                      f" forecast, is shut down", flush=True)
+
+            fut.add_done_callback(_down)
 
     def _drop_dead(self) -> None:
         """Forgets the engines that died between steps (e.g. with their pod), so that they
@@ -650,6 +797,11 @@ class Driver:
                     print(f"rollout replica {r}: its new engine died starting ({attempt + 1}"
                           f"/3): {str(err).splitlines()[0]}", flush=True)
                     time.sleep(2.0)
+        self._admit(started)
+
+    def _admit(self, started: dict[int, Any]) -> None:
+        """Started engines serve once they hold the learner's weights (those that do not are
+        shut down)."""
         if not started:
             return
         blob, version = self.learner.publish()  # one copy for every joining engine
@@ -670,6 +822,7 @@ class Driver:
                 continue
             self.pool[r] = eng
             self.events.append(("joined", r))
+            self._last_join = time.perf_counter()
             print(f"rollout engine of replica {r} joined at {held}", flush=True)
 
     def _offered(self, want: Sequence[int]) -> set[int]:
@@ -686,6 +839,8 @@ class Driver:
         """Kills the engines beyond the start-up replicas (a long round's): called when the
         long round is over, before the report that lets the operator scale the rollout
         StatefulSet back down, so no pod is deleted under a live engine."""
+        self._abandon_starts()
+        self._joined_at.clear()
         extra = [r for r in sorted(self.pool) if r not in self.base_replicas]
         for r in extra:
             self._forget(r, "released")
@@ -779,7 +934,7 @@ class Driver:
         """Runs until ``cfg.total_steps`` (or ``steps`` more steps); checkpoints every N."""
         end = self.cfg.total_steps if steps is None else min(self.cfg.total_steps,
                                                              self.step + steps)
-        plan = self.controller.wait_ready(self.controller.plan())
+        plan = self._wait_ready(self.controller.plan())
         every = self.cfg.checkpoint_every
         while self.step < end and not self.planner.done and not plan.done:
             rec = self.run_step(plan)
@@ -787,8 +942,17 @@ class Driver:
                 self.on_step(rec)
             if self.checkpoint_dir is not None and self.step % every == 0:
                 self.save_checkpoint()
-            plan = self.controller.wait_ready(self._next_plan)
+            plan = self._wait_ready(self._next_plan)
         return self.records
+
+    def _wait_ready(self, plan: Plan) -> Plan:
+        """The plan once its scale-up is resolved, except for a short round whose scale-up
+        this driver asked ahead of a long round (that round does not wait for it)."""
+        t0 = time.perf_counter()
+        if not (self._asked_early and plan.round_kind is RoundKind.SHORT):
+            plan = self.controller.wait_ready(plan)
+        self._ready_wait_s = time.perf_counter() - t0
+        return plan
 
     # --- evaluation ---------------------------------------------------------------------------
     def evaluate(self, problems: Sequence[Any], temperature: float = 0.0,

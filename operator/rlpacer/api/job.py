@@ -671,6 +671,19 @@ class LongRoundSpec(APIModel):
             "How long a long round waits for extra replicas before it runs on what is ready."
         ),
     )
+    scale_up_lead_seconds: int = Field(
+        default=0, ge=0, le=86_400,
+        description=(
+            "Early scale-up: how far ahead of a coming long round the driver asks for its"
+            " extra replicas (the planner forecasts the round from its filling queue), so"
+            " that their pods are ready and their engines hold the weights when it starts;"
+            " the short rounds in between use the replicas that have joined, and they are"
+            " kept while the next long round is forecast within the lead. This value is used"
+            " until a scale-up has been measured, then the measured time from the request to"
+            " the added engines serving. 0 (the default): no early scale-up; the replicas"
+            " are asked at the report before the long round, which waits for them."
+        ),
+    )
     min_yield_ratio: Annotated[Decimal, DecimalRange(0, 100)] = Field(
         default="0.25",
         description=(

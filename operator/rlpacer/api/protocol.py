@@ -177,6 +177,14 @@ class StepReport(WireModel):
     )
     reward: WireFloat | None = Field(
         default=None, description="Mean reward of the step, if known.")
+    prepare_long_round: bool = Field(
+        default=False, strict=True,
+        description=(
+            "The next round is short, but a long round is forecast within the time its extra"
+            " rollout replicas take to join (tailBatching.longRound.scaleUpLeadSeconds, or as"
+            " measured): the operator scales the rollout up now and the short rounds in"
+            " between do not wait for it. Older trainers never send it (the scale-up is then"
+            " asked at the report before the long round)."))
 
 
 class RolloutCapacity(WireModel):

@@ -220,8 +220,9 @@ class ScaleAction(APIModel):
     to_replicas: int = Field(
         ge=0, json_schema_extra=_most(INT32_MAX), description="Replicas after.")
     reason: str = Field(max_length=64, description=(
-        "LongRound, ScaleUpTimedOut, LongRoundDone or PolicyClamped (a policy tightened"
-        " while the scale-up was pending)."))
+        "LongRound, EarlyScaleUp (a long round forecast within its replicas' join time),"
+        " ScaleUpTimedOut, LongRoundDone or PolicyClamped (a policy tightened while the"
+        " scale-up was pending)."))
     step: int = Field(
         ge=0, json_schema_extra=_most(MAX_STEPS), description="The step the action was for.")
 

@@ -350,6 +350,20 @@ class _Round:
         self.deferred: list[int] = []
 
 
+#: Short rounds whose queue growth the long-round forecast averages.
+FORECAST_ROUNDS = 8
+
+
+def ask_early(rounds_until_long: int | None, short_step_s: float, lead_s: float) -> bool:
+    """Whether to ask for a long round's extra replicas now, ahead of the report before it:
+    the round is forecast ``rounds_until_long`` short rounds away (each ``short_step_s``) and
+    its replicas take ``lead_s`` to join; waiting one more report would leave them less than
+    that. ``lead_s`` 0: never (the scale-up is asked only when the next round is long)."""
+    if rounds_until_long is None or rounds_until_long < 1 or lead_s <= 0:
+        return False
+    return (rounds_until_long - 1) * max(0.0, short_step_s) < lead_s
+
+
 class TailBatchingPlanner:
     """Race-to-finish round planner; see the module docstring."""
 
@@ -373,6 +387,9 @@ class TailBatchingPlanner:
         self._gate = OverprovisionGate(cfg)
         self._yield = LongRoundYield(cfg.yield_config())
         self._retired = 0  # prompts whose due long round was retired (not trained)
+        #: prompts each of the last short rounds added to the queue (deferred and routed):
+        #: the forecast of the next long round (:meth:`rounds_until_long`)
+        self._queued_recent: list[int] = []
 
     # --- views ----------------------------------------------------------------------------
     @property
@@ -458,6 +475,31 @@ class TailBatchingPlanner:
         if self._queue and (len(self._queue) >= p0 or self._position >= self._n):
             return RoundKind.LONG
         return RoundKind.SHORT
+
+    def rounds_until_long(self) -> int | None:
+        """A forecast: how many short rounds run before the next long round (0: the next
+        round is long). The queue grows by what the last short rounds added to it (their
+        mean, over the last ``FORECAST_ROUNDS``) until it holds P0 prompts, or the epoch's
+        fresh prompts run out (the flush) with prompts queued. None: no long round is
+        foreseen (tail batching off, the job done, or nothing queued lately and none
+        queued). The driver times a long round's scale-up with it; nothing here depends
+        on it."""
+        if not self._cfg.enabled or self.done:
+            return None
+        if self.next_round_kind is RoundKind.LONG:
+            return 0
+        p0 = self._cfg.prompts_per_step
+        q = len(self._queue)
+        rate = (sum(self._queued_recent) / len(self._queued_recent)
+                if self._queued_recent else 0.0)
+        out: list[int] = []
+        if rate > 0:
+            out.append(max(1, math.ceil((p0 - q) / rate - 1e-9)))
+        if q > 0 or rate > 0:
+            # each short round takes its launched prompts from the epoch's fresh ones
+            launched = self._cfg.launched_prompts if self.overprovision_next else p0
+            out.append(max(1, math.ceil((self._n - self._position) / launched)))
+        return min(out) if out else None
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The data order of ``epoch`` (deterministic in the seed)."""
@@ -597,6 +639,8 @@ class TailBatchingPlanner:
             self._position += len(plan.prompts) + len(plan.routed)
             self._queue.extend(plan.routed)
             self._queue.extend(rnd.deferred)
+            added = len(plan.routed) + len(rnd.deferred)
+            self._queued_recent = [*self._queued_recent, added][-FORECAST_ROUNDS:]
             lengths = [n for p in rnd.complete_order for n in rnd.runs[p].lengths]
             known = [n for n in lengths if n is not None]
             if self._cfg.enabled and len(known) == len(lengths):
@@ -674,6 +718,7 @@ class TailBatchingPlanner:
             "gate": self._gate.state_dict(),
             "yield": self._yield.state_dict(),
             "retired": self._retired,
+            "queued_recent": list(self._queued_recent),
         }
 
     @classmethod
@@ -696,6 +741,9 @@ class TailBatchingPlanner:
             # versions 1-2 kept no yields (their config has min_yield_ratio 0: none retired)
             planner._yield = LongRoundYield.from_state_dict(state.get("yield"), cfg.yield_config())
             planner._retired = int(state.get("retired", 0))
+            # older states kept no forecast: it starts over (it only times a scale-up)
+            planner._queued_recent = [int(x) for x in state.get("queued_recent", [])
+                                      ][-FORECAST_ROUNDS:]
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"cannot restore TailBatchingPlanner: {exc!r}") from exc
         n = planner._n

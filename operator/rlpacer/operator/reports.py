@@ -154,10 +154,11 @@ def accept_report(
     # what stays is released with the job's end.
     done = cp.step >= spec.steps
     events: list[Event] = []
+    prepare = report.prepare_long_round and not done
     if not (done and cp.round_kind is RoundKind.LONG):
         rollout, actions, events = scaler.plan_round(
             st.rollout, spec, cp.round_kind, cp.step, now,
-            long_target=None if lim is None else lim.long_round_replicas)
+            long_target=None if lim is None else lim.long_round_replicas, prepare=prepare)
         st.rollout = rollout
         record_scale_actions(st, actions)
     st.controller_state = new_state

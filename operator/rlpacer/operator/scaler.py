@@ -51,14 +51,18 @@ def long_replicas(spec: RLTrainingJobSpec) -> int:
 
 def plan_round(
     rollout: RolloutStatus, spec: RLTrainingJobSpec, next_kind: RoundKind, step: int,
-    now: datetime, long_target: int | None = None,
+    now: datetime, long_target: int | None = None, prepare: bool = False,
 ) -> tuple[RolloutStatus, list[ScaleAction], list[Event]]:
     """Desired capacity for the next round (called when a report is accepted).
 
     ``long_target``: a long round's replicas when a policy clamps them (default: the spec's).
+    ``prepare``: the report forecasts a long round within its replicas' join time (an early
+    scale-up: the long round's capacity now, though the next round is short; held while the
+    reports keep saying so).
     """
     long_r = long_replicas(spec) if long_target is None else long_target
-    target = long_r if next_kind is RoundKind.LONG else short_replicas(spec)
+    early = prepare and next_kind is not RoundKind.LONG
+    target = long_r if next_kind is RoundKind.LONG or early else short_replicas(spec)
     cur = rollout.desired_replicas
     t = fmt_time(now)
     if target > cur:
@@ -70,12 +74,16 @@ def plan_round(
             "scale_up_started_at": None if ready else t,
         })
         action = ScaleAction(time=t, from_replicas=cur, to_replicas=target,
-                             reason="LongRound", step=step)
+                             reason="EarlyScaleUp" if early else "LongRound", step=step)
         clamped = (f" (clamped from {long_replicas(spec)} by the namespace's policy)"
                    if target < long_replicas(spec) else "")
+        what = ("a long round is forecast within its replicas' join time" if early
+                else f"step {step} is a long round")
         ev = Event("Normal", "ScalingUp",
-                   f"step {step} is a long round: rollout replicas {cur} -> {target}{clamped}")
+                   f"{what}: rollout replicas {cur} -> {target}{clamped}")
         return new, [action], [ev]
+    if early and target == cur:
+        return rollout, [], []  # held for the forecast long round (pending or ready)
     if target < cur or (next_kind is RoundKind.SHORT and rollout.state != RolloutState.READY):
         update: dict[str, Any] = {
             "desired_replicas": target, "state": RolloutState.READY.value,

@@ -5,7 +5,8 @@ long round.
 
 ``python -m rlpacer.testing.plan_server JOB_YAML ADDRESS PORT STATE_DIR [MODE]``. It talks to
 the test through files in STATE_DIR. MODE ``elastic`` (default): it writes ``scale-up`` when a
-report asks for a long round (the test then starts the rollout-1 pod) and waits for
+report asks for a long round, next or forecast (``prepareLongRound``; the test then starts the
+rollout-1 pod) and waits for
 ``rollout-1-ready`` (the test writes it) before the plan says Ready with ``usableReplicas``
 [0, 1]; after the long round it writes ``scale-down`` (the test then deletes the pod). MODE
 ``single``: one replica throughout, long rounds included (the fixed small pool: the baseline
@@ -83,7 +84,10 @@ class Elastic:
             self.paused = True
             (self.state / "paused").write_text("0")
         was = self.long
-        self.long = r.next_round_kind is RoundKind.LONG
+        # a long round next, or one forecast within its replica's join time (asked early:
+        # the operator's scaler scales up for either)
+        self.long = (r.next_round_kind is RoundKind.LONG
+                     or (r.prepare_long_round and self.mode == "elastic"))
         if self.long and not was and self.mode in ("elastic", "timeout-gap"):
             (self.state / "scale-up").write_text(str(r.step))
         if was and not self.long:

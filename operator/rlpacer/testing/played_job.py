@@ -51,17 +51,21 @@ PODS: dict[str, contract.Role] = {
 
 
 def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: int = 4,
-                   max_tokens: int | None = None) -> None:
+                   max_tokens: int | None = None, lead_s: int = 0) -> None:
     """The tiny example job: ``prompts`` per step and twice as many raced for their places
     (the slowest half deferred), so step 1 is a long round on ``longRound.rolloutReplicas``
-    = 2."""
+    = 2. ``lead_s`` > 0 (early scale-up, ``scaleUpLeadSeconds``): one prompt more than
+    ``prompts`` raced, so each short round defers one; with 4 prompts the report after
+    step 0 forecasts the long round at step 4 and asks for its replica then."""
     doc = yaml.safe_load((repo_root() / EXAMPLE).read_text())
     spec = doc["spec"]
     spec["rollout"]["replicas"] = replicas
     if max_tokens is not None:
         spec["rollout"]["maxResponseTokens"] = max_tokens
     spec["tailBatching"]["longRound"]["rolloutReplicas"] = 2
-    spec["tailBatching"]["promptOverprovision"] = "2"
+    spec["tailBatching"]["promptOverprovision"] = (str((prompts + 1) / prompts) if lead_s
+                                                   else "2")
+    spec["tailBatching"]["longRound"]["scaleUpLeadSeconds"] = lead_s
     spec["tailBatching"]["activation"] = "Always"  # race every short round (step 1 long)
     spec["algorithm"]["dynamicSampling"] = False
     spec["steps"] = steps
@@ -248,19 +252,22 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
                    max_tokens: int | None = None) -> LongRoundRun:
     """Runs the tiny job (:func:`write_manifest`) on played hosts to its end. ``elastic``:
     rollout-1's pod is created when the operator scales up for the long round and deleted
-    when it scales down; ``single``: the long round runs on rollout-0 alone; ``timeout-gap``:
-    the scale-up to 3 brings up only rollout-2 and times out (usable [0, 2])."""
-    if mode not in ("elastic", "single", "timeout-gap"):
-        raise ValueError(f"mode {mode!r}: expected elastic, single or timeout-gap")
+    when it scales down; ``early``: as ``elastic`` with an early scale-up (a 60 s lead: the
+    report after step 0 asks for rollout-1, the long round is step 4); ``single``: the long
+    round runs on rollout-0 alone; ``timeout-gap``: the scale-up to 3 brings up only
+    rollout-2 and times out (usable [0, 2])."""
+    if mode not in ("elastic", "early", "single", "timeout-gap"):
+        raise ValueError(f"mode {mode!r}: expected elastic, early, single or timeout-gap")
     tmp.mkdir(parents=True, exist_ok=True)
-    write_manifest(tmp / "job.yaml", steps=steps, prompts=prompts, max_tokens=max_tokens)
+    write_manifest(tmp / "job.yaml", steps=steps, prompts=prompts, max_tokens=max_tokens,
+                   lead_s=60 if mode == "early" else 0)
     with PlayedJob(tmp) as job:
-        job.start_operator(mode)
+        job.start_operator("elastic" if mode == "early" else mode)
         job.start_head()
         for name in ("learner-0", "rollout-0", "driver"):
             job.start(name)
         scaled_at: float | None = None
-        if mode == "elastic":
+        if mode in ("elastic", "early"):
             # the operator scales up for the long round: rollout-1's pod starts only now
             if not job.wait_file("scale-up"):
                 raise PlayedJobFailed("no long round:\n" + job.logs_text())
@@ -284,12 +291,12 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
         while not (job.state / "scale-down").exists():
             if job.procs["driver"].poll() is not None or time.monotonic() > deadline:
                 raise PlayedJobFailed("the long round never ended:\n" + job.logs_text())
-            if mode == "elastic":
+            if mode in ("elastic", "early"):
                 seen.update(job.host_cpu("rollout-1", ENGINE_PROCESS))
             time.sleep(0.2)
         scaled = None if scaled_at is None else time.monotonic() - scaled_at
         added_cpu = None
-        if mode == "elastic":
+        if mode in ("elastic", "early"):
             added_cpu = float(sum(seen.values()))
             job.delete("rollout-1")
         elif mode == "timeout-gap":

@@ -158,6 +158,7 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "tailBatching.longRound.rolloutReplicas": (3, None),
     "tailBatching.longRound.scaleUpTimeoutSeconds": (30, None),  # the scenario waits 61 s
     "tailBatching.longRound.minYieldRatio": ("0", None),
+    "tailBatching.longRound.scaleUpLeadSeconds": (90, None),
     "tailBatching.lengthPrior.route": (True, None),
     "tailBatching.lengthPrior.routeQuantile": ("0.9", {"tailBatching": {
         "longRound": {"rolloutReplicas": 2}, "lengthPrior": {"route": True}}}),
@@ -371,6 +372,7 @@ def _trainer(spec: Any) -> dict[str, Any]:
             "overlong_scale": cfg.overlong_scale, "planner": _plain(cfg.planner_config()),
             "planner_epochs": cfg.planner_epochs(),
             "route_quantile": cfg.route_quantile, "length_dispatch": cfg.length_dispatch,
+            "scale_up_lead_s": cfg.scale_up_lead_s,
             "controller": _plain(cfg.controller_config()),
             "checkpoint_every": cfg.checkpoint_every,
             "model_path": str(cfg.model_path),

@@ -162,3 +162,56 @@ def test_a_long_last_step_asks_for_no_more_capacity_and_gives_back_what_the_driv
             await close()
 
     run(body)
+
+
+def test_an_early_scale_up_holds_through_short_rounds_and_never_outlives_the_job() -> None:
+    """A report whose next round is short but that asks ahead (``prepareLongRound``) scales
+    the rollout up at once (an EarlyScaleUp action and Event), and the plan's short round is
+    ScalingUp without a long round begun; reports that keep asking hold the capacity without
+    a new action; the long round then uses it; one that stops asking scales back down. The
+    last step's report never scales up, asking or not. An older trainer's report (no field)
+    scales nothing up before the long round."""
+
+    async def body() -> None:
+        fk = FakeKube()
+        add_job(fk, "job", {**SPEC, "steps": 6})
+        env, close = await open_env(fk)
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            await env.jobs.reconcile(rt)
+            g = (await env.plan("job"))["groupSize"]
+            _, plan = await env.post("job", report(0, g, 20))
+            assert plan["rollout"]["desiredReplicas"] == 1  # an older trainer: no field
+            _, plan = await env.post("job", {**report(1, plan["groupSize"], 20),
+                                             "prepareLongRound": True})
+            assert plan["roundKind"] == "Short" and plan["rollout"]["desiredReplicas"] == 3
+            assert plan["rollout"]["state"] == "ScalingUp", plan
+            st = env.status("job")
+            assert [(a["reason"], a["step"]) for a in st["scaleActions"]] == [
+                ("EarlyScaleUp", 2)]
+            assert st.get("longRounds", 0) == 0  # no long round begun
+            await env.jobs.reconcile(rt)
+            sts = env.fk.objects[object_path(
+                "apps/v1", "statefulsets", NS, names.statefulset("job", contract.Role.ROLLOUT))]
+            assert sts["spec"]["replicas"] == 3
+            _, plan = await env.post("job", {**report(2, plan["groupSize"], 20, nxt="Long"),
+                                             "prepareLongRound": False})
+            assert plan["rollout"]["desiredReplicas"] == 3
+            _, plan = await env.post("job", {**report(3, plan["groupSize"], 20, kind="Long"),
+                                             "prepareLongRound": True})
+            assert plan["rollout"]["desiredReplicas"] == 3  # held: asked ahead again
+            _, plan = await env.post("job", report(4, plan["groupSize"], 20))
+            assert plan["rollout"]["desiredReplicas"] == 1  # not asked: back down
+            code, plan = await env.post("job", {**report(5, plan["groupSize"], 20),
+                                                "prepareLongRound": True})
+            assert code == 200 and plan["done"] and plan["rollout"]["desiredReplicas"] == 1
+            st = env.status("job")
+            assert [(a["reason"], a["step"]) for a in st["scaleActions"]] == [
+                ("EarlyScaleUp", 2), ("LongRoundDone", 5)], st["scaleActions"]
+            ups = [e["message"] for e in env.fk.of_kind("events") if e["reason"] == "ScalingUp"]
+            assert len(ups) == 1 and "forecast" in ups[0], ups
+        finally:
+            await close()
+
+    run(body)
