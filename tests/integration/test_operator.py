@@ -485,6 +485,40 @@ def test_long_round_scales_up_kwok_runs_then_scales_down(
     print(f"long-round scale-up to Ready took {scale_up_s:.1f}s")
 
 
+def test_an_early_scale_up_is_ready_before_its_long_round(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    """A report whose next round is short asks ahead (``prepareLongRound``): the StatefulSet
+    scales up at once while the plan's round stays short (ScalingUp, no long round begun), its
+    pods come up on the KWOK nodes, and the long round's plan is Ready the moment it is asked
+    for; the report after it, no longer asking, scales back down."""
+    apply(cluster, small_job("early", namespace))
+    drv = Driver(operator, namespace, "early", token(cluster, namespace, "early"))
+    wait(cluster, lambda: (_sts(cluster, namespace, "early").get("status") or {})
+         .get("readyReplicas") == 1, "rollout replica 1 ready", 90)
+    g = drv.plan()["groupSize"]
+    code, plan = drv.post({**report(0, g, 150.0), "prepareLongRound": True})
+    assert code == 200 and plan["roundKind"] == "Short", plan
+    assert plan["rollout"]["desiredReplicas"] == 3 and plan["rollout"]["state"] == "ScalingUp"
+    wait(cluster, lambda: _sts(cluster, namespace, "early")["spec"]["replicas"] == 3,
+         "scaled up ahead of the long round")
+    wait(cluster, lambda: drv.plan()["rollout"]["state"] == "Ready", "the capacity ready", 60)
+    assert status(cluster, namespace, "early").get("longRounds", 0) == 0
+    code, plan = drv.post({**report(1, drv.plan()["groupSize"], 150.0, nxt="Long")})
+    assert plan["roundKind"] == "Long" and plan["rollout"]["state"] == "Ready", plan
+    assert plan["rollout"]["desiredReplicas"] == 3
+    code, plan = drv.post(report(2, plan["groupSize"], 400.0, kind="Long"))
+    assert plan["roundKind"] == "Short" and plan["rollout"]["desiredReplicas"] == 1
+    wait(cluster, lambda: _sts(cluster, namespace, "early")["spec"]["replicas"] == 1,
+         "scaled down")
+    st = status(cluster, namespace, "early")
+    assert [(a["reason"], a["step"]) for a in st["scaleActions"]] == [
+        ("EarlyScaleUp", 1), ("LongRoundDone", 3)], st["scaleActions"]
+    ups = [e["message"] for e in kube_events(cluster, namespace, "early")
+           if e["reason"] == "ScalingUp"]
+    assert ups and "forecast" in ups[0], ups
+
+
 def test_gpus_short_scale_up_times_out_and_scales_back(
     cluster: LocalCluster, operator: OperatorProc, namespace: str
 ) -> None:
