@@ -478,8 +478,9 @@ class TailBatchingPlanner:
 
     def rounds_until_long(self) -> int | None:
         """A forecast: how many short rounds run before the next long round (0: the next
-        round is long). The queue grows by what the last short rounds added to it (their
-        mean, over the last ``FORECAST_ROUNDS``) until it holds P0 prompts, or the epoch's
+        round is long). The queue grows by what the last full short rounds added to it
+        (their mean, over the last ``FORECAST_ROUNDS``; an epoch's last, short of fresh
+        prompts, is not counted) until it holds P0 prompts, or the epoch's
         fresh prompts run out (the flush) with prompts queued. None: no long round is
         foreseen (tail batching off, the job done, or nothing queued lately and none
         queued). The driver times a long round's scale-up with it; nothing here depends
@@ -492,14 +493,21 @@ class TailBatchingPlanner:
         q = len(self._queue)
         rate = (sum(self._queued_recent) / len(self._queued_recent)
                 if self._queued_recent else 0.0)
-        out: list[int] = []
+        # each short round takes its launched prompts from the epoch's fresh ones; the last,
+        # with fewer left, keeps all it launches (queues none); then the queue is flushed
+        launched = self._cfg.launched_prompts if self.overprovision_next else p0
+        fresh = self._n - self._position
+        full_left, partial = divmod(fresh, launched)
         if rate > 0:
-            out.append(max(1, math.ceil((p0 - q) / rate - 1e-9)))
-        if q > 0 or rate > 0:
-            # each short round takes its launched prompts from the epoch's fresh ones
-            launched = self._cfg.launched_prompts if self.overprovision_next else p0
-            out.append(max(1, math.ceil((self._n - self._position) / launched)))
-        return min(out) if out else None
+            need = max(1, math.ceil((p0 - q) / rate - 1e-9))
+            if need <= full_left:
+                return need
+        rounds_to_end = full_left + (1 if partial else 0)
+        if q + full_left * rate > 0:
+            return max(1, rounds_to_end)  # the epoch's flush
+        if rate > 0 and self._epoch + 1 < self._epochs:
+            return rounds_to_end + max(1, math.ceil(p0 / rate - 1e-9))  # the next epoch's
+        return None
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The data order of ``epoch`` (deterministic in the seed)."""
@@ -639,8 +647,13 @@ class TailBatchingPlanner:
             self._position += len(plan.prompts) + len(plan.routed)
             self._queue.extend(plan.routed)
             self._queue.extend(rnd.deferred)
-            added = len(plan.routed) + len(rnd.deferred)
-            self._queued_recent = [*self._queued_recent, added][-FORECAST_ROUNDS:]
+            cfg = self._cfg
+            full = cfg.launched_prompts if plan.overprovisioned else cfg.prompts_per_step
+            if len(plan.prompts) >= full:
+                # a full round (an epoch's last, with fewer fresh prompts, keeps them all
+                # and queues none: not the rate of the rounds to come)
+                added = len(plan.routed) + len(rnd.deferred)
+                self._queued_recent = [*self._queued_recent, added][-FORECAST_ROUNDS:]
             lengths = [n for p in rnd.complete_order for n in rnd.runs[p].lengths]
             known = [n for n in lengths if n is not None]
             if self._cfg.enabled and len(known) == len(lengths):

@@ -21,9 +21,10 @@ run. ``--ablations`` adds ``sagc_tail_feed`` (long rounds feed SAGC) to measure 
 Straggler rates are measured on every step with the scenario's ``tau`` (one definition for
 all policies); bubble fraction is time-weighted over rollout phases (rlpacer.sim.cost).
 
-**Elastic long rounds** (the second table). Every policy also reports three rollout set-ups,
-computed from the same schedule (the same rounds, prompts, G and kept responses: a long round
-keeps every response, and nothing in the planner or controller depends on a round's timing):
+**Elastic long rounds** (the second and third tables). Every policy also reports four rollout
+set-ups, computed from the same schedule (the same rounds, prompts, G and kept responses: a
+long round keeps every response, and nothing in the planner or controller depends on a
+round's timing):
 
     small pool   ``engines`` replicas for every round, long rounds included
     large pool   ``long_round_engines`` replicas held all run; short rounds still run on
@@ -36,10 +37,27 @@ keeps every response, and nothing in the planner or controller depends on a roun
                  step: reward, train and sync included). Replicas ready at the round's start
                  (``scale_up_s`` 0, or a second consecutive long round) spread it like the
                  large pool does.
+    early        elastic with the trainer's early scale-up: the extra replicas are asked at the
+                 first report where ``tail_batching.ask_early(rounds_until_long, short_step_s,
+                 scale_up_s)`` holds (the planner's forecast read after the step's commit, as
+                 the driver does; ``short_step_s`` the mean of the last 8 short steps' seconds
+                 on this set-up's clock, this step's when none; never at the job's last step),
+                 or at the report before a long round at the latest. They are kept while the
+                 next round is long or the report asks early, and released at the first report
+                 where neither holds. A long round whose request came at least ``scale_up_s``
+                 before its start runs on all of them from the start (as the large pool);
+                 otherwise they join ``scale_up_s`` after the request, mid-round, as in
+                 elastic. Held through short rounds, they idle here: short rounds run on
+                 ``engines`` in every set-up, so the schedule stays the same (the driver does
+                 use joined extras in short rounds, which this model does not credit).
 
 Rollout GPU-seconds = sum over replicas of the time held x ``gpus_per_engine``, per trained
 prompt (every policy trains the same prompts). Without tail batching there are no long rounds
-and the operator keeps ``rollout.replicas`` (``scaler.long_replicas``): the three coincide.
+and the operator keeps ``rollout.replicas`` (``scaler.long_replicas``): the four coincide.
+The third table gives each set-up's long rounds' rollout seconds and early against the small
+and large pools, with the issue's targets against the small pool: the long rounds' rollout
+cut by at least 25%, at most 1.2x the small pool's rollout GPU-seconds, the whole run at least
+10% faster (``waited``: long rounds that started before early's extras were ready).
 Not modelled: the scale-up timeout (``scaleUpTimeoutSeconds``, 300 s in the example, above the
 default latency), a longer weight sync with more engines, and GPUs the cluster lacks.
 
@@ -74,6 +92,25 @@ take: elastic pays 1.4x the small pool's GPU-seconds for its wall clock. Replica
 cannot shorten one sequence's decode; lower per-token latency (larger tensor parallelism for
 long rounds, as RollPacker does) can. With ``--scale-up-s 0`` elastic equals the large pool's
 wall clock (0.978x the small pool's) at 0.69x its GPU-seconds; at 30 s, 0.998x the small pool.
+
+Early scale-up (the third table; long rounds' rollout seconds, early against both pools)::
+
+    policy       long-round rollout s      early/small              early/large    asks  waited
+                 small large elast early   long   wall   GPU-s      wall   GPU-s
+    tail8        3984  3692  3984  3692    0.927x 0.978x 1.655x     1.000x 0.846x    80    0/40
+    sagc_tail    3975  3705  3975  3729    0.938x 0.981x 1.683x     1.002x 0.859x    87    6/40
+
+The forecast has the extra replicas there when tail8's 40 long rounds start (sagc_tail's: 34,
+the other 6 join 1-19 s in), so early's long rounds run as on the large pool, where elastic's
+do not gain at all; but the large pool itself cuts the long rounds' rollout by only 7%. A
+short step takes ~50 s, under the 90 s lead, so the request comes when two short rounds remain
+and the extras are held through them and the long round's step: 2.5 of the run's 3.7 hours,
+idle in short rounds here, 1.66x the small pool's rollout GPU-seconds (0.85x the large
+pool's) for a 2% shorter run.
+The issue's targets against the small pool (long rounds' rollout at most 0.75x, rollout GPU-s
+at most 1.2x, the whole run at most 0.90x) are all missed, on seeds 0-2 and on the DAPO trace
+(docs/benchmarks.md): no set-up of replica counts reaches them while a long round lasts as long
+as its longest response.
 """
 
 from __future__ import annotations
@@ -82,6 +119,7 @@ import argparse
 import copy
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -103,6 +141,7 @@ from rlpacer.control.tail_batching import (
     RoundKind,
     TailBatchingConfig,
     TailBatchingPlanner,
+    ask_early,
 )
 from rlpacer.sim.rollout import RoundSimulator
 from rlpacer.sim.trace import TraceWorkload, load_trace, split_half_calibration, trace_scenario
@@ -113,6 +152,15 @@ POLICY_NAMES = ("fixed4", "fixed8", "fixed16", "sagc", "tail8", "sagc_tail")
 # at least 25% fewer rollout GPU-seconds.
 TARGET_WALL_SLACK = 0.10
 TARGET_GPU_SAVING = 0.25
+# The issue's targets for elastic long rounds against the small pool, read on the early set-up
+# (the trainer's scheme): the long rounds' rollout seconds cut by at least 25%, at no more than
+# 1.2x the small pool's rollout GPU-seconds, the whole run at least 10% faster.
+EARLY_TARGET_LONG_CUT = 0.25
+EARLY_TARGET_GPU_MAX = 1.2
+EARLY_TARGET_WALL_CUT = 0.10
+SHORT_STEPS_MEAN = 8
+"""Short steps whose mean seconds time an early ask (the driver's window)."""
+SETUPS = ("small", "large", "elastic", "early")
 
 
 @dataclass(frozen=True)
@@ -186,6 +234,20 @@ class PolicyRun:
     scale_ups: int = 0
     extra_held_s: float = 0.0
     """Elastic: seconds the extra replicas were held (requested until released)."""
+    rollout_s_large: list[float] = field(default_factory=list)
+    rollout_s_elastic: list[float] = field(default_factory=list)
+    # Early scale-up (module doc): the elastic scheme with the request at the report the
+    # forecast chooses (tail_batching.ask_early).
+    step_s_early: list[float] = field(default_factory=list)
+    rollout_s_early: list[float] = field(default_factory=list)
+    join_s_early: list[float | None] = field(default_factory=list)
+    """As ``join_s``, for the early set-up."""
+    asked_early: list[bool] = field(default_factory=list)
+    """Per step: the early set-up's report asked ahead of a forecast long round."""
+    early_scale_ups: int = 0
+    early_held_s: float = 0.0
+    """Early: seconds the extra replicas were held (requested until released)."""
+    early_moved: int = 0
     moved: int = 0
     routed: int = 0
     """Prompts the length prior routed straight to long rounds."""
@@ -193,20 +255,31 @@ class PolicyRun:
     """The length prior's calibration at the end (policies that use it)."""
 
     def setups(self) -> dict[str, Any]:
-        """Small pool, large pool, elastic: wall clock and rollout GPU-seconds, with ratios."""
+        """Small pool, large pool, elastic and early: wall clock and rollout GPU-seconds, the
+        long rounds' rollout seconds, with ratios."""
         gpus, prompts = self.gpus_per_replica, max(1, self.prompts_trained)
         small, large = float(sum(self.step_s)), float(sum(self.step_s_large))
-        elastic = float(sum(self.step_s_elastic))
+        elastic, early = float(sum(self.step_s_elastic)), float(sum(self.step_s_early))
         extra = self.long_replicas - self.short_replicas
         gpu_s = {
             "small": self.short_replicas * gpus * small,
             "large": self.long_replicas * gpus * large,
             "elastic": gpus * (self.short_replicas * elastic + extra * self.extra_held_s),
+            "early": gpus * (self.short_replicas * early + extra * self.early_held_s),
         }
-        walls = {"small": small, "large": large, "elastic": elastic}
+        walls = {"small": small, "large": large, "elastic": elastic, "early": early}
         replicas = {
             "small": self.short_replicas, "large": self.long_replicas,
-            "elastic": self.long_replicas,
+            "elastic": self.long_replicas, "early": self.long_replicas,
+        }
+        rollouts = {
+            "small": self.rollout_s, "large": self.rollout_s_large,
+            "elastic": self.rollout_s_elastic, "early": self.rollout_s_early,
+        }
+        long_s = {
+            k: float(sum(r for r, kind in zip(rollouts[k], self.kind, strict=True)
+                         if kind == RoundKind.LONG.value))
+            for k in SETUPS
         }
         out: dict[str, Any] = {
             k: {
@@ -214,15 +287,27 @@ class PolicyRun:
                 "wall_clock_s": walls[k],
                 "rollout_gpu_s": gpu_s[k],
                 "rollout_gpu_s_per_prompt": gpu_s[k] / prompts,
+                "long_round_rollout_s": long_s[k],
             }
-            for k in ("small", "large", "elastic")
+            for k in SETUPS
         }
+        longs = [k == RoundKind.LONG.value for k in self.kind]
         out["elastic"].update(
             scale_up_s=self.scale_up_s,
             scale_ups=self.scale_ups,
             extra_replica_held_s=self.extra_held_s,
             long_rounds_joined=sum(1 for j in self.join_s if j is not None and j > 0),
             requests_moved=self.moved,
+            long_rounds_waited=_waited(self.join_s, longs, extra),
+        )
+        out["early"].update(
+            scale_up_s=self.scale_up_s,
+            scale_ups=self.early_scale_ups,
+            extra_replica_held_s=self.early_held_s,
+            long_rounds_joined=sum(1 for j in self.join_s_early if j is not None and j > 0),
+            requests_moved=self.early_moved,
+            long_rounds_waited=_waited(self.join_s_early, longs, extra),
+            reports_asked_early=sum(self.asked_early),
         )
         for base in ("large", "small"):
             out[f"elastic_vs_{base}"] = {
@@ -234,6 +319,15 @@ class PolicyRun:
             vs["wall_ratio"] <= 1.0 + TARGET_WALL_SLACK
             and vs["gpu_s_ratio"] <= 1.0 - TARGET_GPU_SAVING
         )
+        for base in ("small", "large"):
+            out[f"elastic_vs_{base}"]["long_round_rollout_ratio"] = _ratio(
+                long_s["elastic"], long_s[base])
+            out[f"early_vs_{base}"] = {
+                "wall_ratio": early / walls[base],
+                "gpu_s_ratio": gpu_s["early"] / gpu_s[base],
+                "long_round_rollout_ratio": _ratio(long_s["early"], long_s[base]),
+            }
+        out["early_targets"] = _early_targets(out["early_vs_small"])
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -257,6 +351,31 @@ class PolicyRun:
             "routed_prompts": self.routed,
             **({"length_prior": self.prior} if self.prior is not None else {}),
         }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b; None when b is 0 (no long rounds)."""
+    return a / b if b > 0 else None
+
+
+def _waited(join_s: list[float | None], longs: list[bool], extra: int) -> int:
+    """Long rounds whose extra replicas were not there at their start."""
+    if extra <= 0:
+        return 0
+    return sum(1 for j, long in zip(join_s, longs, strict=True) if long and (j is None or j > 0))
+
+
+def _early_targets(vs_small: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets against the small pool (None: no long rounds, not applicable)."""
+    long_ratio = vs_small["long_round_rollout_ratio"]
+    if long_ratio is None:
+        return {"long_rounds": None, "gpu_s": None, "wall": None, "met": None}
+    out = {
+        "long_rounds": bool(long_ratio <= 1.0 - EARLY_TARGET_LONG_CUT),
+        "gpu_s": bool(vs_small["gpu_s_ratio"] <= EARLY_TARGET_GPU_MAX),
+        "wall": bool(vs_small["wall_ratio"] <= 1.0 - EARLY_TARGET_WALL_CUT),
+    }
+    return {**out, "met": all(out.values())}
 
 
 def _sagc_config(
@@ -324,6 +443,9 @@ def run_policy(
 
     t_elastic = 0.0  # the elastic set-up's clock at the step's start
     held_since: float | None = None  # when the elastic extra replicas were requested
+    t_early = 0.0  # the early set-up's clock at the step's start
+    early_since: float | None = None  # when the early set-up's extra replicas were requested
+    short_early: list[float] = []  # the early set-up's short steps' seconds (the last 8)
     plan = jc.plan()
     step = 0
     while not planner.done:
@@ -336,6 +458,7 @@ def run_policy(
         )
         drawn[rp.epoch, rp.prompts] += rp.responses_per_prompt
         long_round = rp.kind is RoundKind.LONG and extra > 0
+        early_at = 0.0  # seconds into the round when the early set-up's extras are ready
         if long_round:
             # A long round keeps every response, so the planner's decisions do not depend on
             # timing: the large and elastic runs drive copies and keep the same responses.
@@ -343,6 +466,11 @@ def run_policy(
             if held_since is None:  # the report before this round asked for the scale-up
                 held_since = t_elastic
                 out.scale_ups += 1
+            if early_since is None:  # never: the report before a long round holds them
+                early_since = t_early
+                out.early_scale_ups += 1
+            early_at = early_since + scn.scale_up_s - t_early
+            early_planner = copy.deepcopy(planner) if early_at > 0.0 else None
         work = None
         if prior is not None and pol.dispatch:
             work = [rp.responses_per_prompt * math.exp(prior.predict(p).level)
@@ -362,7 +490,23 @@ def run_policy(
                 )
                 join = join_at
                 out.moved += oc_elastic.moved
-            for other in (oc_large, oc_elastic):
+        oc_early, join_early = oc_elastic, join
+        if long_round:
+            if early_at <= 0.0:  # asked at least scale_up_s ahead: there from the start
+                oc_early, join_early = oc_large, 0.0
+            elif early_at == join:  # asked at the same report, relative to the round
+                pass
+            elif early_at < oc.rollout_s:
+                assert early_planner is not None
+                oc_early = sim.run(
+                    early_planner, rp.prompts, lengths, join_engines=extra, join_at=early_at
+                )
+                join_early = early_at
+            else:  # the round ends before they are ready
+                oc_early, join_early = oc, None
+            if join_early is not None and join_early > 0:
+                out.early_moved += oc_early.moved
+            for other in (oc_large, oc_elastic, oc_early):
                 if sorted(other.kept_lengths) != sorted(oc.kept_lengths):
                     raise RuntimeError("a long round kept different responses on another pool")
         res = planner.finish_round()
@@ -409,11 +553,35 @@ def run_policy(
         out.step_s_large.append(oc_large.rollout_s + rest)
         out.step_s_elastic.append(oc_elastic.rollout_s + rest)
         out.join_s.append(join)
+        out.rollout_s_large.append(oc_large.rollout_s)
+        out.rollout_s_elastic.append(oc_elastic.rollout_s)
         t_elastic += out.step_s_elastic[-1]
-        if held_since is not None and planner.next_round_kind is not RoundKind.LONG:
+        next_long = planner.next_round_kind is RoundKind.LONG
+        if held_since is not None and not next_long:
             # This step's report says the next round is short (or the job is done): scale down.
             out.extra_held_s += t_elastic - held_since
             held_since = None
+        # Early: the report asks ahead of a forecast long round (as the driver does after a
+        # step: the forecast after the commit, the mean of the last short steps' seconds, never
+        # at the job's last step) and holds the extras while the next round is long or it asks.
+        early_s = oc_early.rollout_s + rest
+        out.step_s_early.append(early_s)
+        out.rollout_s_early.append(oc_early.rollout_s)
+        out.join_s_early.append(join_early)
+        t_early += early_s
+        short_s = statistics.fmean(short_early) if short_early else early_s
+        asking = (extra > 0 and not next_long and not planner.done
+                  and ask_early(planner.rounds_until_long(), short_s, scn.scale_up_s))
+        out.asked_early.append(asking)
+        if rp.kind is RoundKind.SHORT:
+            short_early = [*short_early, early_s][-SHORT_STEPS_MEAN:]
+        if extra > 0 and (next_long or asking):
+            if early_since is None:
+                early_since = t_early
+                out.early_scale_ups += 1
+        elif early_since is not None:
+            out.early_held_s += t_early - early_since
+            early_since = None
         out.kind.append(rp.kind.value)
         out.max_len.append(int(kept.max()))
         out.median_len.append(float(np.median(kept)))
@@ -614,7 +782,64 @@ def format_elastic_table(report: dict[str, Any]) -> str:
         "policies without tail batching have no long rounds: the operator keeps"
         f" {el['short_replicas']} replicas, so their three set-ups coincide (target n/a)"
     )
+    lines.append("")
+    lines.append(format_early_table(report))
     return "\n".join(lines)
+
+
+def format_early_table(report: dict[str, Any]) -> str:
+    """The early set-up per policy: the long rounds' rollout seconds on every set-up, early
+    against the small and large pools, and the issue's targets against the small pool."""
+    el = report["elastic"]
+    head = (
+        f"{'policy':<15}{'long-round rollout s':>36}{'early/small':>24}{'early/large':>16}"
+        f"{'asks':>6}{'waited':>8}  targets"
+    )
+    sub = (
+        f"{'':<15}{'small':>9}{'large':>9}{'elastic':>9}{'early':>9}"
+        f"{'long':>8}{'wall':>8}{'GPU-s':>8}{'wall':>8}{'GPU-s':>8}"
+    )
+    lines = [
+        "early scale-up = elastic, with the extra replicas asked at the first report where the"
+        f" long-round forecast is within the scale-up latency ({el['scale_up_s']:g} s); held"
+        " to the first report that neither precedes a long round nor asks early (idle in short"
+        " rounds here)",
+        "(asks = reports that asked early; waited = long rounds that started before the extra"
+        " replicas were ready; targets, early against the small pool: long rounds' rollout <="
+        f" {1 - EARLY_TARGET_LONG_CUT:.2f}x, GPU-s <= {EARLY_TARGET_GPU_MAX:.2f}x, wall <="
+        f" {1 - EARLY_TARGET_WALL_CUT:.2f}x)",
+        head,
+        sub,
+        "-" * len(head),
+    ]
+    for name, s in report["policies"].items():
+        st = s["setups"]
+        cells = "".join(f"{st[k]['long_round_rollout_s']:>9.0f}" for k in SETUPS)
+        vs_s, vs_l, early = st["early_vs_small"], st["early_vs_large"], st["early"]
+        ratios = (
+            f"{_times(vs_s['long_round_rollout_ratio']):>8}{vs_s['wall_ratio']:>7.3f}x"
+            f"{vs_s['gpu_s_ratio']:>7.3f}x{vs_l['wall_ratio']:>7.3f}x{vs_l['gpu_s_ratio']:>7.3f}x"
+        )
+        longs = s["long_rounds"] if st["large"]["rollout_replicas"] > st["small"][
+            "rollout_replicas"] else 0
+        waited = f"{early['long_rounds_waited']}/{longs}"
+        tg = st["early_targets"]
+        if tg["met"] is None:
+            verdict = "n/a"
+        elif tg["met"]:
+            verdict = "met"
+        else:
+            verdict = "missed: " + ", ".join(
+                label for key, label in (("long_rounds", "long"), ("gpu_s", "GPU-s"),
+                                         ("wall", "wall")) if not tg[key])
+        lines.append(
+            f"{name:<15}{cells}{ratios}{early['reports_asked_early']:>6d}{waited:>8}  {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def _times(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}x"
 
 
 def _hours(seconds: float) -> str:

@@ -82,3 +82,23 @@ def test_forecast_survives_a_state_round_trip_and_old_states_start_it_over() -> 
 def test_ask_early_when_waiting_one_more_report_would_be_too_late(
         rounds: int | None, step_s: float, lead_s: float, ask: bool) -> None:
     assert ask_early(rounds, step_s, lead_s) is ask
+
+
+def test_forecast_is_exact_across_epoch_ends() -> None:
+    # 22 prompts an epoch, 3 epochs: four full rounds (5 launched, 1 deferred each), the
+    # long round, then a last round of the 2 fresh prompts left (kept, none queued) before
+    # the next epoch. The forecast after every round names the rounds that follow: the
+    # epoch's last round neither counts as the queue's rate nor hides the next epoch's
+    cfg = TailBatchingConfig(prompts_per_step=4, prompt_overprovision=1.25, extra_responses=1)
+    planner = TailBatchingPlanner(cfg, num_prompts=22, seed=1, epochs=3)
+    rng = random.Random(0)
+    kinds: list[RoundKind] = []
+    forecasts: list[int | None] = []
+    while not planner.done:
+        kinds.append(planner.next_round_kind)
+        run_round(planner, 3, rng)
+        forecasts.append(planner.rounds_until_long())
+    actual = [kinds[i + 1:].index(RoundKind.LONG) if RoundKind.LONG in kinds[i + 1:] else None
+              for i in range(len(kinds))]
+    assert kinds.count(RoundKind.LONG) == 3 and len(kinds) == 18
+    assert forecasts == actual, list(zip(kinds, forecasts, actual, strict=True))

@@ -1,8 +1,10 @@
-"""Elastic long rounds in the bench: small pool, large pool and elastic on one schedule.
+"""Elastic long rounds in the bench: small pool, large pool, elastic and early on one schedule.
 
-The three set-ups come from one run of the production planner and controller: every long
+The four set-ups come from one run of the production planner and controller: every long
 round is simulated on the small pool, on the large pool and elastically (the extra replicas
-join ``scale_up_s`` after they were requested and take a share of the unfinished requests).
+join ``scale_up_s`` after they were requested and take a share of the unfinished requests);
+early asks for them at the report the planner's long-round forecast picks
+(``tail_batching.ask_early``), so they can be there when the long round starts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from typing import Any
 import pytest
 
 from rlpacer.control.tail_batching import TailBatchingConfig, TailBatchingPlanner
-from rlpacer.sim.bench import Policy, PolicyRun, policies, run_policy
+from rlpacer.sim.bench import (
+    Policy,
+    PolicyRun,
+    format_elastic_table,
+    policies,
+    run_bench,
+    run_policy,
+)
 from rlpacer.sim.cost import fit_cpu_profile
 from rlpacer.sim.rollout import RoundSimulator
 from rlpacer.sim.workload import Scenario, Workload, scenario
@@ -21,7 +30,7 @@ from rlpacer.sim.workload import Scenario, Workload, scenario
 pytestmark = pytest.mark.unit
 
 STEPS = 100
-LATENCIES = (0.0, 5.0, 30.0, 90.0, 300.0, 1e6)
+LATENCIES = (0.0, 5.0, 30.0, 90.0, 150.0, 300.0, 1e6)
 SCN = scenario("default").with_steps(STEPS)
 POL = {p.name: p for p in policies()}
 
@@ -100,10 +109,16 @@ def test_without_long_rounds_elastic_is_the_small_pool() -> None:
     assert plain["large"]["rollout_replicas"] == plain["small"]["rollout_replicas"] == 2
     for key in ("wall_clock_s", "rollout_gpu_s"):
         assert plain["elastic"][key] == plain["small"][key] == plain["large"][key]
-    assert plain["elastic"]["scale_ups"] == 0
+        assert plain["early"][key] == plain["small"][key]
+    assert plain["elastic"]["scale_ups"] == 0 == plain["early"]["scale_ups"]
+    assert plain["early"]["reports_asked_early"] == 0
+    assert plain["early_vs_small"]["long_round_rollout_ratio"] is None
+    assert plain["early_targets"]["met"] is None
     same = _setups(_run(SCN.with_steps(20).with_elastic(long_round_engines=2), POL["tail8"]))
     for key in ("wall_clock_s", "rollout_gpu_s"):
         assert same["elastic"][key] == same["small"][key] == same["large"][key]
+        assert same["early"][key] == same["small"][key]
+    assert same["early"]["reports_asked_early"] == 0 == same["early"]["long_rounds_waited"]
 
 
 def test_scenario_validates_the_elastic_parameters() -> None:
@@ -148,3 +163,131 @@ def test_a_cpu_scenario_run_reports_the_setups() -> None:
     st = _setups(run)
     assert st["large"]["rollout_replicas"] == 2 and st["small"]["rollout_replicas"] == 1
     assert run.gpus_per_replica == 1 and run.scale_up_s == cpu.scale_up_s
+
+
+# --- early scale-up ---------------------------------------------------------------------------
+
+
+def _longs(run: PolicyRun) -> list[int]:
+    return [i for i, k in enumerate(run.kind) if k == "Long"]
+
+
+def test_early_without_latency_is_elastic_and_runs_long_rounds_as_the_large_pool(
+    sweep: dict[float, PolicyRun],
+) -> None:
+    run = sweep[0.0]
+    st = _setups(run)
+    assert not any(run.asked_early)  # lead 0: never ahead of the report before a long round
+    assert run.step_s_early == run.step_s_elastic and run.early_held_s == run.extra_held_s
+    assert run.early_scale_ups == run.scale_ups > 0
+    for i in _longs(run):
+        assert run.join_s_early[i] == 0.0
+        assert run.rollout_s_early[i] == run.rollout_s_large[i] < run.rollout_s[i]
+    long_s = {k: st[k]["long_round_rollout_s"] for k in ("small", "large", "elastic", "early")}
+    assert long_s["early"] == long_s["large"] == long_s["elastic"] < long_s["small"]
+    assert st["early"]["rollout_gpu_s"] == st["elastic"]["rollout_gpu_s"]
+    assert st["early_vs_large"]["long_round_rollout_ratio"] == 1.0
+    assert st["early_vs_large"]["wall_ratio"] == 1.0
+    assert st["early"]["long_rounds_waited"] == 0 == st["elastic"]["long_rounds_waited"]
+
+
+@pytest.mark.parametrize("lat", [5.0, 30.0, 90.0])
+def test_an_early_ask_has_every_long_rounds_replicas_ready_at_its_start(
+    sweep: dict[float, PolicyRun], lat: float
+) -> None:
+    """The forecast reaches each long round at least ``lat`` ahead, the first one included
+    (its queue fills from step 0's report on): no long round waits, and each runs exactly as
+    on the large pool, where elastic's replicas join ``lat`` into the round or never."""
+    run = sweep[lat]
+    st = _setups(run)
+    longs = _longs(run)
+    assert any(run.asked_early) and len(longs) == 20
+    assert st["early"]["long_rounds_waited"] == 0 and st["early"]["long_rounds_joined"] == 0
+    assert st["elastic"]["long_rounds_waited"] == len(longs)
+    for i in longs:
+        assert run.join_s_early[i] == 0.0 and run.join_s[i] != 0.0
+        assert run.rollout_s_early[i] == run.rollout_s_large[i] <= run.rollout_s_elastic[i]
+    long_s = {k: st[k]["long_round_rollout_s"] for k in ("small", "large", "elastic", "early")}
+    assert long_s["early"] == long_s["large"] < long_s["elastic"] <= long_s["small"]
+    assert st["early_vs_small"]["long_round_rollout_ratio"] == pytest.approx(
+        long_s["large"] / long_s["small"])
+    # Short rounds are the same on every set-up, so early's wall clock is the large pool's.
+    assert st["early"]["wall_clock_s"] == st["large"]["wall_clock_s"]
+    assert st["early"]["wall_clock_s"] < st["elastic"]["wall_clock_s"]
+
+
+@pytest.mark.parametrize("lat", [5.0, 30.0, 90.0, 150.0])
+def test_early_pays_for_its_held_extras_between_elastic_and_the_large_pool(
+    sweep: dict[float, PolicyRun], lat: float
+) -> None:
+    run = sweep[lat]
+    st = _setups(run)
+    gpu = {k: st[k]["rollout_gpu_s"] for k in ("small", "large", "elastic", "early")}
+    assert gpu["small"] < gpu["elastic"] < gpu["early"] < gpu["large"]
+    # the small pool's replicas all run, the extras from each request to its release
+    assert gpu["early"] == pytest.approx(
+        2 * 2 * st["early"]["wall_clock_s"] + 2 * 2 * run.early_held_s)
+    assert run.early_held_s > run.extra_held_s
+    assert st["early"]["extra_replica_held_s"] == run.early_held_s
+    assert st["early_vs_small"]["gpu_s_ratio"] == pytest.approx(gpu["early"] / gpu["small"])
+    assert st["early_vs_large"]["gpu_s_ratio"] == pytest.approx(gpu["early"] / gpu["large"])
+    # asked earlier and released no earlier: never more requests than elastic's
+    assert 0 < st["early"]["scale_ups"] <= st["elastic"]["scale_ups"]
+
+
+def test_a_latency_beyond_the_earliest_forecast_joins_mid_round_no_later_than_elastic(
+    sweep: dict[float, PolicyRun],
+) -> None:
+    """150 s: step 0's report already asks (the earliest forecast: the first long round is
+    step 4), yet three short steps take less than 150 s, so the first long round starts
+    before the replicas are ready; they join it a few seconds in and take work, where
+    elastic's never join it (the round ends first). No long round gets them later than
+    elastic's, or runs longer."""
+    run = sweep[150.0]
+    st = _setups(run)
+    longs = _longs(run)
+    first = longs[0]
+    assert run.asked_early[0] and first == 4
+    join = run.join_s_early[first]
+    assert join is not None and 0.0 < join < run.rollout_s[first] and run.join_s[first] is None
+    assert run.rollout_s_large[first] < run.rollout_s_early[first] < run.rollout_s_elastic[first]
+    for i in longs:
+        ej, elj = run.join_s_early[i], run.join_s[i]
+        assert ej is not None and (elj is None or ej <= elj)
+        assert run.rollout_s_early[i] <= run.rollout_s_elastic[i]
+    # the rounds that waited all got their replicas mid-round (none ended before them)
+    waited = st["early"]["long_rounds_waited"]
+    assert waited == st["early"]["long_rounds_joined"] == 2
+    assert waited < st["elastic"]["long_rounds_waited"] == len(longs)
+    assert st["early"]["requests_moved"] > 0 == st["elastic"]["requests_moved"]
+    assert (st["large"]["long_round_rollout_s"] < st["early"]["long_round_rollout_s"]
+            < st["elastic"]["long_round_rollout_s"])
+
+
+def test_extras_that_never_join_cost_early_more_than_the_large_pool(
+    sweep: dict[float, PolicyRun],
+) -> None:
+    """Never ready: every report asks, so early holds the extras nearly all run for nothing
+    (the small pool's wall clock) and pays more than the large pool, which at least uses them."""
+    st = _setups(sweep[1e6])
+    assert st["early"]["wall_clock_s"] == pytest.approx(st["small"]["wall_clock_s"])
+    assert st["early"]["long_rounds_waited"] == len(_longs(sweep[1e6]))
+    assert st["early"]["scale_ups"] == 1
+    assert st["early"]["rollout_gpu_s"] > st["large"]["rollout_gpu_s"]
+
+
+def test_the_bench_report_and_table_carry_the_early_setup() -> None:
+    report, _ = run_bench(SCN.with_steps(12), seed=0)
+    st = report["policies"]["tail8"]["setups"]
+    for k in ("small", "large", "elastic", "early"):
+        assert st[k]["long_round_rollout_s"] > 0
+    for key in ("wall_ratio", "gpu_s_ratio", "long_round_rollout_ratio"):
+        assert key in st["early_vs_small"] and key in st["early_vs_large"]
+    assert set(st["early_targets"]) == {"long_rounds", "gpu_s", "wall", "met"}
+    assert st["early"]["reports_asked_early"] > 0
+    table = format_elastic_table(report)
+    assert "elastic/large" in table and "GPU-s/pr" in table  # the elastic table, unchanged
+    row = next(line for line in table.splitlines()[::-1] if line.startswith("tail8"))
+    vs = st["early_vs_small"]
+    assert f"{vs['long_round_rollout_ratio']:.3f}x" in row and f"{vs['wall_ratio']:.3f}x" in row
+    assert "early/small" in table and "waited" in table
