@@ -139,11 +139,12 @@ from rlpacer.control.plan import (
 from rlpacer.control.sagc import GroupControlMode, SAGCConfig
 from rlpacer.control.tail_batching import (
     RoundKind,
+    RoundPlan,
     TailBatchingConfig,
     TailBatchingPlanner,
     ask_early,
 )
-from rlpacer.sim.rollout import RoundSimulator
+from rlpacer.sim.rollout import RoundOutcome, RoundSimulator
 from rlpacer.sim.trace import TraceWorkload, load_trace, split_half_calibration, trace_scenario
 from rlpacer.sim.workload import SCENARIOS, Scenario, Workload, scenario
 
@@ -396,13 +397,32 @@ def _sagc_config(
     )
 
 
-def run_policy(
-    scn: Scenario, pol: Policy, seed: int, workload: Workload | TraceWorkload | None = None
-) -> PolicyRun:
-    """Train the workload's whole dataset (every epoch) under ``pol``; one JobController
-    step per round."""
+@dataclass
+class JobRunParts:
+    """What one simulated job runs on: its workload, the production controller and planner,
+    the round simulator, and the draws used so far per prompt."""
+
+    wl: Workload | TraceWorkload
+    jc: JobController
+    planner: TailBatchingPlanner
+    sim: RoundSimulator
+    drawn: np.ndarray
+
+    def lengths(self, rp: RoundPlan) -> list[list[int]]:
+        """The round's response lengths (each prompt's next draws)."""
+        progress = self.planner.consumed / self.planner.total_prompts
+        firsts = self.drawn[rp.epoch, rp.prompts].tolist()
+        out = self.wl.lengths_many(
+            rp.prompts, firsts, rp.responses_per_prompt, progress, epoch=rp.epoch
+        )
+        self.drawn[rp.epoch, rp.prompts] += rp.responses_per_prompt
+        return out
+
+
+def job_run_parts(scn: Scenario, pol: Policy, seed: int,
+                  workload: Workload | TraceWorkload | None = None) -> JobRunParts:
+    """A job under ``pol`` (the workload: the scenario's, or a given one)."""
     wl = Workload(scn, scn.steps * scn.prompts_per_step, seed) if workload is None else workload
-    num_prompts = wl.num_prompts
     jc = JobController(
         JobControllerConfig(
             mode=pol.mode,
@@ -418,13 +438,53 @@ def run_policy(
             extra_responses=scn.extra_responses,
             enabled=pol.tail,
         ),
-        num_prompts=num_prompts,
+        num_prompts=wl.num_prompts,
         seed=seed,
         epochs=wl.epochs,
     )
     cost = scn.cost
     sim = RoundSimulator(cost, scn.engines, scn.prompt_len, cost.saturation_batch(scn.ctx_ref))
-    drawn = np.zeros((wl.epochs, num_prompts), dtype=np.int64)  # draws used per prompt
+    drawn = np.zeros((wl.epochs, wl.num_prompts), dtype=np.int64)  # draws used per prompt
+    return JobRunParts(wl, jc, planner, sim, drawn)
+
+
+def step_report(scn: Scenario, step: int, group_size: int, kind: RoundKind,
+                oc: RoundOutcome, aborted: int, planner: TailBatchingPlanner) -> StepReportData:
+    """The step's report as the driver sends it: the kept lengths, the step's seconds
+    (the rollout simulated, the rest from the scenario's costs), the planner's queue."""
+    kept = np.asarray(oc.kept_lengths, dtype=np.float64)
+    tokens = float(kept.sum()) + scn.prompt_len * len(kept)
+    return StepReportData(
+        attempt=0,
+        step=step,
+        group_size=group_size,
+        round_kind=kind,
+        lengths=LengthStats(
+            max=float(kept.max()),
+            median=float(np.median(kept)),
+            p90=float(np.percentile(kept, 90)),
+            count=len(kept),
+            aborted=aborted,
+        ),
+        seconds=StepSecondsData(
+            rollout=oc.rollout_s,
+            reward=scn.reward_s,
+            train=scn.train_fixed_s + scn.train_s_per_ktok * tokens / 1000.0,
+            sync=scn.sync_s,
+        ),
+        long_queue=planner.long_queue_len,
+        next_round_kind=planner.next_round_kind,
+    )
+
+
+def run_policy(
+    scn: Scenario, pol: Policy, seed: int, workload: Workload | TraceWorkload | None = None
+) -> PolicyRun:
+    """Train the workload's whole dataset (every epoch) under ``pol``; one JobController
+    step per round."""
+    parts = job_run_parts(scn, pol, seed, workload)
+    wl, jc, planner, sim = parts.wl, parts.jc, parts.planner, parts.sim
+    num_prompts = wl.num_prompts
     long_r = max(scn.engines, scn.long_round_engines) if pol.tail else scn.engines
     extra = long_r - scn.engines
     out = PolicyRun(
@@ -451,12 +511,7 @@ def run_policy(
     while not planner.done:
         g = plan.group_size
         rp = planner.start_round(g, route=route)
-        progress = planner.consumed / planner.total_prompts
-        firsts = drawn[rp.epoch, rp.prompts].tolist()
-        lengths = wl.lengths_many(
-            rp.prompts, firsts, rp.responses_per_prompt, progress, epoch=rp.epoch
-        )
-        drawn[rp.epoch, rp.prompts] += rp.responses_per_prompt
+        lengths = parts.lengths(rp)
         long_round = rp.kind is RoundKind.LONG and extra > 0
         early_at = 0.0  # seconds into the round when the early set-up's extras are ready
         if long_round:
@@ -517,29 +572,8 @@ def run_policy(
                               censored=rp.responses_per_prompt - len(idxs))
             out.routed += len(res.routed)
         kept = np.asarray(oc.kept_lengths, dtype=np.float64)
-        tokens = float(kept.sum()) + scn.prompt_len * len(kept)
-        seconds = StepSecondsData(
-            rollout=oc.rollout_s,
-            reward=scn.reward_s,
-            train=scn.train_fixed_s + scn.train_s_per_ktok * tokens / 1000.0,
-            sync=scn.sync_s,
-        )
-        report = StepReportData(
-            attempt=0,
-            step=step,
-            group_size=g,
-            round_kind=rp.kind,
-            lengths=LengthStats(
-                max=float(kept.max()),
-                median=float(np.median(kept)),
-                p90=float(np.percentile(kept, 90)),
-                count=len(kept),
-                aborted=res.aborted_responses,
-            ),
-            seconds=seconds,
-            long_queue=planner.long_queue_len,
-            next_round_kind=planner.next_round_kind,
-        )
+        report = step_report(scn, step, g, rp.kind, oc, res.aborted_responses, planner)
+        seconds = report.seconds
         plan = jc.observe(report)
         out.group_size.append(g)
         out.lambda_.append(plan.lambda_)

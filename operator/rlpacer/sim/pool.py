@@ -72,18 +72,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from rlpacer.api.trace import Trace, TraceError
-from rlpacer.control.plan import (
-    JobController,
-    JobControllerConfig,
-    LengthStats,
-    StepReportData,
-    StepSecondsData,
-)
-from rlpacer.control.tail_batching import RoundKind, TailBatchingConfig, TailBatchingPlanner
-from rlpacer.sim.bench import _sagc_config, policies
+from rlpacer.control.tail_batching import RoundKind, TailBatchingPlanner
+from rlpacer.sim.bench import job_run_parts, policies, step_report
 from rlpacer.sim.rollout import RoundSimulator
 from rlpacer.sim.trace import TraceWorkload, load_trace, trace_scenario
 from rlpacer.sim.workload import SCENARIOS, Scenario, Workload, scenario
@@ -193,30 +184,8 @@ def build_schedule(
     """Train the workload's whole dataset under ``sagc_tail`` once (as
     rlpacer.sim.bench.run_policy) and keep what the pool co-simulation needs per step."""
     pol = {p.name: p for p in policies()}[POLICY]
-    wl = Workload(scn, scn.steps * scn.prompts_per_step, seed) if workload is None else workload
-    num_prompts = wl.num_prompts
-    jc = JobController(
-        JobControllerConfig(
-            mode=pol.mode,
-            sagc=_sagc_config(scn, seed, pol.group_size, scn.tail_tau),
-            straggler_window=scn.window,
-            long_rounds_feed_sagc=pol.long_rounds_feed_sagc,
-        )
-    )
-    planner = TailBatchingPlanner(
-        TailBatchingConfig(
-            prompts_per_step=scn.prompts_per_step,
-            prompt_overprovision=scn.prompt_overprovision,
-            extra_responses=scn.extra_responses,
-            enabled=pol.tail,
-        ),
-        num_prompts=num_prompts,
-        seed=seed,
-        epochs=wl.epochs,
-    )
-    cost = scn.cost
-    sim = RoundSimulator(cost, scn.engines, scn.prompt_len, cost.saturation_batch(scn.ctx_ref))
-    drawn = np.zeros((wl.epochs, num_prompts), dtype=np.int64)
+    parts = job_run_parts(scn, pol, seed, workload)
+    jc, planner, sim = parts.jc, parts.planner, parts.sim
     long_r = max(scn.engines, scn.long_round_engines)
     extra = long_r - scn.engines
     steps: list[Step] = []
@@ -225,12 +194,7 @@ def build_schedule(
     while not planner.done:
         g = plan.group_size
         rp = planner.start_round(g)
-        progress = planner.consumed / planner.total_prompts
-        firsts = drawn[rp.epoch, rp.prompts].tolist()
-        lengths = wl.lengths_many(
-            rp.prompts, firsts, rp.responses_per_prompt, progress, epoch=rp.epoch
-        )
-        drawn[rp.epoch, rp.prompts] += rp.responses_per_prompt
+        lengths = parts.lengths(rp)
         long_round = rp.kind is RoundKind.LONG and extra > 0
         saved = copy.deepcopy(planner) if long_round else None
         large_planner = copy.deepcopy(planner) if long_round else None
@@ -246,32 +210,9 @@ def build_schedule(
             rollout_large = oc_large.rollout_s
             lr = _LongRound(saved, list(rp.prompts), lengths, kept_sorted)
         res = planner.finish_round()
-        kept = np.asarray(oc.kept_lengths, dtype=np.float64)
-        tokens = float(kept.sum()) + scn.prompt_len * len(kept)
-        seconds = StepSecondsData(
-            rollout=oc.rollout_s,
-            reward=scn.reward_s,
-            train=scn.train_fixed_s + scn.train_s_per_ktok * tokens / 1000.0,
-            sync=scn.sync_s,
-        )
-        report = StepReportData(
-            attempt=0,
-            step=step,
-            group_size=g,
-            round_kind=rp.kind,
-            lengths=LengthStats(
-                max=float(kept.max()),
-                median=float(np.median(kept)),
-                p90=float(np.percentile(kept, 90)),
-                count=len(kept),
-                aborted=res.aborted_responses,
-            ),
-            seconds=seconds,
-            long_queue=planner.long_queue_len,
-            next_round_kind=planner.next_round_kind,
-        )
+        report = step_report(scn, step, g, rp.kind, oc, res.aborted_responses, planner)
         plan = jc.observe(report)
-        rest = seconds.reward + seconds.train + seconds.sync
+        rest = report.seconds.reward + report.seconds.train + report.seconds.sync
         steps.append(Step(long_round, oc.rollout_s, rest, rollout_large, lr))
         step += 1
     return JobSchedule(
