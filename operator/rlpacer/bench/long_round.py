@@ -14,6 +14,15 @@ request to its last answer), each engine's tokens, busy seconds and tokens/s, an
 start the added engine (``seconds_join``); then the ratios elastic/single of the long round's
 wall clock and aggregate tokens/s, measured in the same run. Needs root (network namespaces)
 and vLLM; about 4 minutes per job on 2 cores.
+
+``--early LEAD`` compares instead the long round's wait for capacity with and without the early
+scale-up (``tailBatching.longRound.scaleUpLeadSeconds``): both jobs defer one prompt a short
+round, so the long round is step ``--prompts`` (default steps: one more); ``elastic`` asks for
+rollout-1 at the report before it (lead 0), ``early`` with the lead (the report after step 0
+forecasts it). It prints each long round's ``seconds_capacity_wait`` (the wait for the scale-up
+and the added engine's start) and the lead measured (the ask to the engine serving). The long
+round's work may differ between the two (the early engine serves short rounds too, so other
+prompts may be deferred): the wait is what is compared.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("single", "elastic")
+EARLY_MODES = ("elastic", "early")
 
 
 def long_round(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -41,6 +51,8 @@ def long_round(records: list[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(int(e["tokens"]) for e in engines)
     return {
         "step": r["step"], "wall_s": round(wall, 3), "join_s": round(r.get("seconds_join", 0), 3),
+        "capacity_wait_s": round(r.get("seconds_capacity_wait", r.get("seconds_join", 0)), 3),
+        "lead_s": r.get("scale_up_lead_s"),
         "responses": sum(int(e["responses"]) for e in engines), "tokens": tokens,
         "len_max": r["len_max"], "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
         "engines": [{"replica": e["replica"], "host": e["hostname"], "cores": e.get("cores"),
@@ -49,6 +61,19 @@ def long_round(records: list[dict[str, Any]]) -> dict[str, Any]:
                      "tokens_per_busy_s": (round(e["tokens"] / e["busy_s"], 2)
                                            if e.get("busy_s") else None)}
                     for e in engines],
+    }
+
+
+def compare_early(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The long round's wait for capacity, early against elastic (medians of the rounds)."""
+    med = {m: {k: statistics.median(x[k] for x in runs[m])
+               for k in ("capacity_wait_s", "wall_s")} for m in EARLY_MODES}
+    return {
+        "capacity_wait_s": {m: med[m]["capacity_wait_s"] for m in EARLY_MODES},
+        "wait_saved_s": round(med["elastic"]["capacity_wait_s"]
+                              - med["early"]["capacity_wait_s"], 3),
+        "lead_measured_s": [x["lead_s"] for x in runs["early"]],
+        "median": med,
     }
 
 
@@ -71,25 +96,37 @@ def run(args: argparse.Namespace) -> int:
     from rlpacer.testing.played_job import PlayedJobFailed, run_long_round
 
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="rlpacer-blr-"))
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    early = args.early is not None
+    if early and args.early < 1:
+        print("error: --early: the lead must be at least 1 second", file=sys.stderr)
+        return 2
+    modes = EARLY_MODES if early else MODES
+    steps = args.steps if args.steps is not None else (args.prompts + 1 if early else 2)
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for i in range(args.rounds):
-        order = MODES if i % 2 == 0 else MODES[::-1]  # alternate: drift hits both alike
+        order = modes if i % 2 == 0 else modes[::-1]  # alternate: drift hits both alike
         for mode in order:
             t0 = time.monotonic()
             print(f"round {i + 1}/{args.rounds}: {mode} ...", file=sys.stderr, flush=True)
             try:
-                res = run_long_round(out_dir / f"{mode}-{i}", mode, steps=args.steps,
-                                     prompts=args.prompts, max_tokens=args.max_tokens)
+                lead = None if not early else (0 if mode == "elastic" else args.early)
+                res = run_long_round(out_dir / f"{mode}-{i}", mode, steps=steps,
+                                     prompts=args.prompts, max_tokens=args.max_tokens,
+                                     lead_s=lead)
             except PlayedJobFailed as err:
                 print(f"error: the {mode} job failed: {err}", file=sys.stderr)
                 return 1
             fig = long_round(res.records)
             fig["job_s"] = round(time.monotonic() - t0, 1)
             runs[mode].append(fig)
-            print(f"  long round: {fig['wall_s']:.2f}s, {fig['tokens']} tokens,"
+            print(f"  long round: {fig['wall_s']:.2f}s after waiting"
+                  f" {fig['capacity_wait_s']:.2f}s for capacity, {fig['tokens']} tokens,"
                   f" {fig['tokens_per_s']} tokens/s, engines "
                   + ", ".join(f"{e['host']}:{e['tokens']}" for e in fig["engines"]),
                   file=sys.stderr, flush=True)
+    if early:
+        print(json.dumps({"runs": runs, **compare_early(runs), "out": str(out_dir)}, indent=1))
+        return 0
     result = {"runs": runs, **compare(runs), "out": str(out_dir)}
     print(json.dumps(result, indent=1))
     if not result["same_work_in_every_run"]:
@@ -105,9 +142,13 @@ def register(subparsers: Any) -> None:
         description=__doc__)
     p.add_argument("--rounds", type=int, default=1,
                    help="pairs of jobs (single, elastic), alternating order (default 1)")
-    p.add_argument("--steps", type=int, default=2, help="steps per job (default 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per job (default 2; with --early, --prompts + 1)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (default 4)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="maxResponseTokens (default: the tiny example's)")
     p.add_argument("--out", default=None, help="folder for the jobs' logs and records")
+    p.add_argument("--early", type=int, default=None, metavar="LEAD_S",
+                   help="compare the long round's wait for capacity with the early scale-up"
+                        " at this lead (seconds) against none, on the same schedule")
     p.set_defaults(func=run)

@@ -51,19 +51,23 @@ PODS: dict[str, contract.Role] = {
 
 
 def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: int = 4,
-                   max_tokens: int | None = None, lead_s: int = 0) -> None:
+                   max_tokens: int | None = None, lead_s: int = 0,
+                   one_deferred: bool | None = None) -> None:
     """The tiny example job: ``prompts`` per step and twice as many raced for their places
     (the slowest half deferred), so step 1 is a long round on ``longRound.rolloutReplicas``
-    = 2. ``lead_s`` > 0 (early scale-up, ``scaleUpLeadSeconds``): one prompt more than
-    ``prompts`` raced, so each short round defers one; with 4 prompts the report after
-    step 0 forecasts the long round at step 4 and asks for its replica then."""
+    = 2. ``lead_s`` > 0 (early scale-up, ``scaleUpLeadSeconds``) or ``one_deferred``: one
+    prompt more than ``prompts`` raced, so each short round defers one and the long round is
+    step ``prompts``; with the lead, the report after step 0 forecasts it and asks for its
+    replica then."""
+    if one_deferred is None:
+        one_deferred = lead_s > 0
     doc = yaml.safe_load((repo_root() / EXAMPLE).read_text())
     spec = doc["spec"]
     spec["rollout"]["replicas"] = replicas
     if max_tokens is not None:
         spec["rollout"]["maxResponseTokens"] = max_tokens
     spec["tailBatching"]["longRound"]["rolloutReplicas"] = 2
-    spec["tailBatching"]["promptOverprovision"] = (str((prompts + 1) / prompts) if lead_s
+    spec["tailBatching"]["promptOverprovision"] = (str((prompts + 1) / prompts) if one_deferred
                                                    else "2")
     spec["tailBatching"]["longRound"]["scaleUpLeadSeconds"] = lead_s
     spec["tailBatching"]["activation"] = "Always"  # race every short round (step 1 long)
@@ -249,18 +253,21 @@ class LongRoundRun:
 
 
 def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts: int = 4,
-                   max_tokens: int | None = None) -> LongRoundRun:
+                   max_tokens: int | None = None, lead_s: int | None = None) -> LongRoundRun:
     """Runs the tiny job (:func:`write_manifest`) on played hosts to its end. ``elastic``:
     rollout-1's pod is created when the operator scales up for the long round and deleted
     when it scales down; ``early``: as ``elastic`` with an early scale-up (a 60 s lead: the
     report after step 0 asks for rollout-1, the long round is step 4); ``single``: the long
     round runs on rollout-0 alone; ``timeout-gap``: the scale-up to 3 brings up only
-    rollout-2 and times out (usable [0, 2])."""
+    rollout-2 and times out (usable [0, 2]). ``lead_s`` (``elastic`` or ``early``): that
+    lead on the early mode's schedule (one prompt deferred a round), e.g. 0 for the same
+    schedule without the early scale-up."""
     if mode not in ("elastic", "early", "single", "timeout-gap"):
         raise ValueError(f"mode {mode!r}: expected elastic, early, single or timeout-gap")
     tmp.mkdir(parents=True, exist_ok=True)
+    lead = lead_s if lead_s is not None else (60 if mode == "early" else 0)
     write_manifest(tmp / "job.yaml", steps=steps, prompts=prompts, max_tokens=max_tokens,
-                   lead_s=60 if mode == "early" else 0)
+                   lead_s=lead, one_deferred=mode == "early" or lead_s is not None)
     with PlayedJob(tmp) as job:
         job.start_operator("elastic" if mode == "early" else mode)
         job.start_head()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rlpacer.bench.long_round import compare, long_round
+from rlpacer.bench.long_round import compare, compare_early, long_round
 
 pytestmark = pytest.mark.unit
 
@@ -44,3 +44,19 @@ def test_ratios_are_elastic_over_single_and_flag_different_work() -> None:
     assert out["same_work_in_every_run"]
     out = compare({"single": [single], "elastic": [{**elastic, "tokens": 790}]})
     assert not out["same_work_in_every_run"]
+
+
+def test_early_compares_the_long_rounds_wait_for_capacity() -> None:
+    recs = [_rec(0, "Short", [_eng(0, 16, 400, 2.0)], 2.5),
+            {**_rec(1, "Long", [_eng(0, 8, 400, 3.0), _eng(1, 8, 400, 3.0)], 3.5),
+             "seconds_capacity_wait": 0.2, "scale_up_lead_s": 19.5}]
+    early = long_round(recs)
+    assert early["capacity_wait_s"] == 0.2 and early["lead_s"] == 19.5
+    elastic = long_round([recs[0], {**recs[1], "seconds_capacity_wait": 18.0,
+                                    "scale_up_lead_s": 0.0}])
+    out = compare_early({"elastic": [elastic], "early": [early]})
+    assert out["capacity_wait_s"] == {"elastic": 18.0, "early": 0.2}
+    assert out["wait_saved_s"] == 17.8 and out["lead_measured_s"] == [19.5]
+    # records from before the field: the join is the wait
+    assert long_round([recs[0], _rec(1, "Long", [_eng(0, 1, 10, 1.0)], 1.0)])[
+        "capacity_wait_s"] == 7.5
