@@ -54,10 +54,12 @@ def test_bench_train_records_accuracy_against_training_wall_clock(tmp_path: Path
         assert row["eval_s"] > 0 and row["train_s"] == pytest.approx(curve[-1]["train_s"])
         assert row["per_round_kind"]["Short"]["rounds"] >= 1
     assert rows["fixed16"]["group_sizes"] == [16] and rows["fixed16"]["long_rounds"] == 0
-    # SAGC starts at the example's initial G (8): its steps are cheaper, so it trains more of
-    # them in the same wall clock
+    # SAGC starts at the example's initial G (8). Whether that buys it more steps in the
+    # baseline's wall clock depends on the machine's load (in a CI run beside the side process
+    # it moved to G=16 at step 2 and its three steps took 15.5 s against fixed16's 13.0 s), so
+    # the steps are not asserted: the stop at the baseline's wall clock is, above
     assert min(rows["sagc_tb"]["group_sizes"]) < 16
-    assert rows["sagc_tb"]["steps"] > 3
+    assert rows["sagc_tb"]["steps"] == len(rows["sagc_tb"]["curve"]) - 1
     res = json.loads((out / "bench-train.json").read_text())
     want = tta.summarize({a: {0: r["curve"]} for a, r in rows.items()}, "fixed16")
     assert res["arms"] == want["arms"] and res["eval_prompts"] == 48
