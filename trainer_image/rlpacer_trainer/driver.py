@@ -709,10 +709,14 @@ class Driver:
     def _start_engine(self, r: int) -> Any:
         """Replica r's engine once its pod has joined Ray (None: it has not, or its engine
         died starting three times)."""
-        assert self.engine_factory is not None
         if r not in self._offered([r]):
             print(f"rollout replica {r} is usable but its pod has not joined Ray", flush=True)
             return None
+        return self._try_start(r)
+
+    def _try_start(self, r: int) -> Any:
+        """Replica r's engine on its pod, offered in Ray (None: it died starting 3 times)."""
+        assert self.engine_factory is not None
         for attempt in range(3):
             try:
                 return self.engine_factory(r)
@@ -787,16 +791,9 @@ class Driver:
                 print(f"rollout replica {r} is usable but its pod has not joined Ray: the "
                       f"round runs without it", flush=True)
                 continue
-            for attempt in range(3):
-                try:
-                    started[r] = self.engine_factory(r)
-                    break
-                except _died_errors() as err:
-                    # e.g. placed on the pod's previous Ray node just before it was marked
-                    # dead (same pod name, same address): try again on the one now offered
-                    print(f"rollout replica {r}: its new engine died starting ({attempt + 1}"
-                          f"/3): {str(err).splitlines()[0]}", flush=True)
-                    time.sleep(2.0)
+            eng = self._try_start(r)
+            if eng is not None:
+                started[r] = eng
         self._admit(started)
 
     def _admit(self, started: dict[int, Any]) -> None:
