@@ -4,7 +4,9 @@
 #
 #   ${RLPACER_CACHE:-~/.cache/rlpacer}/bin/{etcd,kube-apiserver,kube-controller-manager,
 #                                           kube-scheduler,kwok,helm,promtool,prometheus,
-#                                           kubelet,kube-proxy,coredns,kube-router}
+#                                           kubelet,kube-proxy,coredns,kube-router,kueue}
+#   ${RLPACER_CACHE:-~/.cache/rlpacer}/bin/kueue-manifests/{crds/,webhooks.yaml}
+#                                    (Kueue's CRDs and webhook configurations, same module)
 #
 # kubelet, kube-proxy, coredns and kube-router run the real node (rlpacer.testing.node). The first two share
 # the control plane's wrapper module and Go build cache; coredns is built from hack/coredns (only
@@ -17,7 +19,7 @@
 #
 # Usage: bash hack/build-binaries.sh [--check] [NAME...]
 #   NAME     build only these (etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm
-#            promtool prometheus kubelet kube-proxy coredns kube-router)
+#            promtool prometheus kubelet kube-proxy coredns kube-router kueue)
 #   --check  build nothing; exit 1 and list what is missing or stale
 # Env: RLPACER_CACHE (cache root), GO (go binary), RLPACER_BUILD_FORCE=1 (ignore stamps).
 set -euo pipefail
@@ -46,7 +48,7 @@ export GOFLAGS=-mod=mod
 export GOMAXPROCS="${GOMAXPROCS:-$(nproc)}"
 
 ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm promtool prometheus kubelet
-     kube-proxy coredns kube-router)
+     kube-proxy coredns kube-router kueue)
 CHECK=0
 WANT=()
 for a in "$@"; do
@@ -69,6 +71,7 @@ stamp_for() {
       echo "$1 $PROMETHEUS_VERSION toolchain=$PROMETHEUS_GOTOOLCHAIN rev=$RECIPE_REV.$PROMETHEUS_RECIPE_REV" ;;
     coredns) echo "coredns $COREDNS_VERSION toolchain=$COREDNS_GOTOOLCHAIN rev=$RECIPE_REV.$(sha256sum "$ROOT/hack/coredns/main.go" | cut -c1-12)" ;;
     kube-router) echo "kube-router $KUBE_ROUTER_VERSION toolchain=$KUBE_ROUTER_GOTOOLCHAIN rev=$RECIPE_REV" ;;
+    kueue) echo "kueue $KUEUE_VERSION toolchain=$KUEUE_GOTOOLCHAIN rev=$RECIPE_REV" ;;
     *) echo "error: unknown binary '$1' (known: ${ALL[*]})" >&2; return 1 ;;
   esac
 }
@@ -77,7 +80,9 @@ up_to_date() {
   local name=$1 want
   want=$(stamp_for "$name")
   [[ "${RLPACER_BUILD_FORCE:-0}" != 1 && -x "$BIN/$name" && -f "$BIN/.$name.stamp" \
-     && "$(cat "$BIN/.$name.stamp")" == "$want" ]]
+     && "$(cat "$BIN/.$name.stamp")" == "$want" ]] || return 1
+  [[ "$name" != kueue ]] || { compgen -G "$BIN/kueue-manifests/crds/*.yaml" > /dev/null \
+                               && [[ -f "$BIN/kueue-manifests/webhooks.yaml" ]]; }
 }
 
 if [[ $CHECK == 1 ]]; then
@@ -255,6 +260,22 @@ build_install() {
   rm -rf "$gobin"
 }
 
+# Kueue's controller manager (no replace directives: go install) and, from the same module
+# version, its CRDs and webhook configurations into bin/kueue-manifests (rlpacer.testing.kueue
+# installs them).
+build_kueue() {
+  local dir
+  build_install kueue sigs.k8s.io/kueue/cmd/kueue "$KUEUE_VERSION" "$KUEUE_GOTOOLCHAIN" \
+    "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
+  dir=$(cd "$BUILD" && GOFLAGS= gotc "$KUEUE_GOTOOLCHAIN" mod download -json \
+        "sigs.k8s.io/kueue@$KUEUE_VERSION" | jq -r .Dir)
+  [[ -d "$dir/config/components/crd/bases" ]] || { echo "error: no CRDs in $dir" >&2; return 1; }
+  rm -rf "$BIN/kueue-manifests"; mkdir -p "$BIN/kueue-manifests/crds"
+  cp "$dir"/config/components/crd/bases/*.yaml "$BIN/kueue-manifests/crds/"
+  cp "$dir"/config/components/webhook/manifests.yaml "$BIN/kueue-manifests/webhooks.yaml"
+  chmod -R u+w "$BIN/kueue-manifests"
+}
+
 total_start=$(date +%s)
 built=()
 for name in "${WANT[@]}"; do
@@ -280,6 +301,7 @@ for name in "${WANT[@]}"; do
     kube-router) build_install kube-router github.com/cloudnativelabs/kube-router/v2/cmd/kube-router \
             "$KUBE_ROUTER_VERSION" "$KUBE_ROUTER_GOTOOLCHAIN" \
             "-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KUBE_ROUTER_VERSION" ;;
+    kueue) build_kueue ;;
   esac
   mv -f "$BIN/$name.tmp" "$BIN/$name"
   echo "$stamp" > "$BIN/.$name.stamp"

@@ -185,12 +185,13 @@ def cmd_up(a: argparse.Namespace) -> int:
     try:
         for ns in (SYSTEM, a.namespace):
             cluster.create_namespace(ns)
-        values = helm_values(a.namespace, free_ports(3))
+        extra = {"kueue.enabled": "true"} if a.kueue else {}
+        values = helm_values(a.namespace, free_ports(3), **extra)
         print(f"==> helm install {RELEASE} charts/rlpacer -n {SYSTEM} (watching {a.namespace})",
               file=sys.stderr)
         cluster.helm("install", RELEASE, str(CHART), "-n", SYSTEM, *values)
         state = {"kubeconfig": str(cluster.kubeconfig), "namespace": a.namespace,
-                 "cluster_dir": str(d / "cluster"), "supervisor": 0}
+                 "cluster_dir": str(d / "cluster"), "supervisor": 0, "kueue": a.kueue}
         (d / "dev-cluster.json").write_text(json.dumps(state))
         print("==> operator and pod players (background; log: "
               f"{d / 'supervisor.log'})", file=sys.stderr)
@@ -212,6 +213,9 @@ def cmd_up(a: argparse.Namespace) -> int:
     except BaseException:
         cmd_down(a, quiet=True)
         raise
+    if a.kueue:
+        print(f"# Kueue is up: set spec.scheduling.queueName: default to queue a job in"
+              f" {a.namespace}", file=sys.stderr)
     print(f"# dev cluster up in {time.monotonic() - t0:.0f} s. Try:\n"
           f"#   kubectl apply -n {a.namespace} -f examples/tiny-cluster-policy.yaml\n"
           f"#   kubectl apply -n {a.namespace} -f examples/tiny-cluster.yaml\n"
@@ -238,6 +242,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    kueue = None
+    if st.get("kueue"):
+        from rlpacer.testing.kueue import KueueProc, dev_queues
+
+        kueue = KueueProc(cluster).start()
+        dev_queues(cluster, st["namespace"])
+        print("kueue ready: LocalQueue 'default' in namespace"
+              f" {st['namespace']} (log: {kueue.log})", flush=True)
     hosts = TestHosts().start()
     op = OperatorProcess(cluster, RELEASE, SYSTEM, d)
     op.report_host = hosts.gateway
@@ -262,6 +274,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         harness.stop()
         hosts.close()
         op.stop()
+        if kueue is not None:
+            kueue.stop()
         cluster.stop()
     return 0
 
@@ -310,6 +324,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--namespace", default="team-a", help="the jobs namespace (default team-a)")
     p.add_argument("--dir", default=None,
                    help=f"state folder (default {cache_dir() / 'dev-cluster'})")
+    p.add_argument("--kueue", action="store_true",
+                   help="up: also run Kueue (its CRDs, webhooks and controller manager), the"
+                        " chart with kueue.enabled, and a LocalQueue 'default' in the jobs"
+                        " namespace (ClusterQueue 'dev': the KWOK GPU nodes' 16 GPUs); jobs"
+                        " with scheduling.queueName: default wait for its admission")
     p.set_defaults(func=lambda a: {"up": cmd_up, "down": cmd_down, "env": cmd_env,
                                    "serve": cmd_serve}[a.action](a))
 

@@ -67,8 +67,10 @@ class OperatorProc:
                  identity: str = "op-a", report_url: str | None = None,
                  report_rate: float = 0, report_burst: int = 50,
                  also_watch: tuple[str, ...] = (), resync_seconds: float = 2,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), kubeconfig: Path | None = None) -> None:
         self.cluster = cluster
+        #: The operator's credentials (default: the cluster's admin).
+        self.kubeconfig = kubeconfig or Path(cluster.kubeconfig)
         #: More flags, after (so overriding) the ones below.
         self.extra_args = extra_args
         self.resync_seconds = resync_seconds
@@ -92,7 +94,7 @@ class OperatorProc:
         return f"https://127.0.0.1:{self.report_port}"
 
     def start(self) -> OperatorProc:
-        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         args = [
             sys.executable, "-m", "rlpacer.cli", "operator",
             "--namespaces", ",".join((self.namespace, *self.also_watch)),

@@ -175,14 +175,14 @@ def manifest_problems(page: Path) -> list[str]:
     for lang, body in blocks:
         if lang not in ("yaml", "yml"):
             continue
-        obj = yaml.safe_load(body)
-        parse = MANIFEST_PARSERS.get(obj.get("kind", "")) if isinstance(obj, dict) else None
-        if parse is None:
-            continue
-        try:
-            parse(obj)
-        except Exception as e:  # the parsers raise their own error types, with the field named
-            out.append(f"{page.name}: {obj['kind']} {obj['metadata']['name']}: {e}")
+        for obj in yaml.safe_load_all(body):  # a block may hold several documents
+            parse = MANIFEST_PARSERS.get(obj.get("kind", "")) if isinstance(obj, dict) else None
+            if parse is None:
+                continue
+            try:
+                parse(obj)
+            except Exception as e:  # the parsers raise their own error types, the field named
+                out.append(f"{page.name}: {obj['kind']} {obj['metadata']['name']}: {e}")
     return out
 
 

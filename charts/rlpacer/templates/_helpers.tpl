@@ -102,6 +102,17 @@ apply, owner references) and reads, nothing cluster-scoped, no RBAC, no nodes.
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
 {{- end }}
+{{- if .Values.kueue.enabled }}
+# Kueue (kueue.enabled): each queued job's Workloads, made, deleted when a long round's extra
+# replicas go back, and written back after an eviction (the quota returned) and at the end
+# (Finished), as Kueue's own job integrations do.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["get", "update", "patch"]
+{{- end }}
 # Events on jobs (Kopf posts core/v1 Events; events.k8s.io for newer clients).
 - apiGroups: [""]
   resources: ["events"]

@@ -169,7 +169,7 @@ MANAGED_BY = "rlpacer-operator"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
-#: Kueue's queue label, copied from spec.scheduling.queueName onto workloads.
+#: Kueue's queue label (pods of a job carry none: the job's Workload names its queue).
 LABEL_KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
 
 # --- ports ----------------------------------------------------------------------------------

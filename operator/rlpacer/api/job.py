@@ -383,6 +383,8 @@ class RewardSpec(APIModel):
 #: Kubernetes resource quantities ("500m", "2", "8Gi", "1.5G").
 QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([numkMGTPE]|[KMGTPE]i|[eE][+-]?[0-9]+)?$"
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
+#: A Kueue LocalQueue's name: a DNS-1123 subdomain (Kueue's Workload.spec.queueName pattern).
+QUEUE_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _RESOURCE_NAME = r"^(cpu|memory|ephemeral-storage|hugepages-[0-9A-Za-z]+)$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 #: env names the operator sets or the trainer relies on: not settable in a role's env
@@ -684,6 +686,16 @@ class LongRoundSpec(APIModel):
             " are asked at the report before the long round, which waits for them."
         ),
     )
+    queue_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=QUEUE_NAME_PATTERN,
+        description=(
+            "Kueue LocalQueue the long round's extra rollout replicas are asked from (a"
+            " Workload of their own, admitted before the rollout StatefulSet grows), e.g. one"
+            " whose ClusterQueue borrows from a burst pool shared by jobs; default"
+            " scheduling.queueName. Needs scheduling.queueName: the job's own pods are"
+            " admitted there."
+        ),
+    )
     min_yield_ratio: Annotated[Decimal, DecimalRange(0, 100)] = Field(
         default="0.25",
         description=(
@@ -794,8 +806,13 @@ class SchedulingSpec(APIModel):
         description="Added to the pods (GPU taints are tolerated already).",
     )
     queue_name: str | None = Field(
-        default=None, max_length=253,
-        description="Kueue LocalQueue; set as the kueue.x-k8s.io/queue-name label on workloads.",
+        default=None, min_length=1, max_length=253, pattern=QUEUE_NAME_PATTERN,
+        description=(
+            "Kueue LocalQueue that admits the job: the operator makes the job a Workload (one"
+            " pod set per role) and runs no pod until Kueue admits it; the admitted flavors'"
+            " node labels and tolerations go onto the pods; evicted, the job stops and"
+            " resumes from its last checkpoint when admitted again. Needs Kueue installed."
+        ),
     )
 
 
@@ -859,6 +876,11 @@ class RLTrainingJobSpec(APIModel):
     @model_validator(mode="after")
     def _cross(self) -> RLTrainingJobSpec:
         tb = self.tail_batching
+        if tb.long_round.queue_name is not None and self.scheduling.queue_name is None:
+            raise ValueError(
+                "tailBatching.longRound.queueName needs scheduling.queueName (the job's own"
+                " pods are admitted through Kueue too): set scheduling.queueName, or remove"
+                " tailBatching.longRound.queueName")
         if tb.enabled and tb.long_round.rollout_replicas < self.rollout.replicas:
             raise ValueError(
                 "tailBatching.longRound.rolloutReplicas must be >= rollout.replicas"

@@ -57,8 +57,14 @@ class ConditionType(enum.StrEnum):
     #: A long round is planned or running. Reasons: ScalingUp, Running, ScaleUpTimedOut,
     #: Finished.
     LONG_ROUND = "LongRound"
-    #: spec.suspend is true and the pods are gone. Reasons: Suspended, Resumed.
+    #: The pods are gone, the state kept: spec.suspend is true (Suspended), or Kueue holds the
+    #: job (WaitingForQueue: not admitted yet; Evicted: preempted or its queue stopped).
+    #: False reason: Resumed.
     SUSPENDED = "Suspended"
+    #: Only for a job with spec.scheduling.queueName: Kueue admitted the job's Workload
+    #: (True reason AdmittedByKueue); False reasons WaitingForQueue (the message is Kueue's),
+    #: Evicted, KueueNotInstalled.
+    QUEUE_ADMITTED = "QueueAdmitted"
     #: The job breaks its namespace policy's SLO (windowed straggler rate or mean step time),
     #: judged on each step report. True reasons: StragglerRateAboveSLO, StepTimeAboveSLO;
     #: False reasons: WithinSLO, NotEnoughSteps, NoSLO. Absent while no policy sets an SLO.
@@ -122,6 +128,11 @@ class Reason(enum.StrEnum):
     WITHIN_TARGET = "WithinTarget"
     EXCEEDED = "Exceeded"
     INFEASIBLE = "Infeasible"
+    # QueueAdmitted (and Suspended while Kueue holds the job)
+    ADMITTED_BY_KUEUE = "AdmittedByKueue"
+    WAITING_FOR_QUEUE = "WaitingForQueue"
+    EVICTED = "Evicted"
+    KUEUE_NOT_INSTALLED = "KueueNotInstalled"
 
 
 #: Reasons with which SLOViolated is True (one per metric series rlpacer_slo_violated{reason}).
@@ -139,6 +150,7 @@ class Summary(enum.StrEnum):
     LONG_ROUND = "LongRound"
     RESTARTING = "Restarting"
     SUSPENDED = "Suspended"
+    QUEUED = "Queued"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
 
@@ -442,6 +454,11 @@ def summarize(conditions: Sequence[Condition]) -> Summary:
     if is_true(conditions, ConditionType.SUCCEEDED):
         return Summary.SUCCEEDED
     if is_true(conditions, ConditionType.SUSPENDED):
+        held = find(conditions, ConditionType.SUSPENDED)
+        if held is not None and held.reason in (Reason.WAITING_FOR_QUEUE.value,
+                                                Reason.EVICTED.value,
+                                                Reason.KUEUE_NOT_INSTALLED.value):
+            return Summary.QUEUED
         return Summary.SUSPENDED
     training = find(conditions, ConditionType.TRAINING)
     if training is not None and training.reason == Reason.RESTARTING.value:

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import base64
 import copy
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -44,6 +45,7 @@ import yaml
 from rlpacer.api import contract, sources
 from rlpacer.api.job import API_VERSION, KIND, PodSettings, RLTrainingJobSpec
 from rlpacer.operator import names
+from rlpacer.operator.queue import Placement
 
 Obj = dict[str, Any]
 
@@ -81,6 +83,9 @@ class BuildInputs:
     report_ca: str | None = None
     #: The job's NetworkPolicies (None: none; operator setting ``job_network_policy``).
     network: JobNetwork | None = None
+    #: Per role (pod set name), what the flavors Kueue admitted the job with add to its pods
+    #: (node labels, tolerations); empty without Kueue (:mod:`rlpacer.operator.queue`).
+    placement: Mapping[str, Placement] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -341,10 +346,15 @@ def _pod_spec(
         pod["restartPolicy"] = "Never"
         pod["hostname"] = "driver"
         pod["subdomain"] = names.workers_service(inputs.name)
+    selector = dict(sched.node_selector or {})
+    placed = inputs.placement.get(role.value)
+    if placed is not None:  # the flavor Kueue admitted this role with
+        selector.update(placed.node_selector)
+        tolerations += [dict(t) for t in placed.tolerations if t not in tolerations]
     if tolerations:
         pod["tolerations"] = tolerations
-    if sched.node_selector:
-        pod["nodeSelector"] = dict(sched.node_selector)
+    if selector:
+        pod["nodeSelector"] = selector
     if sched.priority_class_name:
         pod["priorityClassName"] = sched.priority_class_name
     if settings is not None and settings.image_pull_secrets:
@@ -411,10 +421,10 @@ def _restrict(pod: Obj) -> None:
 
 
 def _pod_labels(inputs: BuildInputs, role: contract.Role) -> dict[str, str]:
-    out = names.labels(inputs.name, role)
-    if inputs.spec.scheduling.queue_name:
-        out[contract.LABEL_KUEUE_QUEUE] = inputs.spec.scheduling.queue_name
-    return out
+    # No kueue.x-k8s.io/queue-name label: the job is admitted as a whole through its own
+    # Workload (rlpacer.operator.queue); the label would make Kueue's pod integration, where
+    # enabled, gate and charge each pod a second time.
+    return names.labels(inputs.name, role)
 
 
 def statefulset(
@@ -546,6 +556,18 @@ def build_children(inputs: BuildInputs) -> list[Obj]:
             driver_pod(inputs),
         ]
     return out
+
+
+def pod_template_spec(inputs: BuildInputs, role: contract.Role) -> Obj:
+    """The pod spec of one role as the workloads run it (the Kueue Workload's pod sets)."""
+    spec = inputs.spec
+    if role is contract.Role.ROLLOUT:
+        return _pod_spec(inputs, role, spec.rollout.image, spec.rollout.gpus_per_replica,
+                         spec.rollout.replicas)
+    if role is contract.Role.LEARNER:
+        return _pod_spec(inputs, role, spec.trainer.image, spec.trainer.gpus_per_replica,
+                         spec.trainer.replicas)
+    return _pod_spec(inputs, role, spec.trainer.image, 0, 1)
 
 
 def workload_names(name: str, attempt: int) -> list[tuple[str, str, str]]:

@@ -58,6 +58,7 @@ from typing import Any
 from rlpacer.api import contract
 from rlpacer.api._base import decimal
 from rlpacer.api.job import RLTrainingJobSpec, effective_algorithm
+from rlpacer.api.protocol import RolloutState
 from rlpacer.api.status import (
     MAX_SCALE_ACTIONS,
     ConditionType,
@@ -73,7 +74,8 @@ from rlpacer.api.status import (
 )
 from rlpacer.control.plan import JobController
 from rlpacer.control.sagc import GroupControlMode
-from rlpacer.operator import hosting, scaler
+from rlpacer.operator import hosting, queue, scaler
+from rlpacer.operator.queue import QueueView
 from rlpacer.operator.scaler import Event
 from rlpacer.operator.timeutil import fmt_time, parse_time
 
@@ -109,6 +111,14 @@ class Observed:
     rollout_ordinals: tuple[int, ...] | None = None
     #: long-round rollout replicas the namespace's policies allow now (None: not enforced)
     long_round_cap: int | None = None
+    #: the job's Kueue Workload as seen (None: the job names no queue, or it was not looked at)
+    queue: QueueView | None = None
+    #: its long round's Workload (None: not looked at)
+    long_round_queue: QueueView | None = None
+    #: pods of the job that exist, in any phase (None: not counted)
+    job_pods: int | None = None
+    #: ordinals of the rollout StatefulSet's pods that exist, in any phase (None: not looked)
+    rollout_pods: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -165,12 +175,15 @@ def decide(
 
     st.algorithm = effective_algorithm(spec)  # what the trainer resolves from the same spec
 
+    # --- Kueue: the job runs only while its Workload is admitted ---------------------------
+    queued = _queue_hold(spec, st, observed.queue, t, gen, ev)
+
     # --- admission ------------------------------------------------------------------------
     if not is_true(st.conditions, ConditionType.ADMITTED):
         _cond(st, ConditionType.ADMITTED, True, Reason.CREATED, "children created", t, gen)
         _cond(st, ConditionType.TRAINING, False, Reason.STARTING, "waiting for the driver",
               t, gen)
-        st.start_time = None if spec.suspend else t
+        st.start_time = None if spec.suspend or queued else t
         hosting.init_status(st, spec)
         st.rollout = RolloutStatus(desired_replicas=scaler.short_replicas(spec),
                                    ready_replicas=observed.rollout_ready)
@@ -178,20 +191,40 @@ def decide(
 
     # --- suspend / resume -----------------------------------------------------------------
     suspended = is_true(st.conditions, ConditionType.SUSPENDED)
-    if spec.suspend:
+    if spec.suspend or queued is not None:
         d.workloads = False
-        if not suspended:
-            _cond(st, ConditionType.SUSPENDED, True, Reason.SUSPENDED,
-                  "spec.suspend is true: pods deleted, state kept", t, gen)
-            _cond(st, ConditionType.TRAINING, False, Reason.STOPPED, "suspended", t, gen)
-            _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED, "suspended", t, gen)
-            ev.append(Event("Normal", "Suspended", "pods deleted; resume with spec.suspend=false"))
+        if spec.suspend:
+            reason, msg = Reason.SUSPENDED, "spec.suspend is true: pods deleted, state kept"
+        else:
+            assert queued is not None
+            reason, msg = queued
+        held = find(st.conditions, ConditionType.SUSPENDED)
+        if not suspended or held is None or held.reason != reason.value:
+            _cond(st, ConditionType.SUSPENDED, True, reason, msg, t, gen)
+            _cond(st, ConditionType.TRAINING, False, Reason.STOPPED,
+                  "suspended" if spec.suspend else "held by Kueue", t, gen)
+            _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED,
+                  "suspended" if spec.suspend else "held by Kueue", t, gen)
+            if spec.suspend:
+                ev.append(Event("Normal", "Suspended",
+                                "pods deleted; resume with spec.suspend=false"))
+        elif held.message != msg:
+            _cond(st, ConditionType.SUSPENDED, True, reason, msg, t, gen)
         st.rollout = RolloutStatus(desired_replicas=scaler.short_replicas(spec),
                                    ready_replicas=observed.rollout_ready)
         st.observed_generation = gen
         st.summary = summarize(st.conditions)
         return d
-    if suspended:
+    if suspended and st.start_time is None:
+        # held from the start (spec.suspend, or waiting for Kueue): attempt 0 never ran
+        _cond(st, ConditionType.SUSPENDED, False, Reason.RESUMED,
+              f"started as attempt {st.attempt}", t, gen)
+        _cond(st, ConditionType.TRAINING, False, Reason.STARTING, "waiting for the driver",
+              t, gen)
+        ev.append(Event("Normal", "Resumed", f"attempt {st.attempt} starts"))
+        observed = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready,
+                            rollout_ordinals=observed.rollout_ordinals)
+    elif suspended:
         st.attempt += 1
         st.start_time = t
         _cond(st, ConditionType.SUSPENDED, False, Reason.RESUMED,
@@ -297,6 +330,17 @@ def decide(
                       e.message, t, gen)
             elif e.reason == "ScaledUp":
                 _cond(st, ConditionType.LONG_ROUND, True, Reason.RUNNING, e.message, t, gen)
+        lv = observed.long_round_queue
+        lr = find(st.conditions, ConditionType.LONG_ROUND)
+        if (lv is not None and lv.exists and not lv.admitted and lr is not None
+                and lr.status == "True" and lr.reason == Reason.SCALING_UP.value
+                and st.rollout.state == RolloutState.SCALING_UP.value):
+            # the long round's wait, as Kueue words it
+            extra = st.rollout.desired_replicas - scaler.short_replicas(spec)
+            _cond(st, ConditionType.LONG_ROUND, True, Reason.SCALING_UP,
+                  f"waiting for Kueue to admit {extra} extra rollout replicas (queue"
+                  f" {queue.long_round_queue(spec)})" + (f": {lv.message}" if lv.message
+                                                          else ""), t, gen)
         short = scaler.short_replicas(spec)
         if observed.rollout_ready >= short:
             _cond(st, ConditionType.ROLLOUT_READY, True, Reason.REPLICAS_READY,
@@ -313,6 +357,57 @@ def decide(
     st.observed_generation = gen
     st.summary = summarize(st.conditions)
     return d
+
+
+def _queue_hold(
+    spec: RLTrainingJobSpec, st: RLTrainingJobStatus, view: QueueView | None, t: str,
+    gen: int | None, ev: list[Event],
+) -> tuple[Reason, str] | None:
+    """For a job that names a Kueue queue: the QueueAdmitted condition from its Workload, and
+    why the job is held (None: admitted, or no queue). ``view`` None (not looked at): the
+    condition as it stands decides."""
+    name = queue.queue_of(spec)
+    if name is None:
+        return None
+    cond = find(st.conditions, ConditionType.QUEUE_ADMITTED)
+    if view is None:
+        if cond is not None and cond.status == "True":
+            return None
+        if cond is not None:
+            return Reason(cond.reason), cond.message
+        return Reason.WAITING_FOR_QUEUE, f"waiting for Kueue to admit the job (queue {name})"
+    if not view.installed:
+        reason = Reason.KUEUE_NOT_INSTALLED
+        msg = (f"spec.scheduling.queueName is {name!r} but Kueue is not installed (the API"
+               f" {queue.API_VERSION} is not served): install Kueue, or remove"
+               " spec.scheduling.queueName to run without admission")
+        if _cond(st, ConditionType.QUEUE_ADMITTED, False, reason, msg, t, gen) or cond is None:
+            ev.append(Event("Warning", "KueueNotInstalled", msg))
+        return reason, msg
+    if view.evicted is not None:
+        why, text = view.evicted
+        reason = Reason.EVICTED
+        msg = (f"evicted by Kueue ({why}: {text}): pods deleted, state kept; the job resumes"
+               " from its last checkpoint when admitted again")
+        was = cond is not None and cond.reason == reason.value
+        _cond(st, ConditionType.QUEUE_ADMITTED, False, reason, msg, t, gen)
+        if not was:
+            ev.append(Event("Warning", "Evicted", msg))
+        return reason, msg
+    if view.admitted:
+        flavors = ", ".join(sorted(queue.flavor_names(view))) or "none"
+        msg = f"admitted by ClusterQueue {view.cluster_queue} (flavors: {flavors})"
+        if _cond(st, ConditionType.QUEUE_ADMITTED, True, Reason.ADMITTED_BY_KUEUE, msg, t, gen):
+            ev.append(Event("Normal", "QueueAdmitted", msg))
+        return None
+    reason = Reason.WAITING_FOR_QUEUE
+    msg = (f"waiting for Kueue to admit the job (queue {name})"
+           + (f": {view.message}" if view.message else ""))
+    first = cond is None or cond.status == "True"
+    _cond(st, ConditionType.QUEUE_ADMITTED, False, reason, msg, t, gen)
+    if first:
+        ev.append(Event("Normal", "Queued", f"waiting for Kueue to admit the job (queue {name})"))
+    return reason, msg
 
 
 def restart_attempt(

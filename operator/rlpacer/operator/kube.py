@@ -249,6 +249,7 @@ _PLURALS = {
     "Event": "events",
     "Lease": "leases",
     "RLTrainingJob": "rltrainingjobs",
+    "Workload": "workloads",
 }
 
 

@@ -27,6 +27,7 @@ JOB_LABELS = ("namespace", "job")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _STEP_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+_QUEUE_BUCKETS = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                     0.25, 0.5, 1, 2.5, 5)
 
@@ -100,13 +101,25 @@ class Metrics:
             (*JOB_LABELS, "reason"), registry=r)
         self.job_active = Gauge("rlpacer_job_active", "1 while the job is admitted and not"
                                 " finished (nor suspended).", JOB_LABELS, registry=r)
+        self.job_queued = Gauge(
+            "rlpacer_job_queued", "1 while Kueue holds the job (waiting for admission, or"
+            " evicted), else 0; only for jobs with spec.scheduling.queueName.", JOB_LABELS,
+            registry=r)
+        self.long_round_queued = Gauge(
+            "rlpacer_long_round_queued", "1 while a long round's extra rollout replicas wait"
+            " for Kueue to admit their Workload, else 0.", JOB_LABELS, registry=r)
+        self.queue_wait = Histogram(
+            "rlpacer_queue_wait_seconds", "Time from a Kueue Workload's creation to its"
+            " admission, as this operator saw it happen, by namespace and what waited (job:"
+            " the job's own pods; long_round: a long round's extra replicas).",
+            ("namespace", "workload"), buckets=_QUEUE_BUCKETS, registry=r)
         self.leader = Gauge("rlpacer_leader", "1 while this replica holds the Lease.",
                             registry=r)
         self._per_job = [
             self.group_size, self.lambda_, self.straggler_rate, self.stragglers, self.steps,
             self.step_duration, self.long_rounds, self.long_queue, self.rollout_desired,
             self.rollout_ready, self.scale_actions, self.reconcile_errors, self.reconciles,
-            self.job_active, self.report_throttled,
+            self.job_active, self.report_throttled, self.job_queued, self.long_round_queued,
         ]
 
     def observe_status(self, namespace: str, job: str, st: RLTrainingJobStatus) -> None:
@@ -124,6 +137,11 @@ class Metrics:
                   and not is_terminal(st.conditions)
                   and not is_true(st.conditions, ConditionType.SUSPENDED))
         self.job_active.labels(*lab).set(1 if active else 0)
+        if find(st.conditions, ConditionType.QUEUE_ADMITTED) is not None:
+            held = find(st.conditions, ConditionType.SUSPENDED)
+            queued = (held is not None and held.status == ConditionStatus.TRUE
+                      and held.reason != "Suspended" and not is_terminal(st.conditions))
+            self.job_queued.labels(*lab).set(1 if queued else 0)
         # The step counter exists from the job's first observation at 0, so the first step after
         # an operator (re)start is an increase Prometheus sees (a series first scraped at 1 is not):
         # the RLPacerJobStuck alert relies on it across leader changes.

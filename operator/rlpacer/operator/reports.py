@@ -106,6 +106,14 @@ def accept_report(
     """
     if is_terminal(status.conditions):
         raise ReportRejected("JobFinished", f"the job is {summarize(status.conditions).value}")
+    held = find(status.conditions, ConditionType.SUSPENDED)
+    if (not spec.suspend and held is not None and held.status == "True"
+            and held.reason != Reason.SUSPENDED.value):
+        # held by Kueue (waiting, or evicted): the same, with Kueue's word
+        raise JobSuspended(
+            f"the job is held by Kueue ({held.reason}: {held.message}): no step report is"
+            " accepted and its pods are deleted; this driver should stop. Admitted again,"
+            " the job starts a new attempt, from the last checkpoint, that reports again")
     if spec.suspend or is_true(status.conditions, ConditionType.SUSPENDED):
         # Its pods are being deleted: a step accepted now would be one the resumed attempt
         # (from the last checkpoint) runs again, counted twice.

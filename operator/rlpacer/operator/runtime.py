@@ -52,12 +52,13 @@ from rlpacer.api.status import (
     Reason,
     RLTrainingJobStatus,
     is_terminal,
+    is_true,
     read_status,
     set_condition,
     summarize,
 )
 from rlpacer.control.plan import JobController
-from rlpacer.operator import builders, enforce, names, scaler
+from rlpacer.operator import builders, enforce, names, queue, scaler
 from rlpacer.operator.decide import (
     Decision,
     Observed,
@@ -68,6 +69,7 @@ from rlpacer.operator.decide import (
     restart_attempt,
 )
 from rlpacer.operator.kube import METADATA_ONLY, ApiError, KubeClient, object_path
+from rlpacer.operator.kueue import POLL_SECONDS, Kueue
 from rlpacer.operator.metrics import Metrics
 from rlpacer.operator.policies import PolicyCache
 from rlpacer.operator.scaler import Event
@@ -169,6 +171,12 @@ class JobRuntime:
     #: no request. None: look.
     observation: tuple[Observed, dict[str, Any] | None] | None = None
     children_changed: bool = True
+    #: The job's Kueue Workloads as the last observation read them ("job", "long"; None:
+    #: absent), for the status writes an eviction or the job's end makes.
+    workload_objs: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    #: Whether the last pass saw each Workload ("job", "long_round") admitted: an admission
+    #: this process sees happen is counted (rlpacer_queue_wait_seconds) and announced.
+    workload_admitted: dict[str, bool] = field(default_factory=dict)
 
     #: :func:`status_shape` of a status the API server stored exactly as this process sent
     #: it: a write of a status of this shape needs no echo of the stored object.
@@ -274,6 +282,8 @@ class Jobs:
         self.metrics = metrics
         #: The namespaces' RLTrainingPolicies for run-time enforcement (None: not enforced).
         self.policies = policies
+        #: Kueue's objects, for jobs that name a queue (rlpacer.operator.queue).
+        self.kueue = Kueue(kube)
         self._jobs: dict[tuple[str, str], JobRuntime] = {}
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
         #: The resourceVersion of each job last seen on the operator's job watch: a pass
@@ -684,12 +694,41 @@ class Jobs:
         listed = await self.kube.request(
             "GET", object_path("v1", "pods", rt.namespace, None),
             params={"labelSelector": selector})
-        ordinals = tuple(scaler.ready_ordinals(
-            listed.get("items") or [], names.statefulset(rt.name, contract.Role.ROLLOUT)))
-        return Observed(attempt=attempt, driver_phase=phase, driver_message=message,
+        items = listed.get("items") or []
+        rollout_sts = names.statefulset(rt.name, contract.Role.ROLLOUT)
+        ordinals = tuple(scaler.ready_ordinals(items, rollout_sts))
+        seen = Observed(attempt=attempt, driver_phase=phase, driver_message=message,
                         driver_exit_code=exit_code, driver_deleting=deleting,
                         driver_disruption=disruption,
-                        rollout_ready=ready, rollout_ordinals=ordinals), pod
+                        rollout_ready=ready, rollout_ordinals=ordinals)
+        if rt.spec is not None and queue.queue_of(rt.spec) is not None:
+            seen = await self._observe_queue(rt, seen, items, rollout_sts)
+        return seen, pod
+
+    async def _observe_queue(self, rt: JobRuntime, seen: Observed, rollout_items: list[Any],
+                             rollout_sts: str) -> Observed:
+        """The job's Kueue Workloads, and the pods an eviction waits for."""
+        view, obj = await self.kueue.view(rt.namespace, queue.workload_name(rt.name), rt.uid)
+        long_view, long_obj = queue.ABSENT, None
+        if view.installed:
+            long_view, long_obj = await self.kueue.view(
+                rt.namespace, queue.long_round_name(rt.name), rt.uid)
+        rt.workload_objs = {"job": obj, "long": long_obj}
+        present = []
+        prefix = rollout_sts + "-"
+        for p in rollout_items:
+            n = str((p.get("metadata") or {}).get("name") or "")
+            if n.startswith(prefix) and n[len(prefix):].isdigit():
+                present.append(int(n[len(prefix):]))
+        job_pods = None
+        if view.evicted is not None and view.reserved:
+            listed = await self.kube.request(
+                "GET", object_path("v1", "pods", rt.namespace, None),
+                params={"labelSelector": ",".join(
+                    f"{k}={v}" for k, v in sorted(names.selector(rt.name).items()))})
+            job_pods = len(listed.get("items") or [])
+        return dataclasses.replace(seen, queue=view, long_round_queue=long_view,
+                                   job_pods=job_pods, rollout_pods=tuple(sorted(present)))
 
     async def reconcile(self, rt: JobRuntime) -> float | None:
         """One level-based pass; returns seconds until the next needed look (or None).
@@ -720,7 +759,10 @@ class Jobs:
         # view older than the pod (created by the last pass, its watch event not in yet).
         no_driver = (seen is not None and seen[1] is None and not rt.spec.suspend
                      and not is_terminal(rt.status.conditions))
-        if (full or pending or no_driver or rt.children_changed or seen is None
+        # A job that names a Kueue queue looks at its Workloads on every pass (Kueue's
+        # decisions come with no event of the job's children).
+        queued = queue.queue_of(rt.spec) is not None
+        if (full or pending or no_driver or queued or rt.children_changed or seen is None
                 or seen[0].attempt != rt.status.attempt):
             rt.children_changed = False  # an event from now on is seen by the next pass
             try:
@@ -745,7 +787,8 @@ class Jobs:
             if st.attempt != observed.attempt:  # the driver seen belongs to another attempt
                 obs = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready,
                                rollout_ordinals=observed.rollout_ordinals, long_round_cap=cap,
-                               driver_looked=False)
+                               driver_looked=False, queue=observed.queue,
+                               long_round_queue=observed.long_round_queue)
             d = decide(spec, st, obs, now, rt.generation)
             return d.status, d
 
@@ -764,6 +807,11 @@ class Jobs:
                 report_ca=self.report_ca(),
                 network=self.settings.job_network(),
             )
+        poll = None
+        if queue.queue_of(spec) is not None:
+            inputs, poll = await self._sync_queue(rt, inputs, observed, dec.events)
+            if poll is not None:
+                dec.requeue_after = min(poll, dec.requeue_after or poll)
         if dec.events:
             await self.post_events(rt, dec.events)
         if dec.delete_job:
@@ -819,6 +867,118 @@ class Jobs:
                 if await self.kube.delete(object_path(api, plural, rt.namespace, child)):
                     rt.applied.clear()
         return dec.requeue_after
+
+    def _saw_admission(self, rt: JobRuntime, which: str, view: queue.QueueView,
+                       obj: dict[str, Any] | None) -> float | None:
+        """Seconds the Workload waited, when this pass is the first to see it admitted after
+        seeing it wait (None otherwise; a first look after a restart counts nothing)."""
+        before = rt.workload_admitted.get(which)
+        rt.workload_admitted[which] = view.admitted
+        if before is not False or not view.admitted or obj is None:
+            return None
+        wait = queue.admission_wait(obj)
+        if wait is not None:
+            self.metrics.queue_wait.labels(rt.namespace, which).observe(wait)
+        return wait
+
+    async def _sync_queue(
+        self, rt: JobRuntime, inputs: builders.BuildInputs, observed: Observed,
+        events: list[Event],
+    ) -> tuple[builders.BuildInputs, float | None]:
+        """Kueue's side of the pass (``rlpacer.operator.queue``): make the job's Workload,
+        give its quota back after an eviction once its pods are gone, mark it Finished when
+        the job ends; place the pods on the admitted flavors; ask for a long round's extra
+        replicas with a Workload of their own and grow the StatefulSet only once it is
+        admitted. Returns the inputs to apply with, and when to look again (None: no need)."""
+        spec, st = inputs.spec, rt.status
+        view = observed.queue
+        if view is None:
+            return inputs, POLL_SECONDS
+        lab = (rt.namespace, rt.name)
+        if not view.installed:
+            self.kueue.forget_served()
+            return inputs, 10 * POLL_SECONDS  # Kueue may be installed later
+        self._saw_admission(rt, "job", view, rt.workload_objs.get("job"))
+        now = fmt_time(utcnow())
+        objs = rt.workload_objs
+        long_view = observed.long_round_queue or queue.ABSENT
+        if is_terminal(st.conditions):
+            self.metrics.long_round_queued.labels(*lab).set(0)
+            obj = objs.get("job")
+            again = None
+            if obj is not None and not view.finished:
+                ok = is_true(st.conditions, ConditionType.SUCCEEDED)
+                if not await self.kueue.put_status(queue.finish(
+                        obj, ok, f"the job {summarize(st.conditions).value}", now)):
+                    again = POLL_SECONDS  # changed since read: read again, write again
+            if long_view.exists:
+                await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
+            return inputs, again
+        pod_specs = {role: builders.pod_template_spec(inputs, role) for role in contract.Role}
+        priority = await self.kueue.priority(spec.scheduling.priority_class_name)
+        if not view.exists:
+            await self.kueue.create(queue.job_workload(
+                rt.name, rt.namespace, rt.uid, spec, pod_specs, priority, API_VERSION, KIND))
+            rt.workload_admitted["job"] = False
+            return inputs, POLL_SECONDS
+        poll: float | None = None
+        if view.evicted is not None:
+            obj = objs.get("job")
+            if view.reserved and obj is not None and observed.job_pods == 0:
+                # every pod gone: the quota goes back
+                await self.kueue.put_status(queue.give_back(obj, now))
+                log.info("%s/%s: evicted by Kueue; pods gone, quota given back",
+                         rt.namespace, rt.name)
+            poll = POLL_SECONDS
+        if not view.admitted:
+            self.metrics.long_round_queued.labels(*lab).set(0)
+            if long_view.exists:
+                await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
+            return inputs, POLL_SECONDS
+        placement = queue.placement(view, await self.kueue.flavors(queue.flavor_names(view)))
+        inputs = dataclasses.replace(inputs, placement=placement)
+        # a long round's extra replicas
+        short = scaler.short_replicas(spec)
+        extra = inputs.rollout_replicas - short
+        long_name = queue.long_round_name(rt.name)
+        if extra <= 0:
+            self.metrics.long_round_queued.labels(*lab).set(0)
+            rt.workload_admitted.pop("long_round", None)
+            if long_view.exists and await self.kueue.delete(rt.namespace, long_name):
+                events.append(Event("Normal", "LongRoundReleased",
+                                    "the long round's extra rollout replicas went back: their"
+                                    f" Workload {long_name} deleted (quota returned)"))
+            return inputs, poll
+        if not long_view.exists:
+            await self.kueue.create(queue.long_round_workload(
+                rt.name, rt.namespace, rt.uid, spec, pod_specs[contract.Role.ROLLOUT], extra,
+                priority, placement.get(contract.Role.ROLLOUT.value), API_VERSION, KIND))
+            events.append(Event("Normal", "LongRoundQueued",
+                                f"{extra} extra rollout replicas asked from Kueue (Workload"
+                                f" {long_name}, queue {queue.long_round_queue(spec)})"))
+            rt.workload_admitted["long_round"] = False
+            long_view = queue.ABSENT
+        elif long_view.counts.get(queue.LONG_ROUND_POD_SET) != extra:
+            # asked for another count (a policy clamp): asked again
+            await self.kueue.delete(rt.namespace, long_name)
+            long_view = queue.ABSENT
+        waited = self._saw_admission(rt, "long_round", long_view, objs.get("long"))
+        if waited is not None:
+            events.append(Event("Normal", "LongRoundAdmitted",
+                                f"Kueue admitted the long round's {extra} extra rollout"
+                                f" replicas after {waited:.0f}s (ClusterQueue"
+                                f" {long_view.cluster_queue})"))
+        self.metrics.long_round_queued.labels(*lab).set(0 if long_view.admitted else 1)
+        if not long_view.admitted:
+            # the extra replicas wait for Kueue; the scale-up's deadline runs meanwhile
+            inputs = dataclasses.replace(inputs, rollout_replicas=short)
+            obj = objs.get("long")
+            if (long_view.evicted is not None and long_view.reserved and obj is not None
+                    and observed.rollout_pods is not None
+                    and all(i < short for i in observed.rollout_pods)):
+                await self.kueue.put_status(queue.give_back(obj, now))
+            return inputs, POLL_SECONDS
+        return inputs, poll
 
     async def _recover_state(self, rt: JobRuntime) -> None:
         """Rebuild the job's controller state if it cannot be used (someone else wrote the

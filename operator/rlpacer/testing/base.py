@@ -85,9 +85,9 @@ def find_binary(name: str, directory: Path | None = None) -> Path:
     raise MissingBinaryError(
         f"{name} not found at {p}. The local Kubernetes control plane's binaries (etcd, "
         f"kube-apiserver, kube-controller-manager, kube-scheduler, kwok, helm; kubelet and "
-        f"kube-proxy for a real node) and Prometheus' "
-        f"(promtool, prometheus) are built at the versions pinned in hack/versions.env by "
-        f"`{SETUP_COMMAND}` (or only this one: `{BUILD_COMMAND} {name}`; a cold build takes a "
+        f"kube-proxy for a real node), Prometheus' (promtool, prometheus) and Kueue's "
+        f"are built at the versions pinned in hack/versions.env by `{SETUP_COMMAND}` "
+        f"(or only this one: `{BUILD_COMMAND} {name}`; a cold build takes a "
         f"while). Set RLPACER_BIN_DIR or RLPACER_CACHE if they live elsewhere."
     )
 
@@ -104,6 +104,7 @@ _VERSION_KEYS = {
     "helm": "HELM_VERSION",
     "promtool": "PROMETHEUS_VERSION",
     "prometheus": "PROMETHEUS_VERSION",
+    "kueue": "KUEUE_VERSION",
 }
 
 

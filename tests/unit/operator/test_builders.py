@@ -91,7 +91,8 @@ def test_rollout_statefulset_and_gpus() -> None:
     assert c["resources"]["limits"][contract.GPU_RESOURCE] == "2"
     assert builders.GPU_TOLERATION in pod["tolerations"]
     tpl_labels = sts["spec"]["template"]["metadata"]["labels"]
-    assert tpl_labels[contract.LABEL_KUEUE_QUEUE] == "gpu-queue"
+    # no per-pod queue label: the job is admitted through its own Workload
+    assert contract.LABEL_KUEUE_QUEUE not in tpl_labels
     assert sts["spec"]["selector"]["matchLabels"].items() <= tpl_labels.items()
     learner = children["demo-learner"]["spec"]["template"]["spec"]["containers"][0]
     assert learner["resources"]["limits"][contract.GPU_RESOURCE] == "4"

@@ -13,6 +13,7 @@ What counts as "something", compared between a base job and the job with one fie
 * the reconcile decision (``decide.decide``) in fixed lifecycle scenarios: admission, a failed
   driver, a job that finished long ago, one running past an hour, a long round's pending
   scale-up;
+* the Kueue Workloads a job that names a queue asks for (``rlpacer.operator.queue``);
 * or a rejection whose message names the field (counted only when nothing else differs; no
   entry relies on one).
 
@@ -38,7 +39,7 @@ from rlpacer.api import contract
 from rlpacer.api.job import ManifestError, parse_job, parse_spec
 from rlpacer.api.protocol import RoundKind
 from rlpacer.api.status import RLTrainingJobStatus
-from rlpacer.operator import builders, hosting, scaler
+from rlpacer.operator import builders, hosting, queue, scaler
 from rlpacer.operator.decide import Observed, decide
 from rlpacer_trainer import hfrecipe, reward_fns, runtime, wordproblems
 from rlpacer_trainer.config import ConfigError, RunConfig
@@ -180,6 +181,7 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "scheduling.tolerations[].tolerationSeconds": (
         120, {"scheduling": {"tolerations": [TOLERATION]}}),
     "scheduling.queueName": ("gpu-queue", None),
+    "tailBatching.longRound.queueName": ("burst", {"scheduling": {"queueName": "gpu-queue"}}),
     "suspend": (True, None),
     "backoffLimit": (0, None),
     "activeDeadlineSeconds": (100, None),  # the scenario runs for an hour
@@ -321,6 +323,21 @@ def _children(spec: Any) -> list[Any]:
     return out
 
 
+def _workloads(spec: Any) -> Any:
+    """The Kueue Workloads a job that names a queue asks for: its own, and a long round's
+    extra replicas' (rlpacer.operator.queue)."""
+    if queue.queue_of(spec) is None:
+        return None
+    inputs = builders.BuildInputs(name="demo", namespace="team", uid="u-1", spec=spec,
+                                  attempt=1, rollout_replicas=scaler.short_replicas(spec),
+                                  report_url="http://op.sys.svc:8080")
+    pods = {r: builders.pod_template_spec(inputs, r) for r in contract.Role}
+    extra = max(1, scaler.long_replicas(spec) - scaler.short_replicas(spec))
+    return [queue.job_workload("demo", "team", "u-1", spec, pods, 100, "v", "K"),
+            queue.long_round_workload("demo", "team", "u-1", spec,
+                                      pods[contract.Role.ROLLOUT], extra, 100, None, "v", "K")]
+
+
 def _decisions(spec: Any) -> dict[str, Any]:
     def run(st: RLTrainingJobStatus, obs: Observed, t: datetime) -> Any:
         d = decide(spec, st, obs, t, 1)
@@ -397,6 +414,7 @@ def observe(doc: dict[str, Any]) -> dict[str, Any]:
         "controller": _plain(hosting.controller_config(spec)),
         "replicas": [scaler.short_replicas(spec), scaler.long_replicas(spec)],
         "decide": _decisions(spec),
+        "workloads": _workloads(spec),
         "trainer": _trainer(spec),
     }
 

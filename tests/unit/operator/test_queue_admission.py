@@ -1,0 +1,237 @@
+"""Kueue admission, the pure part: the Workloads the operator makes and writes back
+(rlpacer.operator.queue) and the reconcile decision of a job that names a queue
+(rlpacer.operator.decide). The real flow, with Kueue's controller manager and webhooks, is
+tests/integration/test_kueue_admission.py."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from rlpacer.api import contract
+from rlpacer.api.job import ManifestError, parse_spec
+from rlpacer.api.protocol import RoundKind
+from rlpacer.api.status import ConditionType, Reason, RLTrainingJobStatus, Summary, find
+from rlpacer.operator import builders, queue, scaler
+from rlpacer.operator.decide import Observed, decide
+
+pytestmark = pytest.mark.unit
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _spec(**kw: Any) -> Any:
+    base: dict[str, Any] = {
+        "model": {"source": "builtin://tiny"},
+        "data": {"source": "builtin://adder"},
+        "steps": 10, "promptsPerStep": 4,
+        "rollout": {"replicas": 2, "gpusPerReplica": 1},
+        "trainer": {"replicas": 1, "gpusPerReplica": 2},
+        "tailBatching": {"longRound": {"rolloutReplicas": 5}},
+        "scheduling": {"queueName": "team"},
+    }
+    base.update(kw)
+    return parse_spec(base)
+
+
+def _wl(conds: list[tuple[str, str, str]], admission: dict[str, Any] | None = None
+        ) -> dict[str, Any]:
+    status: dict[str, Any] = {"conditions": [
+        {"type": t, "status": s, "reason": r, "message": f"{t} {r}"} for t, s, r in conds]}
+    if admission is not None:
+        status["admission"] = admission
+    return {"apiVersion": queue.API_VERSION, "kind": "Workload",
+            "metadata": {"name": "j-workload", "namespace": "ns", "generation": 1},
+            "spec": {"podSets": [{"name": "rollout", "count": 2}]}, "status": status}
+
+
+ADMISSION = {"clusterQueue": "cq", "podSetAssignments": [
+    {"name": "rollout", "flavors": {"nvidia.com/gpu": "h100"}},
+    {"name": "learner", "flavors": {"nvidia.com/gpu": "h100", "cpu": "default"}}]}
+ADMITTED = _wl([("QuotaReserved", "True", "QuotaReserved"), ("Admitted", "True", "Admitted")],
+               ADMISSION)
+EVICTED = _wl([("QuotaReserved", "True", "QuotaReserved"), ("Admitted", "True", "Admitted"),
+               ("Evicted", "True", "Preempted")], ADMISSION)
+PENDING = _wl([("QuotaReserved", "False", "Pending")])
+
+
+# --- reading and writing Workloads ---------------------------------------------------------
+def test_parse_reads_admission_eviction_and_kueues_message() -> None:
+    v = queue.parse(ADMITTED)
+    assert v.admitted and v.reserved and v.evicted is None and v.cluster_queue == "cq"
+    assert v.flavors["learner"] == {"nvidia.com/gpu": "h100", "cpu": "default"}
+    assert queue.flavor_names(v) == {"h100", "default"}
+    assert v.counts == {"rollout": 2}
+    e = queue.parse(EVICTED)
+    assert not e.admitted and e.reserved and e.evicted == ("Preempted", "Evicted Preempted")
+    p = queue.parse(PENDING)
+    assert not p.admitted and not p.reserved and p.message == "QuotaReserved Pending"
+    assert queue.parse(None) == queue.ABSENT and not queue.ABSENT.exists
+
+
+@pytest.mark.parametrize(("reason", "requeued"), [("Preempted", "True"),
+                                                  ("NodeFailures", "True"),
+                                                  ("InactiveWorkload", "False")])
+def test_give_back_writes_what_kueues_job_reconciler_writes(reason: str, requeued: str) -> None:
+    wl = _wl([("QuotaReserved", "True", "QuotaReserved"), ("Admitted", "True", "Admitted"),
+              ("Evicted", "True", reason)], ADMISSION)
+    out = queue.give_back(wl, "2026-01-01T00:00:00Z")
+    conds = {c["type"]: c for c in out["status"]["conditions"]}
+    assert conds["QuotaReserved"]["status"] == "False"
+    assert conds["Admitted"]["status"] == "False"
+    assert conds["Requeued"]["status"] == requeued and conds["Requeued"]["reason"] == reason
+    assert conds["Evicted"]["status"] == "True"  # Kueue's to clear on the next admission
+    assert "admission" not in out["status"]
+    assert wl["status"]["admission"] == ADMISSION  # the input is not changed
+    v = queue.parse(out)
+    assert not v.reserved and not v.admitted
+
+
+def test_finish_marks_the_workload_finished() -> None:
+    out = queue.finish(ADMITTED, False, "the job Failed", "2026-01-01T00:00:00Z")
+    fin = next(c for c in out["status"]["conditions"] if c["type"] == "Finished")
+    assert fin["status"] == "True" and fin["reason"] == "Failed"
+    assert queue.parse(out).finished and not queue.parse(ADMITTED).finished
+
+
+def test_placement_takes_each_flavors_node_labels_and_tolerations() -> None:
+    flavors = {"h100": {"nodeLabels": {"pool": "h100"}, "tolerations": [
+        {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        "default": {"nodeLabels": {"zone": "a"}}}
+    p = queue.placement(queue.parse(ADMITTED), flavors)
+    assert dict(p["rollout"].node_selector) == {"pool": "h100"}
+    assert dict(p["learner"].node_selector) == {"pool": "h100", "zone": "a"}
+    assert p["rollout"].tolerations == ({"key": "gpu", "operator": "Exists",
+                                         "effect": "NoSchedule"},)
+    # onto the pods of that role, beside the job's own selector
+    spec = _spec(scheduling={"queueName": "team", "nodeSelector": {"team": "rl"}})
+    inputs = builders.BuildInputs(name="j", namespace="ns", uid="u", spec=spec, attempt=0,
+                                  rollout_replicas=2, report_url="http://x", placement=p)
+    pods = {c["metadata"]["name"]: c for c in builders.build_children(inputs)}
+    rollout = pods["j-rollout"]["spec"]["template"]["spec"]
+    assert rollout["nodeSelector"] == {"team": "rl", "pool": "h100"}
+    assert {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"} in rollout["tolerations"]
+    head = pods["j-head"]["spec"]["template"]["spec"]
+    assert head["nodeSelector"] == {"team": "rl"}
+
+
+def test_the_jobs_workload_has_a_pod_set_per_role_with_its_resources_and_priority() -> None:
+    spec = _spec(scheduling={"queueName": "team", "priorityClassName": "high"})
+    inputs = builders.BuildInputs(name="j", namespace="ns", uid="u", spec=spec, attempt=0,
+                                  rollout_replicas=2, report_url="http://x")
+    pods = {r: builders.pod_template_spec(inputs, r) for r in contract.Role}
+    wl = queue.job_workload("j", "ns", "u", spec, pods, 1000, "rlpacer.io/v1alpha1",
+                            "RLTrainingJob")
+    sets = {p["name"]: p for p in wl["spec"]["podSets"]}
+    assert {k: p["count"] for k, p in sets.items()} == {"head": 1, "learner": 1, "rollout": 2,
+                                                         "driver": 1}
+    res = sets["learner"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["requests"][contract.GPU_RESOURCE] == "2"  # requests from limits
+    assert wl["spec"]["queueName"] == "team"
+    assert wl["spec"]["priority"] == 1000 and wl["spec"]["priorityClassName"] == "high"
+    assert wl["spec"]["priorityClassSource"] == queue.PRIORITY_CLASS_SOURCE
+    assert wl["metadata"]["ownerReferences"][0]["uid"] == "u"
+    # no priority class: no priority fields (Kueue's default)
+    bare = queue.job_workload("j", "ns", "u", _spec(), pods, None, "v", "K")
+    assert "priority" not in bare["spec"]
+    # the long round's extras: one pod set on the admitted rollout flavor's nodes
+    lw = queue.long_round_workload("j", "ns", "u", _spec(tailBatching={"longRound": {
+        "rolloutReplicas": 5, "queueName": "burst"}}), pods[contract.Role.ROLLOUT], 3, None,
+        queue.Placement(node_selector={"pool": "h100"}), "v", "K")
+    assert lw["spec"]["queueName"] == "burst"
+    assert [(p["name"], p["count"]) for p in lw["spec"]["podSets"]] == [("rollout", 3)]
+    assert lw["spec"]["podSets"][0]["template"]["spec"]["nodeSelector"] == {"pool": "h100"}
+    assert lw["metadata"]["name"] == queue.long_round_name("j") != wl["metadata"]["name"]
+
+
+def test_a_long_round_queue_needs_the_jobs_queue() -> None:
+    with pytest.raises(ManifestError, match=r"needs scheduling\.queueName"):
+        _spec(scheduling={}, tailBatching={"longRound": {"rolloutReplicas": 5,
+                                                         "queueName": "burst"}})
+    assert queue.long_round_queue(_spec()) == "team"
+    assert queue.long_round_queue(_spec(scheduling={})) is None
+
+
+# --- the reconcile decision ----------------------------------------------------------------
+def _cond(st: RLTrainingJobStatus, t: ConditionType) -> Any:
+    c = find(st.conditions, t)
+    assert c is not None, st.conditions
+    return c
+
+
+def test_a_queued_job_runs_nothing_until_admitted_then_starts_as_attempt_0() -> None:
+    spec = _spec()
+    d = decide(spec, RLTrainingJobStatus(), Observed(queue=queue.parse(PENDING)), T0, 1)
+    assert not d.workloads and d.status.summary == Summary.QUEUED
+    assert d.status.start_time is None and d.status.attempt == 0
+    c = _cond(d.status, ConditionType.QUEUE_ADMITTED)
+    assert c.status == "False" and c.reason == Reason.WAITING_FOR_QUEUE
+    assert "QuotaReserved Pending" in c.message  # Kueue's word
+    assert sorted(e.reason for e in d.events) == ["Created", "Queued"]
+    # still waiting: no new Event
+    d = decide(spec, d.status, Observed(queue=queue.parse(PENDING)), T0, 1)
+    assert not d.workloads and d.events == []
+    # admitted: children, attempt 0, the clock starts now
+    t1 = T0 + timedelta(minutes=5)
+    d = decide(spec, d.status, Observed(queue=queue.parse(ADMITTED)), t1, 1)
+    assert d.workloads and d.status.attempt == 0 and d.status.summary == Summary.STARTING
+    assert d.status.start_time == "2026-01-01T00:05:00Z"
+    assert _cond(d.status, ConditionType.QUEUE_ADMITTED).reason == Reason.ADMITTED_BY_KUEUE
+    assert "cq" in _cond(d.status, ConditionType.QUEUE_ADMITTED).message
+    assert {e.reason for e in d.events} >= {"QueueAdmitted", "Resumed"}
+
+
+def test_an_evicted_job_stops_and_resumes_as_a_new_attempt_with_its_state() -> None:
+    spec = _spec()
+    st = decide(spec, RLTrainingJobStatus(), Observed(queue=queue.parse(ADMITTED)), T0,
+                1).status
+    st = decide(spec, st, Observed(driver_phase="Running", queue=queue.parse(ADMITTED)), T0,
+                1).status
+    st = st.model_copy(update={"step": 7, "controller_state": '{"x": 1}'})
+    d = decide(spec, st, Observed(driver_phase="Running", queue=queue.parse(EVICTED)), T0, 1)
+    assert not d.workloads and d.status.summary == Summary.QUEUED
+    held = _cond(d.status, ConditionType.SUSPENDED)
+    assert held.status == "True" and held.reason == Reason.EVICTED
+    assert "Preempted" in held.message
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "Evicted")]
+    # the quota given back, waiting again: still Evicted (not a new Event)
+    d = decide(spec, d.status, Observed(queue=queue.parse(EVICTED)), T0, 1)
+    assert d.events == [] and not d.workloads
+    # admitted again: a new attempt from the last checkpoint, not a failure, state kept
+    d = decide(spec, d.status, Observed(queue=queue.parse(ADMITTED)), T0, 1)
+    assert d.workloads and d.status.attempt == 1 and d.status.failures == 0
+    assert d.status.step == 7 and d.status.controller_state == '{"x": 1}'
+
+
+def test_kueue_not_installed_is_a_condition_and_one_warning() -> None:
+    spec = _spec()
+    d = decide(spec, RLTrainingJobStatus(), Observed(queue=queue.NOT_INSTALLED), T0, 1)
+    assert not d.workloads and d.status.summary == Summary.QUEUED
+    c = _cond(d.status, ConditionType.QUEUE_ADMITTED)
+    assert c.reason == Reason.KUEUE_NOT_INSTALLED and "install Kueue" in c.message
+    assert ("Warning", "KueueNotInstalled") in [(e.type, e.reason) for e in d.events]
+    d = decide(spec, d.status, Observed(queue=queue.NOT_INSTALLED), T0, 1)
+    assert d.events == []
+
+
+def test_spec_suspend_wins_over_admission_and_a_job_without_queue_is_unchanged() -> None:
+    spec = _spec(suspend=True)
+    d = decide(spec, RLTrainingJobStatus(), Observed(queue=queue.parse(ADMITTED)), T0, 1)
+    assert not d.workloads and d.status.summary == Summary.SUSPENDED
+    plain = _spec(scheduling={})
+    d = decide(plain, RLTrainingJobStatus(), Observed(), T0, 1)
+    assert d.workloads and find(d.status.conditions, ConditionType.QUEUE_ADMITTED) is None
+
+
+def test_a_pending_long_round_scale_up_is_unchanged_by_the_queue() -> None:
+    # the extra replicas' Workload is the runtime's: decide still times the scale-up out
+    spec = _spec()
+    st = decide(spec, RLTrainingJobStatus(), Observed(queue=queue.parse(ADMITTED)), T0,
+                1).status
+    ro, _, _ = scaler.plan_round(st.rollout, spec, RoundKind.LONG, 0, T0)
+    st = st.model_copy(update={"rollout": ro})
+    d = decide(spec, st, Observed(driver_phase="Running", rollout_ready=2,
+                                  queue=queue.parse(ADMITTED)), T0 + timedelta(seconds=301), 1)
+    assert d.status.rollout.state == "TimedOut" and d.status.rollout.desired_replicas == 2
