@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -78,3 +79,63 @@ def test_up_apply_watch_down(tmp_path: Path) -> None:
     gone = subprocess.run([str(RLPACER), "dev-cluster", "env", "--dir", str(d)],
                           capture_output=True, text=True)
     assert gone.returncode == 1 and "no dev cluster is up" in gone.stderr
+
+
+def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path: Path) -> None:
+    """`rlpacer dev-cluster up --kueue`: the tiny job with ``scheduling.queueName: default``
+    is admitted through the real Kueue (the operator with the chart's RBAC,
+    ``kueue.enabled``), trains on played pods through a long round whose extra rollout replica
+    Kueue admits with a Workload of its own, and marks its Workload Finished."""
+    d = tmp_path / "dev"
+    up = subprocess.run([str(RLPACER), "dev-cluster", "up", "--kueue", "--dir", str(d)],
+                        capture_output=True, text=True, timeout=400)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        kubeconfig = up.stdout.split("\n")[0].split("=", 1)[1]
+        env = dict(os.environ, KUBECONFIG=kubeconfig)
+
+        def kubectl(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([str(find_kubectl()), *args], env=env, input=input,
+                                  capture_output=True, text=True, timeout=60)
+
+        job = yaml.safe_load((repo_root() / "examples" / "tiny-cluster.yaml").read_text())
+        job["spec"]["steps"] = 4  # two short rounds fill the long queue: step 2 is long
+        job["spec"]["scheduling"] = {"queueName": "default"}
+        until = time.monotonic() + 60
+        while True:  # a CRD just installed answers 429 while its storage initialises
+            r = kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(job))
+            if r.returncode == 0 or "initializing" not in r.stderr or time.monotonic() > until:
+                break
+            time.sleep(1)
+        assert r.returncode == 0, r.stderr
+        deadline = time.monotonic() + 600
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            r = kubectl("get", "rltj", "tiny-cluster", "-n", NS, "-o", "json")
+            status = json.loads(r.stdout).get("status", {}) if r.returncode == 0 else {}
+            if status.get("summary") in ("Succeeded", "Failed"):
+                break
+            time.sleep(2)
+        log = (d / "supervisor.log").read_text(errors="replace")
+        assert status.get("summary") == "Succeeded", f"{status}\n{log[-3000:]}"
+        assert status.get("step") == 4 and status.get("longRounds", 0) >= 1, status
+        conds = {c["type"]: c for c in status["conditions"]}
+        assert conds["QueueAdmitted"]["status"] == "True", conds["QueueAdmitted"]
+        assert "ClusterQueue dev" in conds["QueueAdmitted"]["message"]
+        wl = json.loads(kubectl("get", "workloads.kueue.x-k8s.io", "tiny-cluster-workload",
+                                "-n", NS, "-o", "json").stdout)
+        finished = [c for c in wl["status"]["conditions"] if c["type"] == "Finished"]
+        assert finished and finished[0]["status"] == "True", wl["status"]
+        r = kubectl("get", "events", "-n", NS, "--field-selector",
+                    "involvedObject.name=tiny-cluster", "-o", "json")
+        reasons = [e["reason"] for e in json.loads(r.stdout)["items"]]
+        for want in ("Queued", "QueueAdmitted", "LongRoundQueued", "LongRoundAdmitted",
+                     "LongRoundReleased", "ScaledUp"):
+            assert want in reasons, (want, reasons)
+        # the extra replica was played and served the long round
+        pods = d / "pods" / NS / "pods"
+        assert (pods / "tiny-cluster-rollout-1" / "log.txt").exists()
+    finally:
+        down = subprocess.run([str(RLPACER), "dev-cluster", "down", "--dir", str(d)],
+                              capture_output=True, text=True, timeout=300)
+    assert down.returncode == 0, down.stdout + down.stderr

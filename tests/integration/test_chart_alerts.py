@@ -135,13 +135,15 @@ def operator_series() -> list[dict[str, str]]:
     lab = ("team-a", "grpo")
     for g, v in ((m.group_size, 8), (m.lambda_, 0.3), (m.straggler_rate, 0.1),
                  (m.long_queue, 3), (m.rollout_desired, 4), (m.rollout_ready, 3),
-                 (m.job_active, 1)):
+                 (m.job_active, 1), (m.job_queued, 0), (m.long_round_queued, 1)):
         g.labels(*lab).set(v)
     for c in (m.stragglers, m.steps, m.long_rounds, m.scale_actions, m.reconciles,
               m.reconcile_errors):
         c.labels(*lab).inc(2)
     m.step_duration.labels(*lab).observe(42)
     m.step_duration.labels(*lab).observe(75)
+    m.queue_wait.labels("team-a", "job").observe(40)  # a job that names a Kueue queue
+    m.queue_wait.labels("team-a", "long_round").observe(12)
     m.slo_violated.labels(*lab, "StragglerRateAboveSLO").set(1)
     m.slo_violated.labels(*lab, "StepTimeAboveSLO").set(0)
     m.report_latency.labels("steps", "200").observe(0.012)
