@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,15 @@ def operator(cluster: LocalCluster, kueue: KueueProc, namespace: str) -> Iterato
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(
         {"apiVersion": "v1", "kind": "List", "items": docs}))
     sa = next(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
-    op = OperatorProc(cluster, namespace, lease=name,
+    # the chart's setting with kueue.enabled: the jobs' Workloads watched
+    env = next(d for d in yaml.safe_load_all(cluster.helm(
+        "template", name, str(CHART), "--namespace", namespace, "--show-only",
+        "templates/deployment.yaml", "--set", "kueue.enabled=true").stdout) if d)
+    names_set = {e["name"] for e in
+                 env["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "RLPACER_OPERATOR_KUEUE" in names_set
+    # a resync as slow as a cluster's: what moves a queued job is the watch of its Workloads
+    op = OperatorProc(cluster, namespace, lease=name, extra_args=("--kueue",), resync_seconds=60,
                       kubeconfig=cluster.kubeconfig_for_service_account(namespace, sa)).start()
     op.wait_ready()
     try:
@@ -261,6 +270,13 @@ def test_a_job_waits_for_quota_runs_on_its_flavor_and_gives_the_quota_back_when_
     # the series the dashboard's Kueue panels plot
     wait(cluster, lambda: _sample(operator.metrics(), "rlpacer_job_queued",
                                   namespace=namespace, job="qb") == 1, "qb queued (metric)")
+    # waiting costs no polling: the Workloads are watched (30 s safety net, not every 2 s)
+    gets = _sample(operator.metrics(), "rlpacer_kube_requests_total", verb="GET",
+                   resource="workloads")
+    time.sleep(10)
+    more = _sample(operator.metrics(), "rlpacer_kube_requests_total", verb="GET",
+                   resource="workloads") - gets
+    assert more <= 4, f"{more} GETs of workloads in 10 s while qb waits"
     assert _sample(operator.metrics(), "rlpacer_job_queued", namespace=namespace,
                    job="qa") == 0
 

@@ -39,6 +39,7 @@ import kopf
 from rlpacer.api import contract
 from rlpacer.api.job import GROUP, PLURAL, VERSION
 from rlpacer.operator.kube import METADATA_ONLY, METADATA_ONLY_LIST, ApiError, Credentials
+from rlpacer.operator.kueue import POLL_SECONDS
 from rlpacer.operator.runtime import ChildRefused, JobGone, Jobs, namespace_terminating
 from rlpacer.operator.settings import OperatorSettings
 
@@ -263,6 +264,7 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         settings.watching.label_selectors[("apps", "v1", "statefulsets")] = selector
         for plural in ("configmaps", "services", "secrets"):
             settings.watching.label_selectors[("v1", plural)] = selector
+        settings.watching.label_selectors[("kueue.x-k8s.io", "v1beta2", "workloads")] = selector
         settings.networking.request_timeout = 60
         if ctx.settings.webhook_enabled:
             from rlpacer.operator import admission
@@ -303,6 +305,19 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     for plural, kind in (("configmaps", "ConfigMap"), ("services", "Service"),
                          ("secrets", "Secret")):
         kopf.on.event("v1", plural, labels=managed, registry=registry)(child_event(kind))
+    if ctx.settings.kueue:
+        # the jobs' Kueue Workloads: an admission, an eviction or a grant starts a pass at
+        # once (kopf resolves the resource when it starts: absent then, not watched)
+        kopf.on.event("kueue.x-k8s.io", "v1beta2", "workloads", labels=managed,
+                      registry=registry)(child_event("Workload"))
+
+        @kopf.on.startup(registry=registry)
+        async def kueue_served(**_: Any) -> None:
+            jobs.kueue_watched = await jobs.kueue.served()
+            if not jobs.kueue_watched:
+                log.warning("kueue: the Workload API is not served; jobs that name a queue"
+                            " are polled every %.0fs (restart the operator after installing"
+                            " Kueue to watch their Workloads)", POLL_SECONDS)
     if ctx.settings.job_network_policy:
         # the job's NetworkPolicies: one deleted or edited by hand is restored on the next pass
         kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=managed,

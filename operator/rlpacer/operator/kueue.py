@@ -23,6 +23,9 @@ Obj = dict[str, Any]
 
 #: How often a job held by Kueue (or a long round waiting for its Workload) is looked at.
 POLL_SECONDS = 2.0
+#: The same while the operator watches the jobs' Workloads (operator setting ``kueue``): a
+#: safety net beside the watch.
+WATCHED_POLL_SECONDS = 30.0
 #: How long cluster-wide reads (API served, flavors, priority classes) are reused.
 CACHE_SECONDS = 30.0
 

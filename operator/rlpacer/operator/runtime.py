@@ -69,7 +69,7 @@ from rlpacer.operator.decide import (
     restart_attempt,
 )
 from rlpacer.operator.kube import METADATA_ONLY, ApiError, KubeClient, object_path
-from rlpacer.operator.kueue import POLL_SECONDS, Kueue
+from rlpacer.operator.kueue import POLL_SECONDS, WATCHED_POLL_SECONDS, Kueue
 from rlpacer.operator.metrics import Metrics
 from rlpacer.operator.policies import PolicyCache
 from rlpacer.operator.scaler import Event
@@ -284,6 +284,10 @@ class Jobs:
         self.policies = policies
         #: Kueue's objects, for jobs that name a queue (rlpacer.operator.queue).
         self.kueue = Kueue(kube)
+        #: The jobs' Workloads are watched (operator setting ``kueue`` and Kueue's API served
+        #: at start): a queued job is then looked at every WATCHED_POLL_SECONDS, not
+        #: POLL_SECONDS.
+        self.kueue_watched = False
         self._jobs: dict[tuple[str, str], JobRuntime] = {}
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
         #: The resourceVersion of each job last seen on the operator's job watch: a pass
@@ -892,8 +896,9 @@ class Jobs:
         admitted. Returns the inputs to apply with, and when to look again (None: no need)."""
         spec, st = inputs.spec, rt.status
         view = observed.queue
+        every = WATCHED_POLL_SECONDS if self.kueue_watched else POLL_SECONDS
         if view is None:
-            return inputs, POLL_SECONDS
+            return inputs, every
         lab = (rt.namespace, rt.name)
         if not view.installed:
             self.kueue.forget_served()
@@ -910,7 +915,7 @@ class Jobs:
                 ok = is_true(st.conditions, ConditionType.SUCCEEDED)
                 if not await self.kueue.put_status(queue.finish(
                         obj, ok, f"the job {summarize(st.conditions).value}", now)):
-                    again = POLL_SECONDS  # changed since read: read again, write again
+                    again = every  # changed since read: read again, write again
             if long_view.exists:
                 await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
             return inputs, again
@@ -920,7 +925,7 @@ class Jobs:
             await self.kueue.create(queue.job_workload(
                 rt.name, rt.namespace, rt.uid, spec, pod_specs, priority, API_VERSION, KIND))
             rt.workload_admitted["job"] = False
-            return inputs, POLL_SECONDS
+            return inputs, every
         poll: float | None = None
         if view.evicted is not None:
             obj = objs.get("job")
@@ -929,12 +934,12 @@ class Jobs:
                 await self.kueue.put_status(queue.give_back(obj, now))
                 log.info("%s/%s: evicted by Kueue; pods gone, quota given back",
                          rt.namespace, rt.name)
-            poll = POLL_SECONDS
+            poll = every
         if not view.admitted:
             self.metrics.long_round_queued.labels(*lab).set(0)
             if long_view.exists:
                 await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
-            return inputs, POLL_SECONDS
+            return inputs, every
         placement = queue.placement(view, await self.kueue.flavors(queue.flavor_names(view)))
         inputs = dataclasses.replace(inputs, placement=placement)
         # a long round's extra replicas
@@ -977,7 +982,7 @@ class Jobs:
                     and observed.rollout_pods is not None
                     and all(i < short for i in observed.rollout_pods)):
                 await self.kueue.put_status(queue.give_back(obj, now))
-            return inputs, POLL_SECONDS
+            return inputs, every
         return inputs, poll
 
     async def _recover_state(self, rt: JobRuntime) -> None:

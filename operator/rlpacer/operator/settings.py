@@ -175,6 +175,17 @@ class OperatorSettings(BaseModel):
             " The operator needs permission on networking.k8s.io networkpolicies."
         ),
     )
+    kueue: bool = Field(
+        default=False,
+        description=(
+            "Watch Kueue's Workloads (kueue.x-k8s.io v1beta2, the job's own, by label) so that"
+            " an admission, an eviction or a long round's grant reaches its job at once, and"
+            " look at a queued job's Workloads every 30 s besides; off (or Kueue's API not"
+            " served when the operator started: restart it after installing Kueue), they are"
+            " looked at every 2 s. Jobs may name a Kueue queue either way. Needs list and"
+            " watch on workloads (the chart's kueue.enabled)."
+        ),
+    )
     job_report_to: list[dict[str, Any]] = Field(
         default_factory=list,
         description=(
