@@ -270,7 +270,13 @@ def test_a_job_waits_for_quota_runs_on_its_flavor_and_gives_the_quota_back_when_
     # the series the dashboard's Kueue panels plot
     wait(cluster, lambda: _sample(operator.metrics(), "rlpacer_job_queued",
                                   namespace=namespace, job="qb") == 1, "qb queued (metric)")
-    # waiting costs no polling: the Workloads are watched (30 s safety net, not every 2 s)
+    # waiting costs no polling: the Workloads are watched (30 s safety net, not every 2 s).
+    # Measured once qa's pods have settled (their events start passes of qa, which read
+    # Workloads too); polled, qb alone would make 10 GETs in these 10 s
+    wait(cluster, lambda: _driver_running(cluster, namespace, "qa", 0), "qa driver running", 90)
+    wait(cluster, lambda: (get(cluster, _sts_path(namespace, "qa", "rollout")) or {})
+         .get("status", {}).get("readyReplicas") == 1, "qa's rollout ready", 60)
+    time.sleep(2)
     gets = _sample(operator.metrics(), "rlpacer_kube_requests_total", verb="GET",
                    resource="workloads")
     time.sleep(10)
@@ -501,3 +507,42 @@ def test_the_burst_pool_goes_to_the_higher_priority_long_round_first(
     wait(cluster, lambda: status(cluster, namespace, "a")["rollout"]["readyReplicas"] == 3,
          "a's extra replicas ready", 60)
     wait(cluster, lambda: _cluster_queue_usage(cluster, burst) == 2, "the pool in use by a")
+
+
+def test_suspending_an_admitted_job_gives_its_quota_to_the_next_and_resuming_queues_it(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    cq = setup_queues(cluster, namespace, gpus=2)
+    apply(cluster, gpu_job("sa", namespace, "lq"))
+    wait(cluster, lambda: _driver_running(cluster, namespace, "sa", 0), "sa running", 90)
+    apply(cluster, gpu_job("sb", namespace, "lq"))
+    wait(cluster, lambda: status(cluster, namespace, "sb").get("summary") == "Queued",
+         "sb queued")
+    cluster.kubectl("patch", "rltj", "sa", "-n", namespace, "--type=merge",
+                    "-p", '{"spec":{"suspend":true}}')
+    # sa's Workload is deactivated, evicted, its quota returned once its pods are gone, then
+    # deleted; the quota goes to sb
+    wait(cluster, lambda: _wl(cluster, namespace, queue.workload_name("sa")) is None,
+         "sa's Workload given back")
+    assert _pods(cluster, namespace, "sa") == []
+    st = status(cluster, namespace, "sa")
+    assert st["summary"] == "Suspended"
+    assert _cond(st, "QueueAdmitted")["reason"] == "Suspended"
+    wait(cluster, lambda: _driver_running(cluster, namespace, "sb", 0), "sb runs on it", 90)
+    wait(cluster, lambda: _cluster_queue_usage(cluster, cq) == 2, "2 GPUs in use")
+    # resumed: sa queues again behind sb, with a new Workload
+    cluster.kubectl("patch", "rltj", "sa", "-n", namespace, "--type=merge",
+                    "-p", '{"spec":{"suspend":false}}')
+    st = wait(cluster, lambda: (s := status(cluster, namespace, "sa")).get("summary")
+              == "Queued" and _cond(s, "QueueAdmitted")["reason"] == "WaitingForQueue" and s,
+              "sa queued again")
+    assert _wl(cluster, namespace, queue.workload_name("sa")) is not None
+    assert _pods(cluster, namespace, "sa") == []
+    # its replicas edited while it waits: the Workload is asked again with the new counts
+    cluster.kubectl("patch", "rltj", "sa", "-n", namespace, "--type=merge",
+                    "-p", '{"spec":{"rollout":{"replicas":2}}}')
+    wait(cluster, lambda: (w := _wl(cluster, namespace, queue.workload_name("sa")))
+              and {p["name"]: p["count"] for p in w["spec"]["podSets"]}["rollout"] == 2 and w,
+              "sa's Workload asked again")
+    assert "Requeued" in {e["reason"] for e in kube_events(cluster, namespace, "sa")}
+    assert status(cluster, namespace, "sa")["summary"] == "Queued"

@@ -103,12 +103,12 @@ apply, owner references) and reads, nothing cluster-scoped, no RBAC, no nodes.
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
 {{- end }}
 {{- if .Values.kueue.enabled }}
-# Kueue (kueue.enabled): each queued job's Workloads, made, deleted when a long round's extra
-# replicas go back, and written back after an eviction (the quota returned) and at the end
-# (Finished), as Kueue's own job integrations do.
+# Kueue (kueue.enabled): each queued job's Workloads, made, deactivated when the job is
+# suspended (patch), deleted when a long round's extra replicas go back, and written back after
+# an eviction (the quota returned) and at the end (Finished), as Kueue's own job integrations do.
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["get", "update", "patch"]

@@ -63,7 +63,7 @@ class ConditionType(enum.StrEnum):
     SUSPENDED = "Suspended"
     #: Only for a job with spec.scheduling.queueName: Kueue admitted the job's Workload
     #: (True reason AdmittedByKueue); False reasons WaitingForQueue (the message is Kueue's),
-    #: Evicted, KueueNotInstalled.
+    #: Evicted, KueueNotInstalled, Suspended (spec.suspend: the Workload given back).
     QUEUE_ADMITTED = "QueueAdmitted"
     #: The job breaks its namespace policy's SLO (windowed straggler rate or mean step time),
     #: judged on each step report. True reasons: StragglerRateAboveSLO, StepTimeAboveSLO;

@@ -370,6 +370,11 @@ def _queue_hold(
     if name is None:
         return None
     cond = find(st.conditions, ConditionType.QUEUE_ADMITTED)
+    if spec.suspend:  # the suspend block holds the job; its Workload is given back
+        _cond(st, ConditionType.QUEUE_ADMITTED, False, Reason.SUSPENDED,
+              "spec.suspend is true: the job's Workload and its quota are given back; resumed,"
+              " the job queues again", t, gen)
+        return None
     if view is None:
         if cond is not None and cond.status == "True":
             return None

@@ -38,9 +38,15 @@ import kopf
 
 from rlpacer.api import contract
 from rlpacer.api.job import GROUP, PLURAL, VERSION
-from rlpacer.operator.kube import METADATA_ONLY, METADATA_ONLY_LIST, ApiError, Credentials
+from rlpacer.operator.kube import (
+    METADATA_ONLY,
+    METADATA_ONLY_LIST,
+    ApiError,
+    ChildRefused,
+    Credentials,
+)
 from rlpacer.operator.kueue import POLL_SECONDS
-from rlpacer.operator.runtime import ChildRefused, JobGone, Jobs, namespace_terminating
+from rlpacer.operator.runtime import JobGone, Jobs, namespace_terminating
 from rlpacer.operator.settings import OperatorSettings
 
 log = logging.getLogger("rlpacer.operator")

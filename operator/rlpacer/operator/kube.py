@@ -66,6 +66,19 @@ class ApiError(Exception):
         self.message = message
 
 
+class ChildRefused(Exception):
+    """The API server refused a child built from the job's spec: invalid for it (400/422,
+    e.g. a toleration or node selector the model lets through; a Workload Kueue's webhook
+    refuses) or forbidden by an admission check (403: a ResourceQuota, a PriorityClass that
+    does not exist). Not the operator's fault and not fixed by retrying at once: a Warning
+    Event (FailedCreate) and a warning naming the child, then retries on the error backoff,
+    not counted as reconcile errors."""
+
+    def __init__(self, kind: str, name: str, error: ApiError) -> None:
+        super().__init__(f"{kind} {name}: {error.status} {error.reason}: {error.message}")
+        self.kind, self.name, self.error = kind, name, error
+
+
 @dataclass
 class Credentials:
     server: str

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from rlpacer.operator import queue
-from rlpacer.operator.kube import ApiError, KubeClient, object_path
+from rlpacer.operator.kube import ApiError, ChildRefused, KubeClient, object_path
 
 log = logging.getLogger("rlpacer.operator")
 
@@ -79,7 +79,7 @@ class Kueue:
         owners = (obj.get("metadata") or {}).get("ownerReferences") or []
         if not any(o.get("uid") == uid for o in owners):
             # someone else's Workload of that name: never admitted on it
-            return queue.QueueView(exists=True, message=(
+            return queue.QueueView(exists=True, owned=False, message=(
                 f"a Workload named {name} exists that this job does not own:"
                 " delete it, or rename the job")), None
         return queue.parse(obj), obj
@@ -88,8 +88,6 @@ class Kueue:
         """Create a Workload; one that exists already (an earlier pass's answer lost) is
         fine. Refused (Kueue's webhook or the schema: 400/403/422) raises ChildRefused: said
         on the job (Warning FailedCreate), retried on the error backoff."""
-        from rlpacer.operator.runtime import ChildRefused
-
         try:
             await self.kube.create(obj)
         except ApiError as e:
@@ -111,6 +109,16 @@ class Kueue:
                 return False
             raise
         return True
+
+    async def deactivate(self, namespace: str, name: str) -> None:
+        """``spec.active: false``: Kueue evicts the Workload (reason Deactivated)."""
+        try:
+            await self.kube.request("PATCH", self.path(namespace, name),
+                                    {"spec": {"active": False}},
+                                    content_type="application/merge-patch+json")
+        except ApiError as e:
+            if e.status != 404:
+                raise
 
     async def delete(self, namespace: str, name: str) -> bool:
         return await self.kube.delete(self.path(namespace, name))

@@ -108,6 +108,8 @@ class QueueView:
     flavors: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     #: pod set -> count (what the Workload asks for)
     counts: Mapping[str, int] = field(default_factory=dict)
+    #: False: a Workload of that name that the job does not own (never touched)
+    owned: bool = True
 
 
 NOT_INSTALLED = QueueView(installed=False)
@@ -237,6 +239,12 @@ def _spec(spec: RLTrainingJobSpec, queue: str, priority: int | None,
     return out
 
 
+def pod_set_counts(spec: RLTrainingJobSpec) -> dict[str, int]:
+    """The job's pod sets and their counts as its Workload asks for them."""
+    return {contract.Role.HEAD.value: 1, contract.Role.LEARNER.value: spec.trainer.replicas,
+            contract.Role.ROLLOUT.value: spec.rollout.replicas, contract.Role.DRIVER.value: 1}
+
+
 def job_workload(job: str, namespace: str, uid: str, spec: RLTrainingJobSpec,
                  pod_specs: Mapping[contract.Role, Mapping[str, Any]], priority: int | None,
                  api_version: str, kind: str) -> Obj:
@@ -244,10 +252,9 @@ def job_workload(job: str, namespace: str, uid: str, spec: RLTrainingJobSpec,
     ``pod_specs``: each role's pod spec as the builders make it."""
     queue = queue_of(spec)
     assert queue is not None
-    counts = {contract.Role.HEAD: 1, contract.Role.LEARNER: spec.trainer.replicas,
-              contract.Role.ROLLOUT: spec.rollout.replicas, contract.Role.DRIVER: 1}
-    pod_sets = [{"name": role.value, "count": counts[role],
-                 "template": _template(pod_specs[role])} for role in counts]
+    pod_sets = [{"name": role, "count": n,
+                 "template": _template(pod_specs[contract.Role(role)])}
+                for role, n in pod_set_counts(spec).items()]
     return {"apiVersion": API_VERSION, "kind": "Workload",
             "metadata": _meta(job, namespace, uid, workload_name(job), api_version, kind),
             "spec": _spec(spec, queue, priority, pod_sets)}

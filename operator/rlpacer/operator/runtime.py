@@ -68,7 +68,13 @@ from rlpacer.operator.decide import (
     recover_controller_state,
     restart_attempt,
 )
-from rlpacer.operator.kube import METADATA_ONLY, ApiError, KubeClient, object_path
+from rlpacer.operator.kube import (
+    METADATA_ONLY,
+    ApiError,
+    ChildRefused,
+    KubeClient,
+    object_path,
+)
 from rlpacer.operator.kueue import POLL_SECONDS, WATCHED_POLL_SECONDS, Kueue
 from rlpacer.operator.metrics import Metrics
 from rlpacer.operator.policies import PolicyCache
@@ -100,18 +106,6 @@ def last_error_line(log_tail: str, limit: int = 1024) -> str:
 
 class JobGone(Exception):
     """The job does not exist (any more)."""
-
-
-class ChildRefused(Exception):
-    """The API server refused a child built from the job's spec: invalid for it (400/422,
-    e.g. a toleration or node selector the model lets through) or forbidden by an admission
-    check (403: a ResourceQuota, a PriorityClass that does not exist). Not the operator's
-    fault and not fixed by retrying at once: a Warning Event (FailedCreate) and a warning
-    naming the child, then retries on the error backoff, not counted as reconcile errors."""
-
-    def __init__(self, kind: str, name: str, error: ApiError) -> None:
-        super().__init__(f"{kind} {name}: {error.status} {error.reason}: {error.message}")
-        self.kind, self.name, self.error = kind, name, error
 
 
 class ConflictLoop(Exception):
@@ -903,6 +897,8 @@ class Jobs:
         if not view.installed:
             self.kueue.forget_served()
             return inputs, 10 * POLL_SECONDS  # Kueue may be installed later
+        if not view.owned:
+            return inputs, every  # someone else's Workload of the name: held, never touched
         self._saw_admission(rt, "job", view, rt.workload_objs.get("job"))
         now = fmt_time(utcnow())
         objs = rt.workload_objs
@@ -916,16 +912,45 @@ class Jobs:
                 if not await self.kueue.put_status(queue.finish(
                         obj, ok, f"the job {summarize(st.conditions).value}", now)):
                     again = every  # changed since read: read again, write again
-            if long_view.exists:
+            if long_view.exists and long_view.owned:
                 await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
             return inputs, again
+        if spec.suspend:
+            # suspended: no Workload while the job is (it would hold its quota for nothing);
+            # one holding quota is deactivated first, so that Kueue evicts it and the quota
+            # goes back below once the pods are gone; resumed, the job queues again
+            if long_view.exists and long_view.owned:
+                await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
+            name = queue.workload_name(rt.name)
+            if view.exists and not view.reserved:
+                await self.kueue.delete(rt.namespace, name)
+                rt.workload_admitted.pop("job", None)
+                return inputs, None
+            if view.exists and view.evicted is None:
+                await self.kueue.deactivate(rt.namespace, name)
+                return inputs, every
         pod_specs = {role: builders.pod_template_spec(inputs, role) for role in contract.Role}
         priority = await self.kueue.priority(spec.scheduling.priority_class_name)
+        if not view.exists and spec.suspend:
+            return inputs, None
         if not view.exists:
             await self.kueue.create(queue.job_workload(
                 rt.name, rt.namespace, rt.uid, spec, pod_specs, priority, API_VERSION, KIND))
             rt.workload_admitted["job"] = False
             return inputs, every
+        want = queue.pod_set_counts(spec)
+        if view.counts != want:
+            # the job's pods changed (an edit of its replicas): its Workload is asked again,
+            # a reserved one given back first (deactivated, evicted, pods gone, returned)
+            if not view.reserved:
+                await self.kueue.delete(rt.namespace, queue.workload_name(rt.name))
+                events.append(Event("Normal", "Requeued",
+                                    f"the job's pods changed ({_counts(view.counts)} ->"
+                                    f" {_counts(want)}): its Workload is asked again"))
+                return inputs, every
+            if view.evicted is None:
+                await self.kueue.deactivate(rt.namespace, queue.workload_name(rt.name))
+                return inputs, every
         poll: float | None = None
         if view.evicted is not None:
             obj = objs.get("job")
@@ -937,7 +962,7 @@ class Jobs:
             poll = every
         if not view.admitted:
             self.metrics.long_round_queued.labels(*lab).set(0)
-            if long_view.exists:
+            if long_view.exists and long_view.owned:
                 await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
             return inputs, every
         placement = queue.placement(view, await self.kueue.flavors(queue.flavor_names(view)))
@@ -949,11 +974,14 @@ class Jobs:
         if extra <= 0:
             self.metrics.long_round_queued.labels(*lab).set(0)
             rt.workload_admitted.pop("long_round", None)
-            if long_view.exists and await self.kueue.delete(rt.namespace, long_name):
+            if (long_view.exists and long_view.owned
+                    and await self.kueue.delete(rt.namespace, long_name)):
                 events.append(Event("Normal", "LongRoundReleased",
                                     "the long round's extra rollout replicas went back: their"
                                     f" Workload {long_name} deleted (quota returned)"))
             return inputs, poll
+        if not long_view.owned:  # someone else's Workload of the name: never touched
+            return dataclasses.replace(inputs, rollout_replicas=short), every
         if not long_view.exists:
             await self.kueue.create(queue.long_round_workload(
                 rt.name, rt.namespace, rt.uid, spec, pod_specs[contract.Role.ROLLOUT], extra,
@@ -1040,6 +1068,10 @@ class Jobs:
                     raise
         if flipped:
             await self.post_events(rt, [Event("Warning", "InvalidSpec", msg)])
+
+
+def _counts(counts: dict[str, int] | Any) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(dict(counts).items()))
 
 
 def namespace_terminating(e: ApiError) -> bool:

@@ -15,8 +15,7 @@ from test_reports import NS, SPEC, add_job, open_env, run
 
 from rlpacer.operator import handlers, names
 from rlpacer.operator.handlers import JobLoops
-from rlpacer.operator.kube import ApiError
-from rlpacer.operator.runtime import ChildRefused
+from rlpacer.operator.kube import ApiError, ChildRefused
 
 pytestmark = pytest.mark.unit
 

@@ -220,6 +220,10 @@ def test_spec_suspend_wins_over_admission_and_a_job_without_queue_is_unchanged()
     spec = _spec(suspend=True)
     d = decide(spec, RLTrainingJobStatus(), Observed(queue=queue.parse(ADMITTED)), T0, 1)
     assert not d.workloads and d.status.summary == Summary.SUSPENDED
+    assert _cond(d.status, ConditionType.QUEUE_ADMITTED).reason == Reason.SUSPENDED
+    # its Workload deactivated, Kueue evicts it: no Evicted warning for the user's own suspend
+    d = decide(spec, d.status, Observed(queue=queue.parse(EVICTED)), T0, 1)
+    assert d.events == [] and d.status.summary == Summary.SUSPENDED
     plain = _spec(scheduling={})
     d = decide(plain, RLTrainingJobStatus(), Observed(), T0, 1)
     assert d.workloads and find(d.status.conditions, ConditionType.QUEUE_ADMITTED) is None
