@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,20 @@ NS = "team-a"
 def _netns(tag: str) -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [ln for ln in out.splitlines() if ln.startswith(tag + "-")]
+
+
+def _finished(kubectl: Callable[..., subprocess.CompletedProcess[str]],
+              timeout: float = 600) -> dict[str, Any]:
+    """The tiny job's status once Succeeded or Failed (or as it stands at the timeout)."""
+    deadline = time.monotonic() + timeout
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        r = kubectl("get", "rltj", "tiny-cluster", "-n", NS, "-o", "json")
+        status = json.loads(r.stdout).get("status", {}) if r.returncode == 0 else {}
+        if status.get("summary") in ("Succeeded", "Failed"):
+            break
+        time.sleep(2)
+    return status
 
 
 def test_up_apply_watch_down(tmp_path: Path) -> None:
@@ -51,14 +66,7 @@ def test_up_apply_watch_down(tmp_path: Path) -> None:
         job["spec"]["steps"] = 2  # short: the point is that it trains, played for real
         r = kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(job))
         assert r.returncode == 0, r.stderr
-        deadline = time.monotonic() + 600
-        status: dict[str, object] = {}
-        while time.monotonic() < deadline:
-            r = kubectl("get", "rltj", "tiny-cluster", "-n", NS, "-o", "json")
-            status = json.loads(r.stdout).get("status", {}) if r.returncode == 0 else {}
-            if status.get("summary") in ("Succeeded", "Failed"):
-                break
-            time.sleep(2)
+        status = _finished(kubectl)
         log = (d / "supervisor.log").read_text(errors="replace")
         assert status.get("summary") == "Succeeded", f"{status}\n{log[-3000:]}"
         assert status.get("step") == 2
@@ -108,14 +116,7 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
                 break
             time.sleep(1)
         assert r.returncode == 0, r.stderr
-        deadline = time.monotonic() + 600
-        status: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            r = kubectl("get", "rltj", "tiny-cluster", "-n", NS, "-o", "json")
-            status = json.loads(r.stdout).get("status", {}) if r.returncode == 0 else {}
-            if status.get("summary") in ("Succeeded", "Failed"):
-                break
-            time.sleep(2)
+        status = _finished(kubectl)
         log = (d / "supervisor.log").read_text(errors="replace")
         assert status.get("summary") == "Succeeded", f"{status}\n{log[-3000:]}"
         assert status.get("step") == 4 and status.get("longRounds", 0) >= 1, status

@@ -215,23 +215,20 @@ def decide(
         st.observed_generation = gen
         st.summary = summarize(st.conditions)
         return d
-    if suspended and st.start_time is None:
-        # held from the start (spec.suspend, or waiting for Kueue): attempt 0 never ran
+    if suspended:
+        # held from the start (spec.suspend, or waiting for Kueue): attempt 0 never ran and
+        # starts now; else a new attempt resumes from the last checkpoint
+        fresh = st.start_time is None
+        if not fresh:
+            st.attempt += 1
+            st.start_time = t
+        what = ("starts" if fresh else "from the last checkpoint")
         _cond(st, ConditionType.SUSPENDED, False, Reason.RESUMED,
-              f"started as attempt {st.attempt}", t, gen)
+              f"started as attempt {st.attempt}" if fresh
+              else f"resumed as attempt {st.attempt} from the last checkpoint", t, gen)
         _cond(st, ConditionType.TRAINING, False, Reason.STARTING, "waiting for the driver",
               t, gen)
-        ev.append(Event("Normal", "Resumed", f"attempt {st.attempt} starts"))
-        observed = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready,
-                            rollout_ordinals=observed.rollout_ordinals)
-    elif suspended:
-        st.attempt += 1
-        st.start_time = t
-        _cond(st, ConditionType.SUSPENDED, False, Reason.RESUMED,
-              f"resumed as attempt {st.attempt} from the last checkpoint", t, gen)
-        _cond(st, ConditionType.TRAINING, False, Reason.STARTING, "waiting for the driver",
-              t, gen)
-        ev.append(Event("Normal", "Resumed", f"attempt {st.attempt} from the last checkpoint"))
+        ev.append(Event("Normal", "Resumed", f"attempt {st.attempt} {what}"))
         observed = Observed(attempt=st.attempt, rollout_ready=observed.rollout_ready,
                             rollout_ordinals=observed.rollout_ordinals)
     if st.start_time is None:
