@@ -92,8 +92,11 @@ def test_up_apply_watch_down(tmp_path: Path) -> None:
 def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path: Path) -> None:
     """`rlpacer dev-cluster up --kueue`: the tiny job with ``scheduling.queueName: default``
     is admitted through the real Kueue (the operator with the chart's RBAC,
-    ``kueue.enabled``), trains on played pods through a long round whose extra rollout replica
-    Kueue admits with a Workload of its own, and marks its Workload Finished."""
+    ``kueue.enabled``) and trains on played pods. Its long round's extra rollout replica is
+    asked from a burst pool held at first (its ClusterQueue stopped): the real driver runs
+    short rounds in the long round's place (``maxDeferredRounds: 2``) instead of waiting;
+    the pool is released, Kueue admits the replica with a Workload of its own, the long round
+    runs on it, and the job's Workload is marked Finished."""
     d = tmp_path / "dev"
     up = subprocess.run([str(RLPACER), "dev-cluster", "up", "--kueue", "--dir", str(d)],
                         capture_output=True, text=True, timeout=400)
@@ -106,9 +109,34 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
             return subprocess.run([str(find_kubectl()), *args], env=env, input=input,
                                   capture_output=True, text=True, timeout=60)
 
+        def status() -> dict[str, Any]:
+            r = kubectl("get", "rltj", "tiny-cluster", "-n", NS, "-o", "json")
+            return json.loads(r.stdout).get("status", {}) if r.returncode == 0 else {}
+
+        # the burst pool: a ClusterQueue held (stopPolicy Hold) until the test releases it
+        pool = [
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
+             "metadata": {"name": "burst"},
+             "spec": {"namespaceSelector": {}, "stopPolicy": "Hold", "resourceGroups": [{
+                 "coveredResources": ["cpu", "memory", "nvidia.com/gpu"],
+                 "flavors": [{"name": "gpu", "resources": [
+                     {"name": "cpu", "nominalQuota": "64"},
+                     {"name": "memory", "nominalQuota": "512Gi"},
+                     {"name": "nvidia.com/gpu", "nominalQuota": 8}]}]}]}},
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+             "metadata": {"name": "burst", "namespace": NS}, "spec": {"clusterQueue": "burst"}},
+        ]
+        r = kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                           "items": pool}))
+        assert r.returncode == 0, r.stderr
         job = yaml.safe_load((repo_root() / "examples" / "tiny-cluster.yaml").read_text())
-        job["spec"]["steps"] = 4  # two short rounds fill the long queue: step 2 is long
+        # the first short rounds (and DAPO's refill rounds) fill the long queue: the long
+        # round is due at step 1 or 2, run in two short rounds' place while the pool is held,
+        # then on the granted replica
+        job["spec"]["steps"] = 6
         job["spec"]["scheduling"] = {"queueName": "default"}
+        job["spec"]["tailBatching"]["longRound"].update(
+            {"queueName": "burst", "maxDeferredRounds": 2})
         until = time.monotonic() + 60
         while True:  # a CRD just installed answers 429 while its storage initialises
             r = kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(job))
@@ -116,11 +144,23 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
                 break
             time.sleep(1)
         assert r.returncode == 0, r.stderr
-        status = _finished(kubectl)
+        until = time.monotonic() + 400
+        while (status().get("rollout") or {}).get("deferredRounds", 0) < 2:
+            assert time.monotonic() < until, status()
+            assert status().get("summary") not in ("Succeeded", "Failed"), status()
+            time.sleep(1)
+        held = status()
+        assert held["rollout"]["state"] == "ScalingUp", held
+        due = held["step"] - 2  # the step the long round was first due at (deferred twice)
+        assert due >= 1, held
+        r = kubectl("patch", "clusterqueue", "burst", "--type=merge", "-p",
+                    '{"spec": {"stopPolicy": "None"}}')
+        assert r.returncode == 0, r.stderr
+        status_ = _finished(kubectl)
         log = (d / "supervisor.log").read_text(errors="replace")
-        assert status.get("summary") == "Succeeded", f"{status}\n{log[-3000:]}"
-        assert status.get("step") == 4 and status.get("longRounds", 0) >= 1, status
-        conds = {c["type"]: c for c in status["conditions"]}
+        assert status_.get("summary") == "Succeeded", f"{status_}\n{log[-3000:]}"
+        assert status_.get("step") == 6 and status_.get("longRounds", 0) >= 1, status_
+        conds = {c["type"]: c for c in status_["conditions"]}
         assert conds["QueueAdmitted"]["status"] == "True", conds["QueueAdmitted"]
         assert "ClusterQueue dev" in conds["QueueAdmitted"]["message"]
         wl = json.loads(kubectl("get", "workloads.kueue.x-k8s.io", "tiny-cluster-workload",
@@ -133,9 +173,28 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
         for want in ("Queued", "QueueAdmitted", "LongRoundQueued", "LongRoundAdmitted",
                      "LongRoundReleased", "ScaledUp"):
             assert want in reasons, (want, reasons)
-        # the extra replica was played and served the long round
+        assert reasons.count("LongRoundDeferred") == 2, reasons
         pods = d / "pods" / NS / "pods"
-        assert (pods / "tiny-cluster-rollout-1" / "log.txt").exists()
+        driver_log = (pods / "tiny-cluster-driver-0" / "log.txt").read_text(errors="replace")
+        # the real driver ran two steps as short rounds in the long round's place
+        for step in (due, due + 1):
+            assert f"step {step}: a short round in place of the long round" in driver_log
+            line = next(ln for ln in driver_log.splitlines() if ln.startswith(f"step {step} G="))
+            assert " Short " in line, line
+        # the extra replica Kueue granted generated part of the long round: the driver's
+        # step lines name it with responses, and its own pod's log says it generated them
+        pods = d / "pods" / NS / "pods"
+        driver_log = (pods / "tiny-cluster-driver-0" / "log.txt").read_text(errors="replace")
+        served = 0
+        for ln in driver_log.splitlines():
+            if ln.startswith("step ") and " Long " in ln and "replica 1 on " in ln:
+                served += int(ln.split("replica 1 on ", 1)[1].split("(", 1)[1].split()[0])
+        assert served > 0, driver_log[-3000:]
+        extra_log = (pods / "tiny-cluster-rollout-1" / "log.txt").read_text(errors="replace")
+        mark = "rollout engine replica 1: generated "
+        generated = sum(int(ln.split(mark, 1)[1].split()[0])
+                        for ln in extra_log.splitlines() if mark in ln)
+        assert generated >= served, (generated, served, extra_log[-2000:])
     finally:
         down = subprocess.run([str(RLPACER), "dev-cluster", "down", "--dir", str(d)],
                               capture_output=True, text=True, timeout=300)

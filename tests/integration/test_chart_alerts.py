@@ -128,6 +128,19 @@ def dashboard_queries(variables: dict[str, str] | None = None) -> dict[str, str]
     return out
 
 
+#: Kueue's series the dashboard's burst-pool panel reads (name, labels, value).
+KUEUE_SERIES: list[tuple[str, dict[str, str], float]] = [
+    ("kueue_cluster_queue_nominal_quota", {
+        "cohort": "", "cluster_queue": "burst", "flavor": "h100", "resource": "nvidia.com/gpu",
+        "replica_role": "standalone"}, 8),
+    ("kueue_cluster_queue_resource_reservation", {
+        "cohort": "", "cluster_queue": "burst", "flavor": "h100", "resource": "nvidia.com/gpu",
+        "replica_role": "standalone"}, 4),
+    ("kueue_pending_workloads", {
+        "cluster_queue": "burst", "status": "inadmissible", "replica_role": "standalone"}, 1),
+]
+
+
 def operator_series() -> list[dict[str, str]]:
     """promtool input series for every sample a busy operator's /metrics holds (one job), with the
     labels the ServiceMonitor adds: counters grow by their value each minute, gauges stay."""
@@ -151,6 +164,11 @@ def operator_series() -> list[dict[str, str]]:
     m.status_write.labels("ok").observe(0.004)
     m.leader.set(1)
     out = [{"series": "up" + labels_text(TARGET), "values": "1x30"}]
+    # Kueue's own series, as the Kueue of hack/versions.env serves them (their names and
+    # labels checked on its real /metrics in tests/integration/test_kueue_admission.py)
+    kueue = {"job": "kueue", "namespace": "kueue-system"}
+    for name, labels, value in KUEUE_SERIES:
+        out.append({"series": name + labels_text({**kueue, **labels}), "values": f"{value}x30"})
     for fam in text_string_to_metric_families(m.exposition().decode()):
         for s in fam.samples:
             if s.name.endswith("_created"):

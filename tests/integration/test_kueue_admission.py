@@ -18,11 +18,13 @@ from typing import Any
 
 import pytest
 import yaml
+from test_chart_alerts import KUEUE_SERIES
 from test_operator import (  # noqa: F401 (fixtures)
     Driver,
     OperatorProc,
     _sample,
     apply,
+    bound_claim,
     crds,
     get,
     kube_events,
@@ -149,7 +151,7 @@ def gpu_job(name: str, ns: str, queue_name: str, **spec: Any) -> dict[str, Any]:
 
 def setup_queues(cluster: LocalCluster, ns: str, gpus: int, *, cq: str | None = None,
                  preempt: bool = False, lq: str = "lq", flavor: str = "h100",
-                 cohort: str | None = None) -> str:
+                 cohort: str | None = None, fair_sharing: bool = False) -> str:
     """A ResourceFlavor for the KWOK GPU nodes, a ClusterQueue of ``gpus`` GPUs and a
     LocalQueue ``lq`` in ``ns`` pointing at it. Returns the ClusterQueue's name."""
     cq = cq or f"cq-{ns}"[:63]
@@ -163,6 +165,8 @@ def setup_queues(cluster: LocalCluster, ns: str, gpus: int, *, cq: str | None = 
         spec["preemption"] = {"withinClusterQueue": "LowerPriority"}
     if cohort:
         spec["cohortName"] = cohort
+    if fair_sharing:  # read when Kueue first sees the ClusterQueue: a later patch is ignored
+        spec["admissionScope"] = {"admissionMode": "UsageBasedAdmissionFairSharing"}
     items = [
         {"apiVersion": queue.API_VERSION, "kind": "ResourceFlavor", "metadata": {"name": flavor},
          "spec": {"nodeLabels": {FLAVOR_LABEL: "p5.48xlarge"}}},
@@ -362,6 +366,71 @@ def test_a_higher_priority_job_preempts_and_the_evicted_job_resumes_with_its_sta
          "2 GPUs in use in cq")
 
 
+def test_an_evicted_job_checkpoints_at_its_next_report_and_resumes_there(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    """checkpoint.evictionGraceSeconds: preempted while its driver runs, a job with a
+    checkpoint claim keeps its pods (and so the quota) until its driver's next report, which
+    is accepted and answered ``done`` (any trainer then checkpoints at that step and exits
+    0); once the driver has stopped the pods go and the quota goes back; admitted again, the
+    job resumes as a new attempt at that step: nothing the driver did is lost. (Without a
+    claim, as in the test above, the pods go at once and that report is refused.)"""
+    _priority_classes(cluster)
+    cq = setup_queues(cluster, namespace, gpus=2, preempt=True)
+    bound_claim(cluster, namespace, "ckpt")
+    apply(cluster, gpu_job("low", namespace, "lq",
+                           scheduling={"queueName": "lq",
+                                       "priorityClassName": "rlpacer-test-low"},
+                           checkpoint={"volumeClaim": "ckpt", "evictionGraceSeconds": 90}))
+    wait(cluster, lambda: _driver_running(cluster, namespace, "low", 0), "low running", 90)
+    drv = Driver(operator, namespace, "low", token(cluster, namespace, "low"))
+    g = drv.plan()["groupSize"]
+    for step in range(3):
+        code, plan = drv.post(report(step, g, 150.0))
+        assert code == 200 and plan["done"] is False, plan
+        g = plan["groupSize"]
+    apply(cluster, gpu_job("high", namespace, "lq",
+                           scheduling={"queueName": "lq",
+                                       "priorityClassName": "rlpacer-test-high"}))
+    st = wait(cluster, lambda: (s := status(cluster, namespace, "low")).get("summary")
+              == "Queued" and s, "low evicted")
+    assert _cond(st, "QueueAdmitted")["reason"] == "Evicted"
+    held = wait(cluster, lambda: (c := _cond(status(cluster, namespace, "low"), "Suspended"))
+                and "checkpoints at its next step report" in c["message"] and c,
+                "the Suspended condition says the driver may checkpoint")
+    assert held["reason"] == "Evicted", held
+    # its pods stay, so the quota stays with it: high waits
+    time.sleep(2)
+    assert _driver_running(cluster, namespace, "low", 0)
+    assert not _driver_running(cluster, namespace, "high", 0)
+    assert drv.plan()["done"] is True  # a driver that polls the plan is told to stop too
+    # the driver's next report is accepted and answered as the last: it checkpoints at 4
+    code, plan = drv.post(report(3, g, 150.0))
+    assert code == 200 and plan["done"] is True and plan["step"] == 4, plan
+    assert status(cluster, namespace, "low")["step"] == 4
+    wait(cluster, lambda: "EvictionCheckpoint" in {
+        e["reason"] for e in kube_events(cluster, namespace, "low")}, "EvictionCheckpoint")
+    code, again = drv.post(report(3, g, 150.0))  # its retry: the same answer
+    assert code == 200 and again == plan, again
+    # the driver stops (exit 0 after its checkpoint): the pods go, the quota goes back, high
+    # runs; low did not succeed
+    cluster.mark_pod_exit(namespace, names.driver_pod("low", 0), 0)
+    wait(cluster, lambda: _pods(cluster, namespace, "low") == [], "low's pods gone", 60)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "high", 0), "high running", 90)
+    st = status(cluster, namespace, "low")
+    assert st["summary"] == "Queued" and st["step"] == 4, st
+    # high ends: low resumes as attempt 1 at step 4, the step its driver checkpointed at
+    cluster.mark_pod_exit(namespace, names.driver_pod("high", 0), 0)
+    st = wait(cluster, lambda: (s := status(cluster, namespace, "low")).get("attempt") == 1
+              and s.get("summary") in ("Starting", "Running") and s, "low resumed", 90)
+    assert st["step"] == 4 and st["failures"] == 0
+    plan = drv.plan()
+    assert plan["step"] == 4 and plan["done"] is False, plan
+    code, plan = drv.post(report(4, g, 150.0, attempt=1))
+    assert code == 200 and plan["step"] == 5, plan
+    wait(cluster, lambda: _cluster_queue_usage(cluster, cq) == 2, "2 GPUs in use in cq")
+
+
 def test_a_long_rounds_extra_replicas_wait_for_their_own_workload(
     cluster: LocalCluster, operator: OperatorProc, namespace: str
 ) -> None:
@@ -380,7 +449,8 @@ def test_a_long_rounds_extra_replicas_wait_for_their_own_workload(
     wl = wait(cluster, lambda: _wl(cluster, namespace, long_name), "long-round Workload")
     # the round's wait, in Kueue's words, on the job
     cond = wait(cluster, lambda: (c := _cond(status(cluster, namespace, "lr"), "LongRound"))
-                ["message"].startswith("waiting for Kueue") and c, "LongRound says why")
+                ["message"].startswith("waiting for Kueue") and "quota" in c["message"] and c,
+                "LongRound says why, in Kueue's words")
     assert "2 extra rollout replicas (queue burst)" in cond["message"], cond
     assert "quota" in cond["message"], cond
     assert _sample(operator.metrics(), "rlpacer_long_round_queued", namespace=namespace,
@@ -452,8 +522,74 @@ def test_a_long_rounds_extra_replicas_wait_for_their_own_workload(
         again.kill(signal.SIGTERM)
 
 
-def test_the_burst_pool_goes_to_the_higher_priority_long_round_first(
+def test_short_rounds_run_in_a_long_rounds_place_while_the_burst_pool_is_busy(
     cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    """tailBatching.longRound.maxDeferredRounds: the burst pool has no room for the long
+    round's 2 extra replicas; the driver runs short rounds in its place (reports of Short
+    rounds to a Long/ScalingUp plan), so the job trains while its Workload waits: the
+    operator keeps the Workload and the scale-up pending past scaleUpTimeoutSeconds (each
+    deferred round restarts that wait), counts the rounds in status and Events, and, once the
+    pool has room, scales up for the long round, which runs on the granted replicas."""
+    setup_queues(cluster, namespace, gpus=2)
+    burst = setup_queues(cluster, namespace, gpus=0, cq=f"busy-{namespace}"[:63], lq="burst")
+    timeout = 12
+    apply(cluster, gpu_job("df", namespace, "lq", tailBatching={"longRound": {
+        "rolloutReplicas": 3, "scaleUpTimeoutSeconds": timeout, "queueName": "burst",
+        "maxDeferredRounds": 3}}))
+    wait(cluster, lambda: _driver_running(cluster, namespace, "df", 0), "df running", 90)
+    drv = Driver(operator, namespace, "df", token(cluster, namespace, "df"))
+    g = drv.plan()["groupSize"]
+    t0 = time.monotonic()
+    code, plan = drv.post(report(0, g, 150.0, nxt="Long"))
+    assert code == 200 and plan["roundKind"] == "Long", plan
+    assert plan["rollout"]["state"] == "ScalingUp", plan
+    long_name = queue.long_round_name("df")
+    wait(cluster, lambda: _wl(cluster, namespace, long_name), "long-round Workload")
+    for step in (1, 2):
+        # a short round in the long round's place, reported well inside the restarted wait
+        time.sleep(max(0.0, t0 + step * (timeout * 0.55) - time.monotonic()))
+        code, plan = drv.post(report(step, plan["groupSize"], 150.0, nxt="Long"))
+        assert code == 200 and plan["roundKind"] == "Long", plan
+        assert plan["rollout"]["state"] == "ScalingUp", (step, plan)
+        st = status(cluster, namespace, "df")
+        assert st["rollout"]["deferredRounds"] == step, st["rollout"]
+        assert st["step"] == step + 1
+    # past the first ask's timeout, the scale-up still pends: the deferred rounds restarted it
+    assert time.monotonic() - t0 > timeout
+    st = status(cluster, namespace, "df")
+    assert st["rollout"]["state"] == "ScalingUp", st["rollout"]
+    assert not any(a["reason"] == "ScaleUpTimedOut" for a in st.get("scaleActions") or [])
+    assert _wl_cond(_wl(cluster, namespace, long_name), "Admitted") != "True"
+    events = [e for e in kube_events(cluster, namespace, "df")
+              if e["reason"] == "LongRoundDeferred"]
+    assert len(events) == 2 and "2 of at most 3" in " ".join(e["message"] for e in events)
+    # the pool gets room: Kueue admits the Workload, the StatefulSet grows, the plan is Ready
+    cluster.kubectl("patch", "clusterqueue", burst, "--type=json", "-p", json.dumps(
+        [{"op": "replace", "path": "/spec/resourceGroups/0/flavors/0/resources/0/nominalQuota",
+          "value": 2}]))
+    st = wait(cluster, lambda: (s := status(cluster, namespace, "df"))["rollout"]["state"]
+              == "Ready" and s["rollout"]["readyReplicas"] == 3 and s, "scaled up to 3", 60)
+    assert _wl_cond(_wl(cluster, namespace, long_name), "Admitted") == "True"
+    plan = drv.plan()
+    assert plan["roundKind"] == "Long" and plan["rollout"]["desiredReplicas"] == 3, plan
+    code, plan = drv.post(report(3, plan["groupSize"], 150.0, kind="Long", nxt="Short"))
+    assert code == 200, plan
+    assert status(cluster, namespace, "df")["rollout"].get("deferredRounds", 0) == 0
+    wait(cluster, lambda: _wl(cluster, namespace, long_name) is None, "extras returned")
+
+
+def _kueue_samples(kueue: KueueProc, name: str, cq: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of Kueue's metric ``name`` for ClusterQueue ``cq``, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(dict(smp.labels), smp.value)
+            for fam in text_string_to_metric_families(kueue.metrics())
+            for smp in fam.samples if smp.name == name and smp.labels.get("cluster_queue") == cq]
+
+
+def test_the_burst_pool_goes_to_the_higher_priority_long_round_first(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str, kueue: KueueProc
 ) -> None:
     """Three jobs, short rounds sized in their own queue, long rounds from one burst pool of
     2 GPUs: while c's long round holds the pool, a (low priority) and then b (high) ask;
@@ -494,6 +630,24 @@ def test_the_burst_pool_goes_to_the_higher_priority_long_round_first(
                                       ["message"]), "b waits on the pool")
     assert not admitted("a") and not admitted("b")
     assert get(cluster, _sts_path(namespace, "a", "rollout"))["spec"]["replicas"] == 1
+    # the pool's size, use and queue, in Kueue's own series as the dashboard's burst-pool
+    # panel reads them (their names and labels are the ones its promtool check feeds it)
+    def gpu(name: str) -> list[tuple[dict[str, str], float]]:
+        return [(lab, v) for lab, v in _kueue_samples(kueue, name, burst)
+                if lab.get("resource") == "nvidia.com/gpu"]
+
+    quota = wait(cluster, lambda: gpu("kueue_cluster_queue_nominal_quota"), "pool quota", 30)
+    assert sum(v for _, v in quota) == 2, quota
+    used = wait(cluster, lambda: [x for x in gpu("kueue_cluster_queue_resource_reservation")
+                                  if x[1] == 2], "pool reservation 2", 30)
+    pending = wait(cluster, lambda: (p := _kueue_samples(kueue, "kueue_pending_workloads",
+                                                         burst))
+                   and sum(v for _, v in p) == 2 and p, "2 long rounds pending", 30)
+    for name, labels, _ in KUEUE_SERIES:
+        seen = {"kueue_cluster_queue_nominal_quota": quota,
+                "kueue_cluster_queue_resource_reservation": used,
+                "kueue_pending_workloads": pending}[name]
+        assert any(set(labels) <= set(lab) for lab, _ in seen), (name, labels, seen)
     code, plan = drivers["c"].post(report(1, gs["c"], 150.0, kind="Long", nxt="Short"))
     assert code == 200, plan
     wait(cluster, lambda: admitted("b"), "the pool goes to b (higher priority)")
@@ -507,6 +661,84 @@ def test_the_burst_pool_goes_to_the_higher_priority_long_round_first(
     wait(cluster, lambda: status(cluster, namespace, "a")["rollout"]["readyReplicas"] == 3,
          "a's extra replicas ready", 60)
     wait(cluster, lambda: _cluster_queue_usage(cluster, burst) == 2, "the pool in use by a")
+
+
+def test_with_admission_fair_sharing_the_pool_goes_to_the_namespace_that_used_it_least(
+    cluster: LocalCluster, kueue: KueueProc, namespace: str
+) -> None:
+    """A burst pool whose ClusterQueue opts into Kueue's admission fair sharing
+    (``admissionScope: UsageBasedAdmissionFairSharing``), one LocalQueue per team namespace:
+    team A's first job holds the pool, A's second job asks, then team B's job asks; when
+    the pool frees it goes to B (A has used it; B has not), though A's request came first.
+    Arrival alone (no fair sharing: the priority test above) would have given it to A."""
+    ns_b = f"{namespace[:50]}-b"
+    cluster.create_namespace(ns_b)
+    op = OperatorProc(cluster, namespace, lease=f"rlpf-{namespace[-6:]}", also_watch=(ns_b,),
+                      extra_args=("--kueue",), resync_seconds=60).start()
+    try:
+        op.wait_ready()
+        setup_queues(cluster, namespace, gpus=8)  # the jobs' own pods: room for all three
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": queue.API_VERSION, "kind": "LocalQueue",
+            "metadata": {"name": "lq", "namespace": ns_b},
+            "spec": {"clusterQueue": f"cq-{namespace}"[:63]}}))
+        pool = f"fair-{namespace}"[:63]
+        setup_queues(cluster, namespace, gpus=2, cq=pool, lq="burst", fair_sharing=True)
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": queue.API_VERSION, "kind": "LocalQueue",
+            "metadata": {"name": "burst", "namespace": ns_b}, "spec": {"clusterQueue": pool}}))
+        long_round = {"longRound": {"rolloutReplicas": 3, "scaleUpTimeoutSeconds": 300,
+                                    "queueName": "burst"}}
+        jobs = {"a1": namespace, "a2": namespace, "b1": ns_b}
+        for name, ns in jobs.items():
+            apply(cluster, gpu_job(name, ns, "lq", tailBatching=long_round))
+        drivers, gs = {}, {}
+        for name, ns in jobs.items():
+            wait(cluster, lambda n=name, s=ns: _driver_running(cluster, s, n, 0),
+                 f"{name} running", 90)
+            drivers[name] = Driver(op, ns, name, token(cluster, ns, name))
+            gs[name] = drivers[name].plan()["groupSize"]
+
+        def ask(name: str) -> None:
+            code, plan = drivers[name].post(report(0, gs[name], 150.0, nxt="Long"))
+            assert code == 200, plan
+            gs[name] = plan["groupSize"]
+            wait(cluster, lambda: _wl(cluster, jobs[name], queue.long_round_name(name)),
+                 f"{name}'s long round asked")
+
+        def admitted(name: str) -> bool:
+            return _wl_cond(_wl(cluster, jobs[name], queue.long_round_name(name)),
+                            "Admitted") == "True"
+
+        ask("a1")
+        wait(cluster, lambda: admitted("a1"), "a1 holds the pool")
+        # team A's usage of the pool, as Kueue keeps it on A's LocalQueue (sampled each second)
+        def a_used() -> bool:
+            lq = get(cluster, f"{KUEUE}/namespaces/{namespace}/localqueues/burst") or {}
+            fs = ((lq.get("status") or {}).get("fairSharing") or {})
+            used = ((fs.get("admissionFairSharingStatus") or {}).get("consumedResources")
+                    or {}).get("nvidia.com/gpu")
+            return used not in (None, "0")
+
+        wait(cluster, a_used, "team A's pool usage recorded", 30)
+        ask("a2")  # first in line
+        time.sleep(1.1)  # a later creation second
+        ask("b1")  # later, from a team that has not used the pool
+        wait(cluster, lambda: "quota" in (_cond(status(cluster, ns_b, "b1"), "LongRound")
+                                          ["message"]), "b1 waits on the pool")
+        assert not admitted("a2") and not admitted("b1")
+        code, plan = drivers["a1"].post(report(1, gs["a1"], 150.0, kind="Long", nxt="Short"))
+        assert code == 200, plan
+        wait(cluster, lambda: admitted("b1"), "the pool goes to team B (less usage)")
+        assert not admitted("a2")
+        wait(cluster, lambda: status(cluster, ns_b, "b1")["rollout"]["readyReplicas"] == 3,
+             "b1's extra replicas ready", 60)
+        code, plan = drivers["b1"].post(report(1, gs["b1"], 150.0, kind="Long", nxt="Short"))
+        assert code == 200, plan
+        wait(cluster, lambda: admitted("a2"), "then to a2")
+    finally:
+        op.kill(signal.SIGTERM)
+        cluster.delete_namespace(ns_b)
 
 
 def test_suspending_an_admitted_job_gives_its_quota_to_the_next_and_resuming_queues_it(

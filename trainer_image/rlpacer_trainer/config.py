@@ -292,6 +292,15 @@ class RunConfig:
         return float(self.spec.tail_batching.long_round.scale_up_lead_seconds)
 
     @property
+    def max_deferred_rounds(self) -> int:
+        """``tailBatching.longRound.maxDeferredRounds``: short rounds the driver may run in a
+        due long round's place while its extra replicas are not ready (0: it waits; always 0
+        without tail batching)."""
+        if not self.tail_batching_enabled:
+            return 0
+        return int(self.spec.tail_batching.long_round.max_deferred_rounds)
+
+    @property
     def route_quantile(self) -> float | None:
         """``tailBatching.lengthPrior``: the rank from which prompts are routed to long
         rounds, or None (no routing; never without tail batching)."""

@@ -49,7 +49,14 @@ from typing import Any
 import torch
 
 from rlpacer.api import trace as trace_format
-from rlpacer.api.protocol import LengthSummary, Plan, RoundKind, StepReport, StepSeconds
+from rlpacer.api.protocol import (
+    LengthSummary,
+    Plan,
+    RolloutState,
+    RoundKind,
+    StepReport,
+    StepSeconds,
+)
 from rlpacer.control.length_prior import LengthPrior
 from rlpacer.control.tail_batching import TailBatchingPlanner, ask_early
 from rlpacer_trainer import algos
@@ -193,6 +200,11 @@ class Driver:
         self._short_s: list[float] = []  # the last short steps' seconds
         self._ready_wait_s = 0.0  # the step's wait for a scale-up (wait_ready)
         self._extra_idle_s = 0.0  # the step's added engines' seconds between joining and use
+        # Deferred long rounds (tailBatching.longRound.maxDeferredRounds): short rounds run in
+        # a due long round's place while its extra replicas are not ready
+        self.max_deferrals = cfg.max_deferred_rounds
+        self._deferrals = 0  # in this wait (0 again once a long round runs)
+        self._deferring = False  # the coming round is one of them
 
     # --- the response trace -----------------------------------------------------------------
     def record_trace(self, path: Path) -> None:
@@ -476,11 +488,13 @@ class Driver:
         dropped = refills = routed = 0
         overprovisioned = False  # any of the step's rounds raced (tail batching's gate on)
         rewards_all: list[float] = []
-        if self._asked_early and kind is RoundKind.SHORT and self.engine_factory is not None:
+        deferring, self._deferring = self._deferring, False
+        if ((self._asked_early or deferring) and kind is RoundKind.SHORT
+                and self.engine_factory is not None):
             # the capacity asked ahead: which added replicas are ready now (not at the report)
             plan = plan.model_copy(update={"rollout": self.controller.plan().rollout})
         t_join = time.perf_counter()
-        used = self.use_plan(plan, kind)
+        used = self.use_plan(plan, kind, background=deferring)
         join_s = time.perf_counter() - t_join  # engines started for this round, if any
         self._served = {}
         self._died_served = []
@@ -556,6 +570,8 @@ class Driver:
         )
         next_plan = self.controller.report(report)
         self._asked_early = asking
+        if kind is RoundKind.LONG:
+            self._deferrals = 0
         if (next_long or asking) and self._asked_at is None:
             self._asked_at, self._lead_done = time.perf_counter(), False
         elif not (next_long or asking):
@@ -578,6 +594,7 @@ class Driver:
             "seconds_capacity_wait": self._ready_wait_s + join_s,
             "seconds_extra_idle": self._extra_idle_s, "rounds_until_long": forecast,
             "prepare_long_round": asking, "scale_up_lead_s": self.lead_in_use(),
+            "deferred_long_round": deferring,
             "straggler_rate": next_plan.straggler_rate,
             "straggler": getattr(self.controller, "last_straggler", None),
             "tau": float(self.cfg.spec.group_control.straggler_ratio),
@@ -641,14 +658,17 @@ class Driver:
         n = min(cap.ready_replicas, cap.desired_replicas)
         return sorted(set(range(n)) | self.base_replicas)
 
-    def use_plan(self, plan: Plan, kind: RoundKind | None = None) -> list[int]:
+    def use_plan(self, plan: Plan, kind: RoundKind | None = None,
+                 background: bool = False) -> list[int]:
         """Fits the engines to the plan before a round (of ``kind``, default the plan's):
         starts the engines of usable replicas that have none (a long round's, or one whose
         engine died) once their pods have joined Ray, each serving only after it holds the
         learner's weights; releases extra engines the plan no longer names; returns the
         replicas the round uses. Asked early (a long round forecast), a short round does not
         wait for them: they start in the background and serve from the first round after
-        they are up; a long round waits for those still starting."""
+        they are up; a long round waits for those still starting. ``background``: start the
+        missing ones in the background whatever was asked (a short round run in a pending
+        long round's place)."""
         kind = plan.round_kind if kind is None else kind
         long = kind is RoundKind.LONG
         usable = self.usable_replicas(plan)
@@ -659,7 +679,7 @@ class Driver:
         self._admit_started(usable, wait=long)
         missing = [r for r in usable if r not in self.pool and r not in self._joining]
         if missing and self.engine_factory is not None:
-            if self._asked_early and not long:
+            if (self._asked_early or background) and not long:
                 self._start_in_background(missing)
             else:
                 self._join(missing)
@@ -944,12 +964,37 @@ class Driver:
 
     def _wait_ready(self, plan: Plan) -> Plan:
         """The plan once its scale-up is resolved, except for a short round whose scale-up
-        this driver asked ahead of a long round (that round does not wait for it)."""
+        this driver asked ahead of a long round (that round does not wait for it), and for a
+        long round whose replicas are not ready while ``maxDeferredRounds`` allows a short
+        round in its place (:meth:`_defer`)."""
         t0 = time.perf_counter()
-        if not (self._asked_early and plan.round_kind is RoundKind.SHORT):
+        if self._defer(plan):
+            pass
+        elif not (self._asked_early and plan.round_kind is RoundKind.SHORT):
             plan = self.controller.wait_ready(plan)
         self._ready_wait_s = time.perf_counter() - t0
         return plan
+
+    def _defer(self, plan: Plan) -> bool:
+        """Whether the next round is a short one in place of the due long round the plan
+        names, whose extra replicas the operator is still scaling up (waiting for a queue's
+        admission or for their pods): at most ``maxDeferredRounds`` in a row, and only while
+        the epoch has fresh prompts for it (the planner's :meth:`defer_long_round`). The
+        long round's prompts stay queued; the operator keeps its scale-up pending."""
+        if (self.max_deferrals <= 0 or self._deferrals >= self.max_deferrals
+                or plan.round_kind is not RoundKind.LONG
+                or plan.rollout.state is not RolloutState.SCALING_UP
+                or plan.step != self.step or plan.done
+                or self.planner.next_round_kind is not RoundKind.LONG
+                or not self.planner.defer_long_round()):
+            return False
+        self._deferrals += 1
+        self._deferring = True
+        print(f"step {self.step}: a short round in place of the long round, whose"
+              f" {plan.rollout.desired_replicas} rollout replicas are not ready"
+              f" ({plan.rollout.ready_replicas} are; {self._deferrals} of at most"
+              f" {self.max_deferrals})", flush=True)
+        return True
 
     # --- evaluation ---------------------------------------------------------------------------
     def evaluate(self, problems: Sequence[Any], temperature: float = 0.0,

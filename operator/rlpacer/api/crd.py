@@ -97,6 +97,15 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "initial",
         ),
     ],
+    "CheckpointSpec": [
+        _rule(
+            "!has(self.evictionGraceSeconds) || self.evictionGraceSeconds == 0"
+            " || has(self.volumeClaim)",
+            "evictionGraceSeconds needs volumeClaim (without a claim no checkpoint outlives"
+            " the pods): set volumeClaim, or remove evictionGraceSeconds",
+            "evictionGraceSeconds",
+        ),
+    ],
     "RewardSpec": [
         _rule(
             f"self.type in {list(job_api.BUILTIN_REWARDS)}"

@@ -686,6 +686,19 @@ class LongRoundSpec(APIModel):
             " are asked at the report before the long round, which waits for them."
         ),
     )
+    max_deferred_rounds: int = Field(
+        default=0, ge=0, le=64,
+        description=(
+            "While a long round's extra replicas are not ready (Kueue has not admitted them, a"
+            " burst pool is busy, or their pods are starting), the driver runs up to this many"
+            " short rounds in its place instead of waiting, each from the epoch's fresh"
+            " prompts; the long round's prompts stay queued and train exactly once, in the"
+            " long round that follows. Each such round restarts scaleUpTimeoutSeconds; past"
+            " the last, the long round waits as without this. No effect at an epoch's end"
+            " (no fresh prompt left: the long round waits). 0 (the default): the long round"
+            " waits."
+        ),
+    )
     queue_name: str | None = Field(
         default=None, min_length=1, max_length=253, pattern=QUEUE_NAME_PATTERN,
         description=(
@@ -774,6 +787,10 @@ class TailBatchingSpec(APIModel):
     )
 
 
+#: checkpoint.evictionGraceSeconds when unset on a job with a checkpoint claim.
+DEFAULT_EVICTION_GRACE_SECONDS = 120
+
+
 class CheckpointSpec(APIModel):
     volume_claim: str | None = Field(
         default=None, max_length=253,
@@ -782,6 +799,35 @@ class CheckpointSpec(APIModel):
                      " driver pod (no resume across attempts, the trained model lost with it)."),
     )
     every_steps: int = Field(default=20, ge=1, le=1_000_000, description="Checkpoint interval.")
+    eviction_grace_seconds: int | None = Field(
+        default=None, ge=0, le=86_400,
+        description=(
+            "When Kueue evicts the job (a preemption, a stopped queue), how long its pods are"
+            " kept for the driver to reach its next step report: that report is accepted"
+            " and answered as the job's last, so the driver checkpoints there and stops, and"
+            " the resumed attempt loses no step; then the pods are deleted and the quota"
+            " given back (at once once the driver has stopped). 0: the pods are deleted at"
+            " once, and the job resumes from its last periodic checkpoint. Default: 120 with"
+            " volumeClaim, 0 without; a value above 0 needs volumeClaim (no checkpoint"
+            " outlives the pods without it)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _grace_needs_claim(self) -> CheckpointSpec:
+        if self.eviction_grace_seconds and self.volume_claim is None:
+            raise ValueError(
+                "checkpoint.evictionGraceSeconds needs checkpoint.volumeClaim (without a"
+                " claim no checkpoint outlives the pods): set volumeClaim, or remove"
+                " evictionGraceSeconds")
+        return self
+
+    @property
+    def eviction_grace(self) -> int:
+        """The eviction grace in effect: the field, else 120 s with a claim and 0 without."""
+        if self.eviction_grace_seconds is not None:
+            return self.eviction_grace_seconds
+        return DEFAULT_EVICTION_GRACE_SECONDS if self.volume_claim is not None else 0
 
 
 class Toleration(APIModel):

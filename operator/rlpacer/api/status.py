@@ -221,6 +221,14 @@ class RolloutStatus(APIModel):
         ),
         json_schema_extra={"maxItems": 4096},
     )
+    deferred_rounds: int | None = Field(
+        default=None, ge=0, json_schema_extra=_most(INT32_MAX),
+        description=(
+            "Short rounds the driver ran in place of the pending long round while its extra"
+            " replicas were not ready (tailBatching.longRound.maxDeferredRounds); absent once"
+            " the long round runs or the replicas go back."
+        ),
+    )
 
 
 class ScaleAction(APIModel):

@@ -390,6 +390,8 @@ class TailBatchingPlanner:
         #: prompts each of the last short rounds added to the queue (deferred and routed):
         #: the forecast of the next long round (:meth:`rounds_until_long`)
         self._queued_recent: list[int] = []
+        #: the next round is a short one in place of a due long round (defer_long_round)
+        self._defer = False
 
     # --- views ----------------------------------------------------------------------------
     @property
@@ -473,8 +475,26 @@ class TailBatchingPlanner:
         """The kind of round :meth:`start_round` will plan next (SHORT once done)."""
         p0 = self._cfg.prompts_per_step
         if self._queue and (len(self._queue) >= p0 or self._position >= self._n):
+            if self._defer and self._position < self._n:
+                return RoundKind.SHORT  # a short round in the due long round's place
             return RoundKind.LONG
         return RoundKind.SHORT
+
+    def defer_long_round(self) -> bool:
+        """The next round is a due long round whose capacity is not there yet (its extra
+        rollout replicas wait for a queue or their pods): plan one short round in its place,
+        from the epoch's fresh prompts. The long queue keeps its prompts (its deferred ones
+        join them), so every prompt still trains exactly once; the long round is due again
+        after that round. Applies to the next :meth:`start_round` only and is not part of
+        the state (a resumed run decides again). Returns False, changing nothing, when the
+        next round is not long or no fresh prompt is left in the epoch (its flush cannot
+        wait for a short round)."""
+        if self._round is not None:
+            raise PlannerError("a round is in progress: defer a long round between rounds")
+        if self.next_round_kind is not RoundKind.LONG or self._position >= self._n:
+            return False
+        self._defer = True
+        return True
 
     def rounds_until_long(self) -> int | None:
         """A forecast: how many short rounds run before the next long round (0: the next
@@ -568,6 +588,7 @@ class TailBatchingPlanner:
                 overprovisioned=over, routed=routed,
             )
         self._round = _Round(plan)
+        self._defer = False
         return plan
 
     @property
@@ -705,6 +726,7 @@ class TailBatchingPlanner:
         """Drop the round in progress (a failure or restart): nothing is lost or duplicated.
         A no-op when no round is in progress."""
         self._round = None
+        self._defer = False
 
     def _maybe_next_epoch(self) -> None:
         if self._position >= self._n and not self._queue and self._epoch + 1 < self._epochs:

@@ -126,6 +126,9 @@ class Decision:
     status: RLTrainingJobStatus
     events: list[Event] = field(default_factory=list)
     workloads: bool = True
+    #: leave the children as they are (neither applied nor deleted): an evicted job's pods
+    #: while its driver may still checkpoint (checkpoint.evictionGraceSeconds)
+    keep_children: bool = False
     delete_job: bool = False
     requeue_after: float | None = None
 
@@ -208,7 +211,18 @@ def decide(
             if spec.suspend:
                 ev.append(Event("Normal", "Suspended",
                                 "pods deleted; resume with spec.suspend=false"))
-        elif held.message != msg:
+        left = eviction_grace_left(spec, st, now)
+        if (left > 0 and observed.driver_looked and observed.driver_phase == "Running"
+                and not observed.driver_deleting):
+            # checkpoint.evictionGraceSeconds: the pods stay while the driver reaches its next
+            # report, which is answered as its last (it checkpoints there and stops)
+            msg += (f"; the driver checkpoints at its next step report and stops (it has"
+                    f" {spec.checkpoint.eviction_grace}s from the eviction), then the pods are"
+                    " deleted")
+            d.workloads, d.keep_children = True, True
+            d.requeue_after = left + 0.5
+        cur = find(st.conditions, ConditionType.SUSPENDED)
+        if cur is not None and cur.message != msg:
             _cond(st, ConditionType.SUSPENDED, True, reason, msg, t, gen)
         st.rollout = RolloutStatus(desired_replicas=scaler.short_replicas(spec),
                                    ready_replicas=observed.rollout_ready)
@@ -356,6 +370,23 @@ def decide(
     return d
 
 
+def eviction_grace_left(
+    spec: RLTrainingJobSpec, status: RLTrainingJobStatus, now: datetime
+) -> float:
+    """Seconds left of ``checkpoint.evictionGraceSeconds`` for a job Kueue evicted (0: no
+    grace, none left, or not evicted). While some is left and its driver runs, the job's
+    pods are kept and the driver's next step report is accepted and answered as its last
+    (``done``), so it checkpoints at that step and stops; then the pods are deleted and the
+    quota given back, and the next attempt resumes from that checkpoint."""
+    grace = spec.checkpoint.eviction_grace
+    held = find(status.conditions, ConditionType.SUSPENDED)
+    if (grace <= 0 or spec.suspend or held is None or held.status != "True"
+            or held.reason != Reason.EVICTED.value):
+        return 0.0
+    since = parse_time(held.last_transition_time)
+    return max(0.0, grace - (now - since).total_seconds())
+
+
 def _queue_hold(
     spec: RLTrainingJobSpec, st: RLTrainingJobStatus, view: QueueView | None, t: str,
     gen: int | None, ev: list[Event],
@@ -389,8 +420,8 @@ def _queue_hold(
     if view.evicted is not None:
         why, text = view.evicted
         reason = Reason.EVICTED
-        msg = (f"evicted by Kueue ({why}: {text}): pods deleted, state kept; the job resumes"
-               " from its last checkpoint when admitted again")
+        msg = (f"evicted by Kueue ({why}: {text}): state kept; the job resumes from its last"
+               " checkpoint when admitted again")
         was = cond is not None and cond.reason == reason.value
         _cond(st, ConditionType.QUEUE_ADMITTED, False, reason, msg, t, gen)
         if not was:

@@ -17,7 +17,7 @@ from rlpacer.api._base import decimal, field_range
 from rlpacer.api.crd import schema_violations, status_schema
 from rlpacer.api.job import RLTrainingJobSpec, TailBatchingSpec, algorithm_knob
 from rlpacer.api.policy import RLTrainingPolicy
-from rlpacer.api.protocol import Plan, RoundKind, StepReport
+from rlpacer.api.protocol import Plan, RolloutState, RoundKind, StepReport
 from rlpacer.api.status import (
     ConditionType,
     Reason,
@@ -30,9 +30,14 @@ from rlpacer.api.status import (
 )
 from rlpacer.control.plan import ControlPlan, JobController, ReportRejected
 from rlpacer.operator import enforce, hosting, scaler
-from rlpacer.operator.decide import StateUnreadable, load_controller, record_scale_actions
+from rlpacer.operator.decide import (
+    StateUnreadable,
+    eviction_grace_left,
+    load_controller,
+    record_scale_actions,
+)
 from rlpacer.operator.scaler import Event
-from rlpacer.operator.timeutil import fmt_time
+from rlpacer.operator.timeutil import fmt_time, utcnow
 
 
 class JobSuspended(Exception):
@@ -59,7 +64,10 @@ class Accepted:
     controller: JobController | None = None
 
 
-def _plan(spec: RLTrainingJobSpec, st: RLTrainingJobStatus, cp: ControlPlan) -> Plan:
+def _plan(spec: RLTrainingJobSpec, st: RLTrainingJobStatus, cp: ControlPlan,
+          stop: bool = False) -> Plan:
+    """``stop``: the job was evicted and its driver may checkpoint (eviction grace): the plan
+    says done, so any trainer checkpoints at its step and stops."""
     return Plan(
         step=cp.step,
         group_size=cp.group_size,
@@ -67,19 +75,22 @@ def _plan(spec: RLTrainingJobSpec, st: RLTrainingJobStatus, cp: ControlPlan) -> 
         rollout=scaler.capacity(st.rollout),
         lambda_=cp.lambda_,
         straggler_rate=cp.straggler_rate,
-        done=cp.step >= spec.steps,
+        done=cp.step >= spec.steps or stop,
     )
 
 
 def current_plan(
-    spec: RLTrainingJobSpec, status: RLTrainingJobStatus, ctl: JobController | None = None
+    spec: RLTrainingJobSpec, status: RLTrainingJobStatus, ctl: JobController | None = None,
+    now: datetime | None = None,
 ) -> Plan:
     """``GET plan``: the plan for the next step from the persisted state (changes nothing).
-    ``ctl``: a live controller whose state is ``status.controllerState``."""
+    ``ctl``: a live controller whose state is ``status.controllerState``. ``now``: for the
+    eviction grace (default: the clock)."""
     if ctl is None:
         # raises StateUnreadable (503 while the reconciler rebuilds the state)
         ctl = load_controller(status) or hosting.load(hosting.new_state(spec))
-    return _plan(spec, status, ctl.plan())
+    stop = eviction_grace_left(spec, status, now or utcnow()) > 0
+    return _plan(spec, status, ctl.plan(), stop=stop)
 
 
 def accept_report(
@@ -107,14 +118,17 @@ def accept_report(
     if is_terminal(status.conditions):
         raise ReportRejected("JobFinished", f"the job is {summarize(status.conditions).value}")
     held = find(status.conditions, ConditionType.SUSPENDED)
+    # evicted by Kueue within checkpoint.evictionGraceSeconds: the report is accepted and
+    # answered as the job's last, so the driver checkpoints at its step and stops
+    stopping = eviction_grace_left(spec, status, now) > 0
     if (not spec.suspend and held is not None and held.status == "True"
-            and held.reason != Reason.SUSPENDED.value):
+            and held.reason != Reason.SUSPENDED.value and not stopping):
         # held by Kueue (waiting, or evicted): the same, with Kueue's word
         raise JobSuspended(
             f"the job is held by Kueue ({held.reason}: {held.message}): no step report is"
             " accepted and its pods are deleted; this driver should stop. Admitted again,"
             " the job starts a new attempt, from the last checkpoint, that reports again")
-    if spec.suspend or is_true(status.conditions, ConditionType.SUSPENDED):
+    if spec.suspend or (is_true(status.conditions, ConditionType.SUSPENDED) and not stopping):
         # Its pods are being deleted: a step accepted now would be one the resumed attempt
         # (from the last checkpoint) runs again, counted twice.
         raise JobSuspended(
@@ -145,7 +159,7 @@ def accept_report(
     if new_state == state and status.controller_state is not None:
         # an idempotent repeat (checked first: a replay of an accepted step always gets the
         # same answer, even when the spec's bounds changed since)
-        return st, Accepted(_plan(spec, st, cp), [], new=False, controller=ctl)
+        return st, Accepted(_plan(spec, st, cp, stop=stopping), [], new=False, controller=ctl)
     check_report(spec, report)
 
     t = fmt_time(now)
@@ -160,13 +174,27 @@ def accept_report(
     # runs, so a done job's capacity is only ever planned down (a short round next: the
     # driver released its long-round engines before this report, as on every other step);
     # what stays is released with the job's end.
-    done = cp.step >= spec.steps
+    done = cp.step >= spec.steps or stopping
     events: list[Event] = []
+    stop_events: list[Event] = []
+    if stopping:
+        stop_events.append(Event(
+            "Normal", "EvictionCheckpoint",
+            f"step {report.step} reported after Kueue's eviction (within"
+            f" checkpoint.evictionGraceSeconds): answered as the last step of attempt"
+            f" {status.attempt}; its driver checkpoints at step {cp.step} and stops, and the"
+            " next attempt resumes there"))
     prepare = report.prepare_long_round and not done
+    # a short round run in place of the planned long one while its scale-up pended
+    # (tailBatching.longRound.maxDeferredRounds): the plan was for this step, Long, ScalingUp
+    deferred = (report.round_kind is RoundKind.SHORT and report.step == status.step
+                and status.round_kind == RoundKind.LONG.value
+                and status.rollout.state == RolloutState.SCALING_UP.value)
     if not (done and cp.round_kind is RoundKind.LONG):
         rollout, actions, events = scaler.plan_round(
             st.rollout, spec, cp.round_kind, cp.step, now,
-            long_target=None if lim is None else lim.long_round_replicas, prepare=prepare)
+            long_target=None if lim is None else lim.long_round_replicas, prepare=prepare,
+            deferred=deferred, ran_long=report.round_kind is RoundKind.LONG)
         st.rollout = rollout
         record_scale_actions(st, actions)
     st.controller_state = new_state
@@ -178,6 +206,9 @@ def accept_report(
         if rollout.state == "ScalingUp":
             reason = Reason.SCALING_UP
             msg = f"step {cp.step}: waiting for {rollout.desired_replicas} rollout replicas"
+            if rollout.deferred_rounds:
+                msg += (f" ({rollout.deferred_rounds} short rounds run in the long round's"
+                        " place meanwhile)")
         else:
             reason, msg = Reason.RUNNING, f"step {cp.step} is a long round"
         flipped = set_condition(st.conditions, ConditionType.LONG_ROUND, True, reason, msg, t, gen)
@@ -192,7 +223,7 @@ def accept_report(
                 f"long round done at step {report.step}", t, gen,
             )
     training = find(st.conditions, ConditionType.TRAINING)
-    if training is None or training.status != "True":
+    if not stopping and (training is None or training.status != "True"):
         st.conditions, _ = set_condition(
             st.conditions, ConditionType.TRAINING, True, Reason.RUNNING,
             f"attempt {st.attempt} reporting", t, gen,
@@ -202,7 +233,8 @@ def accept_report(
             st, policies, straggler_rate=cp.straggler_rate, step_seconds=ctl.mean_step_seconds,
             steps=ctl.steps_observed, now=t, generation=gen)
         events = [*events, *enforce.record_notes(st, lim.notes), *slo_events]
-    events = [*events, *enforce.judge_straggler_slo(st, ctl, now=t, generation=gen)]
+    events = [*stop_events, *events,
+              *enforce.judge_straggler_slo(st, ctl, now=t, generation=gen)]
     st.summary = summarize(st.conditions)
     # Only the fields this report replaced: the rest is ``status`` as the API server stored
     # it (so within its schema), and checking the whole status on every report cost more
@@ -216,7 +248,8 @@ def accept_report(
         raise ReportRejected(
             "StatusOutOfRange",
             "the report would make the job's status break its schema: " + "; ".join(bad))
-    return st, Accepted(_plan(spec, st, cp), events, new=True, straggler=bool(cp.straggler),
+    return st, Accepted(_plan(spec, st, cp, stop=stopping), events, new=True,
+                        straggler=bool(cp.straggler),
                         controller=ctl)
 
 

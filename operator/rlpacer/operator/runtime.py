@@ -816,6 +816,11 @@ class Jobs:
             log.info("%s/%s: ttlSecondsAfterFinished passed; deleting", rt.namespace, rt.name)
             await self.kube.delete(job_path(rt.namespace, rt.name))
             return None
+        if dec.keep_children:
+            # evicted, within checkpoint.evictionGraceSeconds: the pods stay as they are (not
+            # re-applied: the admitted flavor's placement is gone) while the driver reaches
+            # its next report, answered as its last
+            return dec.requeue_after
         if full:
             rt.applied.clear()
             # jittered: jobs created (or loaded by a new leader) together do not make their

@@ -52,6 +52,7 @@ def long_replicas(spec: RLTrainingJobSpec) -> int:
 def plan_round(
     rollout: RolloutStatus, spec: RLTrainingJobSpec, next_kind: RoundKind, step: int,
     now: datetime, long_target: int | None = None, prepare: bool = False,
+    deferred: bool = False, ran_long: bool = False,
 ) -> tuple[RolloutStatus, list[ScaleAction], list[Event]]:
     """Desired capacity for the next round (called when a report is accepted).
 
@@ -59,7 +60,34 @@ def plan_round(
     ``prepare``: the report forecasts a long round within its replicas' join time (an early
     scale-up: the long round's capacity now, though the next round is short; held while the
     reports keep saying so).
+    ``deferred``: the reported round was a short one the driver ran in place of the planned
+    long round while its scale-up pended (``tailBatching.longRound.maxDeferredRounds``): the
+    pending scale-up is kept, its timeout restarts, and ``deferredRounds`` counts it.
+    ``ran_long``: the reported round was a long one (the count of deferrals starts over).
     """
+    events: list[Event] = []
+    if ran_long and rollout.deferred_rounds:
+        rollout = rollout.model_copy(update={"deferred_rounds": None})
+    if (deferred and next_kind is RoundKind.LONG
+            and rollout.state == RolloutState.SCALING_UP.value):
+        n = (rollout.deferred_rounds or 0) + 1
+        rollout = rollout.model_copy(update={"deferred_rounds": n,
+                                             "scale_up_started_at": fmt_time(now)})
+        most = spec.tail_batching.long_round.max_deferred_rounds
+        extra = rollout.desired_replicas - short_replicas(spec)
+        events.append(Event(
+            "Normal", "LongRoundDeferred",
+            f"step {step - 1} ran a short round in place of the long round ({n} of at most"
+            f" {most}): its {extra} extra rollout replicas are not ready; their wait"
+            f" ({spec.tail_batching.long_round.scale_up_timeout_seconds}s) starts over"))
+    new, actions, evs = _plan_round(rollout, spec, next_kind, step, now, long_target, prepare)
+    return new, actions, [*events, *evs]
+
+
+def _plan_round(
+    rollout: RolloutStatus, spec: RLTrainingJobSpec, next_kind: RoundKind, step: int,
+    now: datetime, long_target: int | None, prepare: bool,
+) -> tuple[RolloutStatus, list[ScaleAction], list[Event]]:
     long_r = long_replicas(spec) if long_target is None else long_target
     early = prepare and next_kind is not RoundKind.LONG
     target = long_r if next_kind is RoundKind.LONG or early else short_replicas(spec)
@@ -71,7 +99,7 @@ def plan_round(
         new = rollout.model_copy(update={
             "desired_replicas": target,
             "state": RolloutState.READY.value if ready else RolloutState.SCALING_UP.value,
-            "scale_up_started_at": None if ready else t,
+            "scale_up_started_at": None if ready else t, "deferred_rounds": None,
         })
         action = ScaleAction(time=t, from_replicas=cur, to_replicas=target,
                              reason="EarlyScaleUp" if early else "LongRound", step=step)
@@ -87,7 +115,7 @@ def plan_round(
     if target < cur or (next_kind is RoundKind.SHORT and rollout.state != RolloutState.READY):
         update: dict[str, Any] = {
             "desired_replicas": target, "state": RolloutState.READY.value,
-            "scale_up_started_at": None,
+            "scale_up_started_at": None, "deferred_rounds": None,
         }
         if rollout.ready_ordinals is not None:
             # the replicas cut here are being deleted: not ready for any later round, though

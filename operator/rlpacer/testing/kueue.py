@@ -13,10 +13,16 @@ validation. What differs from Kueue's deployment, and why:
   with it off Kueue reads its metrics server's certificate from the fixed path
   ``/etc/kueue/metrics/certs`` (its Deployment mounts one there): the launcher writes one
   there when none is present (a test machine's path, as in Kueue's own image);
+* its metrics served on 127.0.0.1 with the ClusterQueues' resources on
+  (``enableClusterQueueResources``), read by :meth:`KueueProc.metrics` with a token RBAC
+  allows to get ``/metrics``, as a Prometheus with Kueue's ServiceMonitor would;
 * ``VisibilityOnDemand`` off: the on-demand visibility API is an aggregated API server with
   certificates of its own, which nothing here reads;
 * the integrations: ``batch/job`` only, and the job's kind as an external framework
-  (``RLTrainingJob.v1alpha1.rlpacer.io``), as docs/kueue.md tells platform teams to set.
+  (``RLTrainingJob.v1alpha1.rlpacer.io``), as docs/kueue.md tells platform teams to set;
+* admission fair sharing configured with a one-minute usage half-life sampled every second (a
+  cluster's would be hours and minutes): it applies only to ClusterQueues that opt in with
+  ``admissionScope``.
 
 ``stop()`` stops the process and removes the webhook configurations (the CRDs and Kueue's
 objects stay: the next start reuses them).
@@ -47,6 +53,7 @@ NAMESPACE = "kueue-system"
 EXTERNAL_FRAMEWORK = "RLTrainingJob.v1alpha1.rlpacer.io"
 METRICS_CERTS = Path("/etc/kueue/metrics/certs")
 WEBHOOK_PREFIX = "rlpacer-test-kueue"
+METRICS_READER = "rlpacer-test-kueue-metrics-reader"
 
 
 def manifests_dir() -> Path:
@@ -87,8 +94,9 @@ class KueueProc:
         self.cluster = cluster
         self.dir = Path(tempfile.mkdtemp(prefix="rlpacer-kueue-"))
         self.log = self.dir / "kueue.log"
-        self.health_port, self.webhook_port = free_ports(2)
+        self.health_port, self.webhook_port, self.metrics_port = free_ports(3)
         self.proc: subprocess.Popen[bytes] | None = None
+        self._metrics_token: str | None = None
 
     def _kubectl(self, *args: str, input: str | None = None) -> None:
         self.cluster.kubectl(*args, input=input)
@@ -122,13 +130,19 @@ class KueueProc:
             "kind": "Configuration",
             "namespace": NAMESPACE,
             "health": {"healthProbeBindAddress": f"127.0.0.1:{self.health_port}"},
-            "metrics": {"bindAddress": "0"},
+            # its metrics (HTTPS, a bearer token RBAC allows to get /metrics: metrics()), with
+            # the ClusterQueues' quota and reservation per resource (a burst pool's size, use)
+            "metrics": {"bindAddress": f"127.0.0.1:{self.metrics_port}",
+                        "enableClusterQueueResources": True},
             "webhook": {"port": self.webhook_port, "host": "127.0.0.1",
                         "certDir": str(certs)},
             "leaderElection": {"leaderElect": False},
             "internalCertManagement": {"enable": False},
             "integrations": {"frameworks": ["batch/job"],
                              "externalFrameworks": [EXTERNAL_FRAMEWORK]},
+            # admission fair sharing, for the ClusterQueues that opt in (admissionScope):
+            # usage sampled every second, halved every minute (a test's time scale)
+            "admissionFairSharing": {"usageHalfLifeTime": "1m", "usageSamplingInterval": "1s"},
         }
         cfg = self.dir / "config.yaml"
         cfg.write_text(yaml.safe_dump(config))
@@ -159,6 +173,36 @@ class KueueProc:
                 return bool(r.status == 200)
         except (urllib.error.URLError, OSError):
             return False
+
+    def metrics(self) -> str:
+        """Kueue's /metrics, read as a Prometheus would: over HTTPS with a ServiceAccount's
+        token that RBAC allows ``get`` on the ``/metrics`` URL (Kueue checks it with a
+        TokenReview and a SubjectAccessReview). The certificate is not verified (a test's)."""
+        import ssl
+        import urllib.request
+
+        if self._metrics_token is None:
+            reader = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                      "metadata": {"name": METRICS_READER},
+                      "rules": [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]}
+            binding = {"apiVersion": "rbac.authorization.k8s.io/v1",
+                       "kind": "ClusterRoleBinding", "metadata": {"name": METRICS_READER},
+                       "roleRef": {"apiGroup": "rbac.authorization.k8s.io",
+                                   "kind": "ClusterRole", "name": METRICS_READER},
+                       "subjects": [{"kind": "ServiceAccount", "name": METRICS_READER,
+                                     "namespace": NAMESPACE}]}
+            sa = {"apiVersion": "v1", "kind": "ServiceAccount",
+                  "metadata": {"name": METRICS_READER, "namespace": NAMESPACE}}
+            self._kubectl("apply", "-f", "-", input=json.dumps(
+                {"apiVersion": "v1", "kind": "List", "items": [sa, reader, binding]}))
+            self._metrics_token = self.cluster.service_account_token(NAMESPACE, METRICS_READER)
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        req = urllib.request.Request(f"https://127.0.0.1:{self.metrics_port}/metrics",
+                                     headers={"Authorization": f"Bearer {self._metrics_token}"})
+        with urllib.request.urlopen(req, timeout=10, context=ctx) as r:
+            return str(r.read().decode())
 
     def log_tail(self, n: int = 4000) -> str:
         try:

@@ -35,7 +35,16 @@ def run_round(
 ) -> dict[int, list[int]] | None:
     """Start a round and feed it shuffled finish events, applying aborts as a driver would.
     Returns the kept groups, or None when the round was aborted after ``abort_at`` events."""
-    plan = planner.start_round(g)
+    planner.start_round(g)
+    return feed_round(planner, rng, abort_at)
+
+
+def feed_round(
+    planner: TailBatchingPlanner, rng: random.Random, abort_at: int | None = None
+) -> dict[int, list[int]] | None:
+    """Feed the round in progress shuffled finish events (see :func:`run_round`)."""
+    plan = planner.current_round
+    assert plan is not None
     aborted: set[tuple[int, int]] = set()
     for n, (p, i) in enumerate(_events(planner, rng)):
         if abort_at is not None and n == abort_at:
@@ -314,3 +323,63 @@ def test_corrupt_state_is_rejected(mutate: Any) -> None:
     mutate(state)
     with pytest.raises((StateError, ConfigError)):
         TailBatchingPlanner.from_state_dict(state)
+
+
+# --- a long round deferred while its capacity is not there ------------------------------
+@given(seed=st.integers(0, 10_000), defer_prob=st.floats(0.0, 1.0), epochs=st.integers(1, 3))
+@settings(max_examples=40, deadline=None)
+def test_deferring_due_long_rounds_still_trains_every_prompt_exactly_once(
+    seed: int, defer_prob: float, epochs: int
+) -> None:
+    """A driver whose long rounds' replicas are not ready runs short rounds in their place
+    (defer_long_round) as often as it likes: every prompt of every epoch still trains once,
+    and a deferral is refused (nothing changed) when no fresh prompt is left in the epoch."""
+    cfg = TailBatchingConfig(prompts_per_step=3, prompt_overprovision=1.67, extra_responses=1)
+    planner = TailBatchingPlanner(cfg, num_prompts=20, seed=seed, epochs=epochs)
+    rng = random.Random(seed)
+    trained: Counter[tuple[int, int]] = Counter()
+    deferred = refused = 0
+    while not planner.done:
+        if planner.next_round_kind is RoundKind.LONG and rng.random() < defer_prob:
+            fresh_left = planner.position < planner.num_prompts
+            queue = planner.long_queue
+            if planner.defer_long_round():
+                assert fresh_left and planner.next_round_kind is RoundKind.SHORT
+                deferred += 1
+            else:
+                assert not fresh_left and planner.next_round_kind is RoundKind.LONG
+                refused += 1
+            epoch = planner.epoch
+            plan = planner.start_round(2)
+            if plan.kind is RoundKind.SHORT:
+                assert not set(plan.prompts) & set(queue)  # fresh prompts, queue kept
+            kept = feed_round(planner, rng)
+        else:
+            epoch = planner.epoch
+            kept = run_round(planner, 2, rng)
+        assert kept is not None
+        for p in kept:
+            trained[(epoch, p)] += 1
+    assert set(trained) == {(e, p) for e in range(epochs) for p in range(20)}
+    assert set(trained.values()) == {1}
+    if defer_prob == 1.0:
+        assert deferred and refused  # deferred while it could; the flushes could not wait
+
+
+def test_defer_long_round_only_applies_to_a_due_long_round_between_rounds() -> None:
+    cfg = TailBatchingConfig(prompts_per_step=2, prompt_overprovision=1.5, extra_responses=1)
+    planner = TailBatchingPlanner(cfg, num_prompts=40, seed=1)
+    assert planner.next_round_kind is RoundKind.SHORT
+    assert planner.defer_long_round() is False  # nothing due
+    planner.start_round(2)
+    with pytest.raises(PlannerError, match="between rounds"):
+        planner.defer_long_round()
+    planner.abort_round()
+    rng = random.Random(0)
+    while planner.next_round_kind is not RoundKind.LONG:
+        run_round(planner, 2, rng)
+    assert planner.defer_long_round() is True
+    assert planner.next_round_kind is RoundKind.SHORT
+    planner.start_round(2)
+    planner.abort_round()  # an aborted round drops the deferral with it
+    assert planner.next_round_kind is RoundKind.LONG

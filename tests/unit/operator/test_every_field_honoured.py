@@ -160,12 +160,16 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "tailBatching.longRound.scaleUpTimeoutSeconds": (30, None),  # the scenario waits 61 s
     "tailBatching.longRound.minYieldRatio": ("0", None),
     "tailBatching.longRound.scaleUpLeadSeconds": (90, None),
+    "tailBatching.longRound.maxDeferredRounds": (2, None),
     "tailBatching.lengthPrior.route": (True, None),
     "tailBatching.lengthPrior.routeQuantile": ("0.9", {"tailBatching": {
         "longRound": {"rolloutReplicas": 2}, "lengthPrior": {"route": True}}}),
     "tailBatching.lengthPrior.dispatch": (True, None),
     "checkpoint.volumeClaim": ("checkpoints", None),
     "checkpoint.everySteps": (5, None),
+    # the scenario: evicted by Kueue while the driver runs (pods kept for its checkpoint, or not)
+    "checkpoint.evictionGraceSeconds": (0, {"checkpoint": {"volumeClaim": "ckpt"},
+                                            "scheduling": {"queueName": "q"}}),
     **_role("driver"),
     **_role("head"),
     "scheduling.priorityClassName": ("high", None),
@@ -342,8 +346,8 @@ def _decisions(spec: Any) -> dict[str, Any]:
     def run(st: RLTrainingJobStatus, obs: Observed, t: datetime) -> Any:
         d = decide(spec, st, obs, t, 1)
         return {"status": _plain(d.status), "events": _plain(d.events),
-                "workloads": d.workloads, "delete_job": d.delete_job,
-                "requeue_after": d.requeue_after}
+                "workloads": d.workloads, "keep_children": d.keep_children,
+                "delete_job": d.delete_job, "requeue_after": d.requeue_after}
 
     out: dict[str, Any] = {}
     admitted = decide(spec, RLTrainingJobStatus(), Observed(driver_phase="Running",
@@ -359,6 +363,23 @@ def _decisions(spec: Any) -> dict[str, Any]:
     out["scale-up pending 61 s"] = run(pending, Observed(driver_phase="Running",
                                                          rollout_ready=1),
                                        T0 + timedelta(seconds=61))
+    if spec.scheduling.queue_name is not None:
+        # admitted by Kueue, running, then evicted while its driver runs
+        wl = {"metadata": {"name": "w", "generation": 1}, "spec": {"podSets": []},
+              "status": {"admission": {"clusterQueue": "cq", "podSetAssignments": []},
+                         "conditions": [
+                             {"type": t, "status": "True", "reason": r, "message": r}
+                             for t, r in (("QuotaReserved", "QuotaReserved"),
+                                          ("Admitted", "Admitted"))]}}
+        evicted = copy.deepcopy(wl)
+        evicted["status"]["conditions"].append(
+            {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "p"})
+        run_q = decide(spec, RLTrainingJobStatus(), Observed(queue=queue.parse(wl)), T0,
+                       1).status
+        run_q = decide(spec, run_q, Observed(driver_phase="Running", queue=queue.parse(wl)),
+                       T0, 1).status
+        out["evicted while running"] = run(
+            run_q, Observed(driver_phase="Running", queue=queue.parse(evicted)), T0)
     return out
 
 
@@ -390,6 +411,7 @@ def _trainer(spec: Any) -> dict[str, Any]:
             "planner_epochs": cfg.planner_epochs(),
             "route_quantile": cfg.route_quantile, "length_dispatch": cfg.length_dispatch,
             "scale_up_lead_s": cfg.scale_up_lead_s,
+            "max_deferred_rounds": cfg.max_deferred_rounds,
             "controller": _plain(cfg.controller_config()),
             "checkpoint_every": cfg.checkpoint_every,
             "model_path": str(cfg.model_path),

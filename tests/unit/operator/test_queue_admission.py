@@ -13,9 +13,16 @@ import pytest
 from rlpacer.api import contract
 from rlpacer.api.job import ManifestError, parse_spec
 from rlpacer.api.protocol import RoundKind
-from rlpacer.api.status import ConditionType, Reason, RLTrainingJobStatus, Summary, find
+from rlpacer.api.status import (
+    ConditionType,
+    Reason,
+    RLTrainingJobStatus,
+    Summary,
+    find,
+    is_true,
+)
 from rlpacer.operator import builders, queue, scaler
-from rlpacer.operator.decide import Observed, decide
+from rlpacer.operator.decide import Observed, decide, eviction_grace_left
 
 pytestmark = pytest.mark.unit
 
@@ -203,6 +210,49 @@ def test_an_evicted_job_stops_and_resumes_as_a_new_attempt_with_its_state() -> N
     d = decide(spec, d.status, Observed(queue=queue.parse(ADMITTED)), T0, 1)
     assert d.workloads and d.status.attempt == 1 and d.status.failures == 0
     assert d.status.step == 7 and d.status.controller_state == '{"x": 1}'
+
+
+def test_an_evicted_job_with_a_claim_keeps_its_pods_for_the_drivers_checkpoint() -> None:
+    """checkpoint.evictionGraceSeconds (default 120 s with a claim): evicted while its driver
+    runs, the job's pods are neither deleted nor re-applied until the driver stops (it is
+    answered done at its next report and checkpoints there) or the grace is over."""
+    spec = _spec(checkpoint={"volumeClaim": "ckpt"})
+    assert spec.checkpoint.eviction_grace == 120
+    st = decide(spec, RLTrainingJobStatus(), Observed(queue=queue.parse(ADMITTED)), T0,
+                1).status
+    st = decide(spec, st, Observed(driver_phase="Running", queue=queue.parse(ADMITTED)), T0,
+                1).status
+    running = Observed(driver_phase="Running", queue=queue.parse(EVICTED))
+    d = decide(spec, st, running, T0, 1)
+    assert d.keep_children and d.requeue_after == pytest.approx(120.5)
+    held = _cond(d.status, ConditionType.SUSPENDED)
+    assert held.reason == Reason.EVICTED and "checkpoints at its next step report" in held.message
+    assert eviction_grace_left(spec, d.status, T0 + timedelta(seconds=30)) == pytest.approx(90)
+    # 30 s on, the driver still runs: still kept, the same message (no status write)
+    d2 = decide(spec, d.status, running, T0 + timedelta(seconds=30), 1)
+    assert d2.keep_children and d2.requeue_after == pytest.approx(90.5)
+    assert _cond(d2.status, ConditionType.SUSPENDED) == held
+    # the driver stopped (it checkpointed at the step it was answered done at): pods deleted
+    done = Observed(driver_phase="Succeeded", queue=queue.parse(EVICTED))
+    d3 = decide(spec, d2.status, done, T0 + timedelta(seconds=40), 1)
+    assert not d3.keep_children and not d3.workloads
+    assert not is_true(d3.status.conditions, ConditionType.SUCCEEDED)  # no success
+    assert "checkpoints at its next" not in _cond(d3.status, ConditionType.SUSPENDED).message
+    # or the grace ran out with the driver still running: pods deleted all the same
+    d4 = decide(spec, d2.status, running, T0 + timedelta(seconds=121), 1)
+    assert not d4.keep_children and not d4.workloads
+    # no claim: no grace (the default 0), pods deleted at once as before
+    bare = _spec()
+    assert bare.checkpoint.eviction_grace == 0
+    st = decide(bare, RLTrainingJobStatus(), Observed(queue=queue.parse(ADMITTED)), T0,
+                1).status
+    d5 = decide(bare, st, running, T0, 1)
+    assert not d5.keep_children and not d5.workloads
+    # a grace needs a claim; 0 turns it off with one
+    with pytest.raises(ManifestError, match=r"evictionGraceSeconds needs checkpoint\.volumeClaim"):
+        _spec(checkpoint={"evictionGraceSeconds": 30})
+    off = _spec(checkpoint={"volumeClaim": "ckpt", "evictionGraceSeconds": 0})
+    assert not decide(off, d.status, running, T0, 1).keep_children
 
 
 def test_kueue_not_installed_is_a_condition_and_one_warning() -> None:

@@ -379,6 +379,57 @@ def test_long_round_plan_scales_and_reports_ready() -> None:
     run(body)
 
 
+def test_a_short_round_in_a_pending_long_rounds_place_keeps_the_scale_up_and_restarts_its_wait(
+) -> None:
+    """tailBatching.longRound.maxDeferredRounds: the plan said Long/ScalingUp for step 1 and
+    the driver ran a short round instead; the scale-up stays pending with its timeout
+    restarted, status.rollout.deferredRounds counts it, the LongRound condition says so; a
+    short round the plan asked for is no deferral; the long round's report starts it over."""
+    async def body() -> None:
+        fk = FakeKube()
+        spec = json.loads(json.dumps(SPEC))
+        spec["tailBatching"]["longRound"]["maxDeferredRounds"] = 2
+        add_job(fk, "job", spec)
+        env, close = await open_env(fk)
+        try:
+            rt = await env.jobs.get(NS, "job")
+            assert rt is not None
+            await env.jobs.reconcile(rt)
+            g = (await env.plan("job"))["groupSize"]
+            _, p = await env.post("job", report(0, g, 20, nxt="Long"))
+            assert p["roundKind"] == "Long" and p["rollout"]["state"] == "ScalingUp"
+            started = env.status("job")["rollout"]["scaleUpStartedAt"]
+            assert env.status("job")["rollout"].get("deferredRounds", 0) == 0
+            time.sleep(1.1)  # the restarted wait's time is a later second
+            # step 1 ran short in the long round's place; the queue still wants a long round
+            _, p = await env.post("job", report(1, p["groupSize"], 20, nxt="Long"))
+            assert p["roundKind"] == "Long" and p["rollout"]["state"] == "ScalingUp", p
+            assert p["rollout"]["desiredReplicas"] == 3
+            ro = env.status("job")["rollout"]
+            assert ro["deferredRounds"] == 1 and ro["scaleUpStartedAt"] > started, ro
+            cond = {c["type"]: c for c in env.status("job")["conditions"]}["LongRound"]
+            assert cond["status"] == "True" and "1 short rounds run" in cond["message"], cond
+            assert env.status("job")["longRounds"] == 1  # one long round, deferred once
+            _, p = await env.post("job", report(2, p["groupSize"], 20, nxt="Long"))
+            assert env.status("job")["rollout"]["deferredRounds"] == 2
+            # the long round ran (on what was there): the count starts over
+            _, p = await env.post("job", report(3, p["groupSize"], 20, kind="Long",
+                                                nxt="Long"))
+            assert env.status("job")["rollout"].get("deferredRounds", 0) == 0
+            _, p = await env.post("job", report(4, p["groupSize"], 20, kind="Long"))
+            assert p["roundKind"] == "Short" and p["rollout"]["desiredReplicas"] == 1
+            # an early scale-up's short round (the plan said Short) is not a deferral
+            body_ = {**report(5, p["groupSize"], 20), "prepareLongRound": True}
+            _, p = await env.post("job", body_)
+            assert p["roundKind"] == "Short" and p["rollout"]["state"] == "ScalingUp", p
+            _, p = await env.post("job", report(6, p["groupSize"], 20, nxt="Long"))
+            assert env.status("job")["rollout"].get("deferredRounds", 0) == 0
+        finally:
+            await close()
+
+    run(body)
+
+
 def test_standby_answers_503() -> None:
     async def body() -> None:
         fk = FakeKube()

@@ -81,6 +81,7 @@ def extreme_spec(top: bool) -> RLTrainingJobSpec:
     spec["algorithm"]["name"] = "DAPO"  # dynamic sampling: the report bounds' largest factor
     if spec["trainer"]["gpusPerReplica"]:  # CPU ranks per pod only without GPUs
         spec["trainer"]["cpuRanksPerReplica"] = 1
+    spec["checkpoint"]["volumeClaim"] = "ckpt"  # an eviction grace needs a claim
     return parse_spec(spec)
 
 

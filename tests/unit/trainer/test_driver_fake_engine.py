@@ -361,6 +361,46 @@ def test_resume_takes_the_latest_checkpoint_the_plan_can_take(tmp_path: Path) ->
     assert f.load_checkpoint(at_most=9) and f.step == 2
 
 
+class StopAt(InProcessController):
+    """The in-process plan logic, except that the answer to the report of step ``at - 1``
+    says ``done`` (as the operator answers a job Kueue evicted, within its eviction grace)."""
+
+    def __init__(self, cfg: RunConfig, at: int) -> None:
+        super().__init__(cfg.controller_config(), cfg.total_steps, replicas=1)
+        self.at = at
+
+    def report(self, report: StepReport) -> Plan:
+        plan = super().report(report)
+        return plan.model_copy(update={"done": True}) if plan.step == self.at else plan
+
+
+def test_a_plan_that_says_done_mid_job_stops_the_driver_whose_checkpoint_resumes_there(
+    tmp_path: Path,
+) -> None:
+    """What a driver does with the answer an evicted job's report gets (checkpoint.eviction-
+    GraceSeconds): it stops after that step; the pod's entrypoint then checkpoints (as after
+    any run); the next attempt, whose plan is at that step, resumes from it and trains on
+    exactly as a run that was never stopped."""
+    cfg = _cfg(steps=4)
+    cfg.job.spec.checkpoint.every_steps = 100  # no periodic checkpoint: only the stop's
+    straight = runtime.build_driver(cfg, [ScriptedEngine()])
+    straight.run()
+    a = runtime.build_driver(cfg, [ScriptedEngine()], controller=StopAt(cfg, 2),
+                             checkpoint_dir=tmp_path)
+    a.run()
+    assert a.step == 2 and len(a.records) == 2
+    a.save_checkpoint()  # the entrypoint's, after run() (rlpacer_trainer.pod)
+    assert [s for s, _ in a.checkpoints()] == [2]
+    b = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=tmp_path)
+    assert b.load_checkpoint(at_most=2) and b.step == 2
+    b.run()
+    keys = ("group_size", "round_kind", "prompts", "kept", "aborted", "reward", "len_max")
+    assert [{k: r[k] for k in keys} for r in b.records] == \
+        [{k: r[k] for k in keys} for r in straight.records]
+    sa, sb = straight.learner.model.state_dict(), b.learner.model.state_dict()
+    assert all((sa[k] - sb[k]).abs().max() < 1e-6 for k in sa)
+
+
 def test_step_records_policy_version_and_each_engines_work() -> None:
     engines = [ScriptedEngine(0), ScriptedEngine(1)]
     drv = runtime.build_driver(_cfg(steps=3), engines)
