@@ -25,9 +25,15 @@ The pool, a discrete-event co-simulation of the K jobs:
   free. A request larger than the whole pool is cut to the pool's size (otherwise it could
   never be granted; a job then gets fewer extra replicas than it asked for).
 * Waiting requests are served strictly in order (the first that does not fit blocks the
-  others, as Kueue's StrictFIFO): higher priority first, then fair share by namespace (the
-  namespace holding the fewest pool replicas now first), then arrival (then the job's order).
-  Reports at the same instant are all taken in before replicas are handed out.
+  others, as Kueue's StrictFIFO), in Kueue's order (docs/kueue.md): with admission fair
+  sharing (the default; ``--no-fair-share`` turns it off), the namespace (one LocalQueue each)
+  that has used the pool least first, then higher priority, then arrival (then the job's
+  order); without it, priority then arrival. A namespace's usage is Kueue's: the pool
+  replicas it holds, decayed with a half-life (``--usage-half-life-s``; Kueue's
+  ``usageHalfLifeTime``), plus an entry penalty at each grant (the request times
+  ``1 - 0.5 ** (sampling / half-life)``, Kueue's, with ``usageSamplingInterval`` 5 min), taken
+  continuously here where Kueue samples. Reports at the same instant are all taken in before
+  replicas are handed out.
 * Granted replicas join ``scale_up_s`` after the grant: mid-round if the round is running
   (the round simulator's ``join_at``: they take a share of the unfinished requests), from the
   start of a later consecutive long round if they are ready by then (the round spreads over
@@ -260,6 +266,28 @@ class JobRun:
     """Pool replicas x seconds held (grant to release)."""
 
 
+@dataclass(frozen=True)
+class Contention:
+    """The order waiting requests are served in (module doc): Kueue's, with or without its
+    admission fair sharing."""
+
+    fair_share: bool = True
+    half_life_s: float = 3600.0
+    sampling_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.half_life_s < math.inf):
+            raise ValueError(f"usage half-life must be > 0 and finite, got {self.half_life_s}")
+        if not (0.0 < self.sampling_s < math.inf):
+            raise ValueError(f"usage sampling must be > 0 and finite, got {self.sampling_s}")
+
+    def describe(self) -> str:
+        if not self.fair_share:
+            return "priority, then arrival (no fair sharing)"
+        return (f"fair share by namespace (usage half-life {self.half_life_s:g} s), then"
+                " priority, then arrival")
+
+
 @dataclass
 class _Request:
     job: int
@@ -283,9 +311,11 @@ def _fixed(jobs: Sequence[PoolJob], setup: str) -> list[JobRun]:
     return out
 
 
-def simulate_pool(jobs: Sequence[PoolJob], pool_replicas: int) -> list[JobRun]:
+def simulate_pool(jobs: Sequence[PoolJob], pool_replicas: int,
+                  contention: Contention | None = None) -> list[JobRun]:
     """The ``pool`` set-up: every job from time 0, long rounds' extra replicas from a shared
     pool of ``pool_replicas`` (module doc: requests, contention rule, joins, release)."""
+    rule = contention or Contention()
     if pool_replicas < 0:
         raise ValueError(f"pool_replicas must be >= 0, got {pool_replicas}")
     k = len(jobs)
@@ -298,8 +328,24 @@ def simulate_pool(jobs: Sequence[PoolJob], pool_replicas: int) -> list[JobRun]:
     active = set(range(k))
     free = pool_replicas
     held_by_ns: dict[str, int] = {job.namespace: 0 for job in jobs}
+    usage: dict[str, float] = dict.fromkeys(held_by_ns, 0.0)  # Kueue's decayed usage
+    usage_t = 0.0
+    penalty = 1.0 - 0.5 ** (rule.sampling_s / rule.half_life_s)
     waiting: list[_Request] = []
     seq = 0
+
+    def decay(t: float) -> None:
+        """Each namespace's usage relaxes toward the replicas it holds (held since the last
+        call), with the half-life: Kueue's moving average, taken continuously."""
+        nonlocal usage_t
+        f = 0.5 ** ((t - usage_t) / rule.half_life_s)
+        for ns, h in held_by_ns.items():
+            usage[ns] = h + (usage[ns] - h) * f
+        usage_t = t
+
+    def order(q: _Request) -> tuple[float, int, float, int]:
+        share = usage[jobs[q.job].namespace] if rule.fair_share else 0.0
+        return (share, -jobs[q.job].priority, q.t_request, q.seq)
 
     def join_at(j: int) -> float | None:
         r = req[j]
@@ -332,15 +378,15 @@ def simulate_pool(jobs: Sequence[PoolJob], pool_replicas: int) -> list[JobRun]:
 
     def allocate(t: float) -> None:
         nonlocal free
+        decay(t)
         while waiting:
-            r = min(waiting, key=lambda q: (-jobs[q.job].priority,
-                                            held_by_ns[jobs[q.job].namespace],
-                                            q.t_request, q.seq))
+            r = min(waiting, key=order)
             if r.size > free:
                 break  # strict order: the first request that does not fit blocks the rest
             waiting.remove(r)
             free -= r.size
             held_by_ns[jobs[r.job].namespace] += r.size
+            usage[jobs[r.job].namespace] += r.size * penalty  # Kueue's entry penalty
             r.t_grant = t
             run = runs[r.job]
             run.granted += 1
@@ -376,6 +422,7 @@ def simulate_pool(jobs: Sequence[PoolJob], pool_replicas: int) -> list[JobRun]:
                 run.withdrawn += 1
                 run.waits_s.append(t - r.t_request)
             else:
+                decay(t)
                 free += r.size
                 held_by_ns[jobs[j].namespace] -= r.size
                 run.pool_replica_s += r.size * (t - r.t_grant)
@@ -410,9 +457,11 @@ def _gpu_s(job: PoolJob, run: JobRun, setup: str) -> tuple[float, float]:
 
 
 def run_pool_bench(
-    jobs: Sequence[PoolJob], pool_replicas: int | None = None
+    jobs: Sequence[PoolJob], pool_replicas: int | None = None,
+    contention: Contention | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[JobRun]]]:
     """The three set-ups of ``jobs``; returns (the JSON report, the per-job runs)."""
+    rule = contention or Contention()
     if not jobs:
         raise ValueError("no jobs")
     gpus = {job.schedule.gpus_per_replica for job in jobs}
@@ -421,7 +470,7 @@ def run_pool_bench(
     gpr = gpus.pop()
     pool = max(job.schedule.extra for job in jobs) if pool_replicas is None else pool_replicas
     runs = {"large": _fixed(jobs, "large"), "small": _fixed(jobs, "small"),
-            "pool": simulate_pool(jobs, pool)}
+            "pool": simulate_pool(jobs, pool, rule)}
     cluster_gpus = sum(job.schedule.long_replicas * gpr for job in jobs)
     large_walls = [r.wall_s for r in runs["large"]]
     setups: dict[str, Any] = {}
@@ -476,6 +525,7 @@ def run_pool_bench(
         "gpus_per_replica": gpr,
         "cluster_gpus": cluster_gpus,
         "pool_replicas": pool,
+        "contention": rule.describe(),
         "scale_up_s": sorted({job.schedule.scale_up_s for job in jobs}),
         "setups": setups,
         "target": {
@@ -502,6 +552,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['jobs']} jobs ({report['policy']}), {gpr} GPUs per replica, cluster"
         f" {report['cluster_gpus']} GPUs (the large sizing); scale-up"
         f" {'/'.join(f'{s:g}' for s in report['scale_up_s'])} s; pool {pool} replicas",
+        f"pool order: {report['contention']}",
     ]
     titles = {
         "large": "large: every job holds its long-round replicas all run",
@@ -644,6 +695,10 @@ def main(args: argparse.Namespace) -> int:
         return _error(f"--long-round-replicas must be >= 1, got {args.long_round_replicas}")
     if args.scale_up_s is not None and not 0.0 <= args.scale_up_s < math.inf:
         return _error(f"--scale-up-s must be finite and >= 0, got {args.scale_up_s}")
+    try:
+        contention = Contention(not args.no_fair_share, args.usage_half_life_s)
+    except ValueError as err:
+        return _error(f"--usage-half-life-s: {err}")
     texts = args.jobs or list(DEFAULT_JOBS)
     specs = []
     for i, text in enumerate(texts):
@@ -664,7 +719,7 @@ def main(args: argparse.Namespace) -> int:
         except (ValueError, TraceError) as err:
             return _error(f"--jobs {text!r}: {err}")
     try:
-        report, _ = run_pool_bench(jobs, args.pool_replicas)
+        report, _ = run_pool_bench(jobs, args.pool_replicas, contention)
     except ValueError as err:
         return _error(f"--jobs: {err}")
     report["steps"] = args.steps
@@ -705,5 +760,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--scale-up-s", type=float, default=None, metavar="SECONDS",
                    help="seconds from a grant to the replicas taking work; default: the"
                    " scenario's (default 90)")
+    p.add_argument("--no-fair-share", action="store_true",
+                   help="serve the pool by priority, then arrival (Kueue without admission"
+                   " fair sharing); default: fair share by namespace first, as Kueue with it")
+    p.add_argument("--usage-half-life-s", type=float, default=3600.0, metavar="SECONDS",
+                   help="half-life of a namespace's pool usage for fair sharing (Kueue's"
+                   " usageHalfLifeTime; default 3600)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.set_defaults(func=main)

@@ -15,6 +15,7 @@ import pytest
 from rlpacer.cli import main
 from rlpacer.sim.bench import policies, run_policy
 from rlpacer.sim.pool import (
+    Contention,
     JobRun,
     JobSchedule,
     PoolJob,
@@ -113,6 +114,24 @@ def test_equal_priority_fair_share_by_namespace_before_arrival() -> None:
         assert runs["x"].waits_s == [100.0 - 11.0] and runs["y"].waits_s == [200.0 - 21.0]
 
 
+def test_fair_share_comes_before_priority_as_in_kueue_and_without_it_priority_wins() -> None:
+    """Kueue's order with admission fair sharing: the namespace that used the pool least
+    goes first, whatever the priorities (docs/kueue.md); without fair sharing, priority."""
+    jobs = [
+        _job("z", "team-a", 0, _fixed((True, 99.0))),  # team-a used the pool from 0 to 100
+        _job("x", "team-a", 5, _fixed((False, 10.0), (True, 300.0))),  # high priority, at 11
+        _job("y", "team-b", 0, _fixed((False, 20.0), (True, 300.0))),  # low priority, at 21
+    ]
+    z, x, y = simulate_pool(jobs, 2)
+    assert z.waits_s == [0.0]
+    # y (team-b, low) is granted at 100; x (team-a, high) waits until its round ends
+    assert y.waits_s == [100.0 - 21.0] and x.granted == 0 and x.withdrawn == 1
+    z, x, y = simulate_pool(jobs, 2, Contention(fair_share=False))
+    assert x.waits_s == [100.0 - 11.0] and y.granted == 1 and y.waits_s[0] > 100.0 - 21.0
+    with pytest.raises(ValueError, match="half-life"):
+        Contention(half_life_s=0.0)
+
+
 def test_a_request_still_waiting_at_its_last_long_round_is_withdrawn() -> None:
     jobs = [
         _job("z", "team-a", 1, _fixed((True, 499.0))),
@@ -189,6 +208,7 @@ def test_cli_prints_the_three_setups_and_the_target(
     for line in ("large: every job", "small: every job", "pool: every job", "target (pool"):
         assert line in text
     assert "dapo-qwen2.5-32b.jsonl" in text
+    assert "pool order: fair share by namespace (usage half-life 3600 s), then priority" in text
     report = json.loads(out_json.read_text())
     assert set(report["setups"]) == {"large", "small", "pool"}
     assert [r["name"] for r in report["setups"]["pool"]["jobs"]] == ["a0", "a1", "b2", "dapo"]
@@ -202,6 +222,7 @@ def test_cli_prints_the_three_setups_and_the_target(
     (["--long-round-replicas", "0"], "--long-round-replicas"),
     (["--jobs", "seed=1,colour=red"], "--jobs"),
     (["--jobs", "trace=no/such/trace.jsonl"], "--jobs"),
+    (["--usage-half-life-s", "0"], "--usage-half-life-s"),
 ])
 def test_cli_rejects_bad_flags_naming_them(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str],
