@@ -17,7 +17,7 @@ from rlpacer.api._base import decimal, field_range
 from rlpacer.api.crd import schema_violations, status_schema
 from rlpacer.api.job import RLTrainingJobSpec, TailBatchingSpec, algorithm_knob
 from rlpacer.api.policy import RLTrainingPolicy
-from rlpacer.api.protocol import Plan, RolloutState, RoundKind, StepReport
+from rlpacer.api.protocol import Plan, RoundKind, StepReport
 from rlpacer.api.status import (
     ConditionType,
     Reason,
@@ -187,9 +187,8 @@ def accept_report(
     prepare = report.prepare_long_round and not done
     # a short round run in place of the planned long one while its scale-up pended
     # (tailBatching.longRound.maxDeferredRounds): the plan was for this step, Long, ScalingUp
-    deferred = (report.round_kind is RoundKind.SHORT and report.step == status.step
-                and status.round_kind == RoundKind.LONG.value
-                and status.rollout.state == RolloutState.SCALING_UP.value)
+    deferred = scaler.deferred_round(report.round_kind, report.step, status.step,
+                                     status.round_kind, status.rollout.state)
     if not (done and cp.round_kind is RoundKind.LONG):
         rollout, actions, events = scaler.plan_round(
             st.rollout, spec, cp.round_kind, cp.step, now,

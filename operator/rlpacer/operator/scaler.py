@@ -49,6 +49,16 @@ def long_replicas(spec: RLTrainingJobSpec) -> int:
     return max(spec.rollout.replicas, spec.tail_batching.long_round.rollout_replicas)
 
 
+def deferred_round(ran: RoundKind, step: int, planned_step: int, planned_kind: str | None,
+                   state: str) -> bool:
+    """Whether a report of a ``ran`` round at ``step`` is a short round the driver ran in
+    place of the planned long one (``tailBatching.longRound.maxDeferredRounds``): the plan it
+    answers was for that step, Long, with its scale-up pending."""
+    return (ran is RoundKind.SHORT and step == planned_step
+            and planned_kind == RoundKind.LONG.value
+            and state == RolloutState.SCALING_UP.value)
+
+
 def plan_round(
     rollout: RolloutStatus, spec: RLTrainingJobSpec, next_kind: RoundKind, step: int,
     now: datetime, long_target: int | None = None, prepare: bool = False,

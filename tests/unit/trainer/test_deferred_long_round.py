@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,6 @@ from test_driver_fake_engine import LoggedEngine
 from test_early_scale_up import OperatorCapacity, SlowEngine
 
 from rlpacer.api.job import TailBatchingActivation
-from rlpacer.api.protocol import Plan, RolloutCapacity, RolloutState, RoundKind, StepReport
-from rlpacer.operator import scaler
 from rlpacer_trainer import runtime
 from rlpacer_trainer.config import RunConfig
 
@@ -34,54 +31,9 @@ HOLD_S = 1.5  # the queue admits the long round's extra replica this long after 
 
 class QueuedCapacity(OperatorCapacity):
     """The extra replica is Ready ``HOLD_S`` after it was asked for (Kueue's admission and
-    the pod's start); reports that ran a short round in place of the planned long one are
-    passed to the scaler as deferred, as the operator's report handler does."""
+    the pod's start)."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        self.events: list[Any] = []
-        self.deferred_counts: list[int] = []
-        self.last: Plan | None = None
-
-    def _capacity(self) -> RolloutCapacity:
-        want = self.rollout.desired_replicas
-        up = self.asked is not None and time.monotonic() - self.asked >= HOLD_S
-        ready = want if up else 1
-        self.rollout, acts, evs = scaler.observe(
-            self.rollout, self.spec, ready, self.step, datetime.now(UTC),
-            ordinals=list(range(ready)))
-        self.actions += acts
-        self.events += evs
-        return RolloutCapacity(
-            desired_replicas=self.rollout.desired_replicas, ready_replicas=ready,
-            state=RolloutState(self.rollout.state),
-            usable_replicas=list(range(min(ready, self.rollout.desired_replicas))))
-
-    def plan(self) -> Plan:
-        self.last = super().plan()
-        return self.last
-
-    def report(self, report: StepReport) -> Plan:
-        last = self.last
-        deferred = (last is not None and report.round_kind is RoundKind.SHORT
-                    and report.step == last.step and last.round_kind is RoundKind.LONG
-                    and self.rollout.state == RolloutState.SCALING_UP.value)
-        self.reports.append(report)
-        cp = self.jc.observe(self._data(report))
-        self.step = cp.step
-        self.rollout, acts, evs = scaler.plan_round(
-            self.rollout, self.spec, cp.round_kind, cp.step, datetime.now(UTC),
-            prepare=report.prepare_long_round, deferred=deferred,
-            ran_long=report.round_kind is RoundKind.LONG)
-        self.actions += acts
-        self.events += evs
-        self.deferred_counts.append(self.rollout.deferred_rounds or 0)
-        if self.rollout.desired_replicas > 1 and self.asked is None:
-            self.asked = time.monotonic()
-        elif self.rollout.desired_replicas == 1:
-            self.asked = None
-        self.last = self._to_plan(cp)
-        return self.last
+    ready_after_s = HOLD_S
 
 
 def _run(max_deferred: int, steps: int = 10) -> tuple[Any, QueuedCapacity, float]:

@@ -52,7 +52,11 @@ class SlowEngine(LoggedEngine):
 class OperatorCapacity(InProcessController):
     """The in-process plan logic behind the operator's scaler: each report goes through
     ``scaler.plan_round`` (its next round kind and its ``prepareLongRound``), each plan read
-    through ``scaler.observe`` with the pods Ready ``POD_READY_S`` after their scale-up."""
+    through ``scaler.observe`` with the pods Ready ``ready_after_s`` after their scale-up (a
+    short round run in a pending long round's place is passed on as deferred, decided as the
+    operator's report handler decides it)."""
+
+    ready_after_s = POD_READY_S
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg.controller_config(), cfg.total_steps, replicas=1)
@@ -61,15 +65,19 @@ class OperatorCapacity(InProcessController):
         self.asked: float | None = None  # when the replicas above 1 were asked for
         self.actions: list[ScaleAction] = []
         self.reports: list[StepReport] = []
+        self.events: list[scaler.Event] = []
+        self.deferred_counts: list[int] = []  # status.rollout.deferredRounds after each report
         self.step = 0
+        self.last: Plan | None = None  # the plan the driver last read
 
     def _capacity(self) -> RolloutCapacity:
         want = self.rollout.desired_replicas
-        up = self.asked is not None and time.monotonic() - self.asked >= POD_READY_S
+        up = self.asked is not None and time.monotonic() - self.asked >= self.ready_after_s
         ready = want if up else 1
-        self.rollout, acts, _ = scaler.observe(self.rollout, self.spec, ready, self.step,
-                                               datetime.now(UTC), ordinals=list(range(ready)))
+        self.rollout, acts, evs = scaler.observe(self.rollout, self.spec, ready, self.step,
+                                                 datetime.now(UTC), ordinals=list(range(ready)))
         self.actions += acts
+        self.events += evs
         return RolloutCapacity(desired_replicas=self.rollout.desired_replicas,
                                ready_replicas=ready, state=RolloutState(self.rollout.state),
                                usable_replicas=list(range(min(ready,
@@ -78,19 +86,31 @@ class OperatorCapacity(InProcessController):
     def _to_plan(self, cp: ControlPlan) -> Plan:
         return super()._to_plan(cp).model_copy(update={"rollout": self._capacity()})
 
+    def plan(self) -> Plan:
+        self.last = super().plan()
+        return self.last
+
     def report(self, report: StepReport) -> Plan:
+        last = self.last
+        deferred = last is not None and scaler.deferred_round(
+            report.round_kind, report.step, last.step, last.round_kind.value,
+            self.rollout.state)
         self.reports.append(report)
         cp = self.jc.observe(self._data(report))
         self.step = cp.step
-        self.rollout, acts, _ = scaler.plan_round(
+        self.rollout, acts, evs = scaler.plan_round(
             self.rollout, self.spec, cp.round_kind, cp.step, datetime.now(UTC),
-            prepare=report.prepare_long_round)
+            prepare=report.prepare_long_round, deferred=deferred,
+            ran_long=report.round_kind is RoundKind.LONG)
         self.actions += acts
+        self.events += evs
+        self.deferred_counts.append(self.rollout.deferred_rounds or 0)
         if self.rollout.desired_replicas > 1 and self.asked is None:
             self.asked = time.monotonic()
         elif self.rollout.desired_replicas == 1:
             self.asked = None
-        return self._to_plan(cp)
+        self.last = self._to_plan(cp)
+        return self.last
 
     @staticmethod
     def _data(report: StepReport) -> Any:
