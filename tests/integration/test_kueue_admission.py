@@ -579,6 +579,15 @@ def test_short_rounds_run_in_a_long_rounds_place_while_the_burst_pool_is_busy(
     wait(cluster, lambda: _wl(cluster, namespace, long_name) is None, "extras returned")
 
 
+def _held_behind(cluster: LocalCluster, ns: str, job: str) -> str | None:
+    """What the job's long-round Workload is held behind by the pool's order (None: not
+    held: active, no annotation)."""
+    wl = _wl(cluster, ns, queue.long_round_name(job)) or {}
+    if wl.get("spec", {}).get("active", True):
+        return None
+    return ((wl.get("metadata") or {}).get("annotations") or {}).get(queue.HELD_BY_ANNOTATION)
+
+
 def _kueue_samples(kueue: KueueProc, name: str, cq: str) -> list[tuple[dict[str, str], float]]:
     """The samples of Kueue's metric ``name`` for ClusterQueue ``cq``, from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -628,6 +637,12 @@ def test_the_burst_pool_goes_to_the_higher_priority_long_round_first(
     ask("b", 0)  # later, high priority
     wait(cluster, lambda: "quota" in (_cond(status(cluster, namespace, "b"), "LongRound")
                                       ["message"]), "b waits on the pool")
+    # a is held behind b by the operator (with the chart's RBAC): inactive, annotated, said
+    held = wait(cluster, lambda: _held_behind(cluster, namespace, "a"), "a held behind b")
+    assert held == f"{namespace}/{queue.long_round_name('b')}", held
+    assert _held_behind(cluster, namespace, "b") is None
+    wait(cluster, lambda: "held behind" in (_cond(status(cluster, namespace, "a"), "LongRound")
+                                            ["message"]), "a's status says it is held")
     assert not admitted("a") and not admitted("b")
     assert get(cluster, _sts_path(namespace, "a", "rollout"))["spec"]["replicas"] == 1
     # the pool's size, use and queue, in Kueue's own series as the dashboard's burst-pool
@@ -640,9 +655,10 @@ def test_the_burst_pool_goes_to_the_higher_priority_long_round_first(
     assert sum(v for _, v in quota) == 2, quota
     used = wait(cluster, lambda: [x for x in gpu("kueue_cluster_queue_resource_reservation")
                                   if x[1] == 2], "pool reservation 2", 30)
+    # Kueue's pending count is b's ask alone: a's, held by the operator, is inactive
     pending = wait(cluster, lambda: (p := _kueue_samples(kueue, "kueue_pending_workloads",
                                                          burst))
-                   and sum(v for _, v in p) == 2 and p, "2 long rounds pending", 30)
+                   and sum(v for _, v in p) == 1 and p, "1 long round pending in Kueue", 30)
     for name, labels, _ in KUEUE_SERIES:
         seen = {"kueue_cluster_queue_nominal_quota": quota,
                 "kueue_cluster_queue_resource_reservation": used,
@@ -652,6 +668,10 @@ def test_the_burst_pool_goes_to_the_higher_priority_long_round_first(
     assert code == 200, plan
     wait(cluster, lambda: admitted("b"), "the pool goes to b (higher priority)")
     assert not admitted("a")
+    # b no longer waits: a is let go (active again) and waits for the pool by Kueue's order
+    wait(cluster, lambda: (w := _wl(cluster, namespace, queue.long_round_name("a")))
+         and w["spec"].get("active", True) and _held_behind(cluster, namespace, "a") is None,
+         "a let go once b is admitted")
     wait(cluster, lambda: status(cluster, namespace, "b")["rollout"]["readyReplicas"] == 3,
          "b's extra replicas ready", 60)
     assert get(cluster, _sts_path(namespace, "a", "rollout"))["spec"]["replicas"] == 1
@@ -663,14 +683,17 @@ def test_the_burst_pool_goes_to_the_higher_priority_long_round_first(
     wait(cluster, lambda: _cluster_queue_usage(cluster, burst) == 2, "the pool in use by a")
 
 
-def test_with_admission_fair_sharing_the_pool_goes_to_the_namespace_that_used_it_least(
+def test_the_pool_goes_by_priority_then_fair_share_by_namespace_then_arrival(
     cluster: LocalCluster, kueue: KueueProc, namespace: str
 ) -> None:
-    """A burst pool whose ClusterQueue opts into Kueue's admission fair sharing
-    (``admissionScope: UsageBasedAdmissionFairSharing``), one LocalQueue per team namespace:
-    team A's first job holds the pool, A's second job asks, then team B's job asks; when
-    the pool frees it goes to B (A has used it; B has not), though A's request came first.
-    Arrival alone (no fair sharing: the priority test above) would have given it to A."""
+    """rlpacer's contention rule for a burst pool (docs/kueue.md) on a ClusterQueue that opts
+    into Kueue's admission fair sharing (``admissionScope: UsageBasedAdmissionFairSharing``),
+    one LocalQueue per team namespace: team A's first job holds the pool; A's second job
+    asks, then team B's, then A's third at a higher priority. The pool goes to A's third
+    (priority: Kueue alone would have ordered B first, fair share before priority), then to
+    B (fair share: A has used the pool, B has not), then to A's second, though it asked
+    first (arrival alone, the priority test above, would have given it to A)."""
+    _priority_classes(cluster)
     ns_b = f"{namespace[:50]}-b"
     cluster.create_namespace(ns_b)
     op = OperatorProc(cluster, namespace, lease=f"rlpf-{namespace[-6:]}", also_watch=(ns_b,),
@@ -689,9 +712,11 @@ def test_with_admission_fair_sharing_the_pool_goes_to_the_namespace_that_used_it
             "metadata": {"name": "burst", "namespace": ns_b}, "spec": {"clusterQueue": pool}}))
         long_round = {"longRound": {"rolloutReplicas": 3, "scaleUpTimeoutSeconds": 300,
                                     "queueName": "burst"}}
-        jobs = {"a1": namespace, "a2": namespace, "b1": ns_b}
+        jobs = {"a1": namespace, "a2": namespace, "b1": ns_b, "a3": namespace}
         for name, ns in jobs.items():
-            apply(cluster, gpu_job(name, ns, "lq", tailBatching=long_round))
+            sched = {"queueName": "lq",
+                     **({"priorityClassName": "rlpacer-test-high"} if name == "a3" else {})}
+            apply(cluster, gpu_job(name, ns, "lq", scheduling=sched, tailBatching=long_round))
         drivers, gs = {}, {}
         for name, ns in jobs.items():
             wait(cluster, lambda n=name, s=ns: _driver_running(cluster, s, n, 0),
@@ -726,8 +751,19 @@ def test_with_admission_fair_sharing_the_pool_goes_to_the_namespace_that_used_it
         ask("b1")  # later, from a team that has not used the pool
         wait(cluster, lambda: "quota" in (_cond(status(cluster, ns_b, "b1"), "LongRound")
                                           ["message"]), "b1 waits on the pool")
-        assert not admitted("a2") and not admitted("b1")
+        ask("a3")  # last, from the team that used the pool, at a higher priority
+        behind = f"{namespace}/{queue.long_round_name('a3')}"
+        for name in ("a2", "b1"):
+            wait(cluster, lambda n=name: _held_behind(cluster, jobs[n], n) == behind,
+                 f"{name} held behind a3")
+        assert not admitted("a2") and not admitted("b1") and not admitted("a3")
         code, plan = drivers["a1"].post(report(1, gs["a1"], 150.0, kind="Long", nxt="Short"))
+        assert code == 200, plan
+        wait(cluster, lambda: admitted("a3"), "the pool goes to a3 (higher priority)")
+        assert not admitted("a2") and not admitted("b1")
+        wait(cluster, lambda: status(cluster, namespace, "a3")["rollout"]["readyReplicas"]
+             == 3, "a3's extra replicas ready", 60)
+        code, plan = drivers["a3"].post(report(1, gs["a3"], 150.0, kind="Long", nxt="Short"))
         assert code == 200, plan
         wait(cluster, lambda: admitted("b1"), "the pool goes to team B (less usage)")
         assert not admitted("a2")

@@ -104,14 +104,20 @@ apply, owner references) and reads, nothing cluster-scoped, no RBAC, no nodes.
 {{- end }}
 {{- if .Values.kueue.enabled }}
 # Kueue (kueue.enabled): each queued job's Workloads, made, deactivated when the job is
-# suspended (patch), deleted when a long round's extra replicas go back, and written back after
-# an eviction (the quota returned) and at the end (Finished), as Kueue's own job integrations do.
+# suspended or a long round is held behind a higher-priority one (patch), deleted when a long
+# round's extra replicas go back, and written back after an eviction (the quota returned) and
+# at the end (Finished), as Kueue's own job integrations do.
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["get", "update", "patch"]
+# The LocalQueue a long round asks in, for the ClusterQueue it points at: the long rounds
+# waiting for one ClusterQueue are ordered priority first (docs/kueue.md).
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["localqueues"]
+  verbs: ["get"]
 {{- end }}
 # Events on jobs (Kopf posts core/v1 Events; events.k8s.io for newer clients).
 - apiGroups: [""]

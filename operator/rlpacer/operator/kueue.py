@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from rlpacer.api import contract
 from rlpacer.operator import queue
 from rlpacer.operator.kube import ApiError, ChildRefused, KubeClient, object_path
 
@@ -36,6 +37,7 @@ class Kueue:
         self._served: tuple[float, bool] | None = None
         self._flavors: dict[str, tuple[float, Obj]] = {}
         self._priorities: dict[str, tuple[float, int | None]] = {}
+        self._local_queues: dict[tuple[str, str], tuple[float, str | None]] = {}
 
     async def served(self) -> bool:
         """Whether Kueue's Workload API is served (Kueue's CRDs are installed)."""
@@ -150,3 +152,39 @@ class Kueue:
             hit = (now, int(value) if isinstance(value, int) else None)
             self._priorities[class_name] = hit
         return hit[1]
+
+    async def cluster_queue(self, namespace: str, local_queue: str) -> str | None:
+        """The ClusterQueue a LocalQueue points at (None: no such LocalQueue)."""
+        now = time.monotonic()
+        key = (namespace, local_queue)
+        hit = self._local_queues.get(key)
+        if hit is None or now - hit[0] >= CACHE_SECONDS:
+            obj = await self.kube.get(object_path(queue.API_VERSION, queue.LOCAL_QUEUES,
+                                                  namespace, local_queue))
+            target = ((obj or {}).get("spec") or {}).get("clusterQueue")
+            hit = (now, str(target) if target else None)
+            self._local_queues[key] = hit
+        return hit[1]
+
+    async def managed(self, namespaces: list[str]) -> list[Obj]:
+        """Every Workload this operator made (by label), in ``namespaces`` (empty: all)."""
+        params = {"labelSelector": f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY}"}
+        out: list[Obj] = []
+        where: list[str | None] = list(namespaces) or [None]
+        for ns in where:
+            body = await self.kube.request(
+                "GET", object_path(queue.API_VERSION, queue.WORKLOADS, ns, None), params=params)
+            out.extend(body.get("items") or [])
+        return out
+
+    async def hold(self, namespace: str, name: str, behind: str | None) -> None:
+        """Hold a long round's Workload behind ``behind`` (``spec.active: false``, the
+        annotation naming it), or let it go (None: active again, the annotation removed)."""
+        patch = {"metadata": {"annotations": {queue.HELD_BY_ANNOTATION: behind}},
+                 "spec": {"active": behind is None}}
+        try:
+            await self.kube.request("PATCH", self.path(namespace, name), patch,
+                                    content_type="application/merge-patch+json")
+        except ApiError as e:
+            if e.status != 404:
+                raise

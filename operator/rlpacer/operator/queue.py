@@ -26,6 +26,16 @@ RayJob) are, with the operator playing the integration's part:
   template carries the job's admitted rollout flavor's node labels, so Kueue gives the extra
   replicas a flavor the rollout StatefulSet's one template can run on.
 
+* **The burst pool's order** (:func:`pool_holds`): Kueue orders a ClusterQueue's waiting
+  Workloads by priority then arrival, or, with admission fair sharing, by the namespace's
+  usage first and priority only after it. rlpacer's rule for long rounds is priority first:
+  among the long-round Workloads waiting in one ClusterQueue, those below the highest waiting
+  priority are held (``spec.active: false``, annotation :data:`HELD_BY_ANNOTATION` naming the
+  ask they wait behind) until no higher ask waits; Kueue then orders the asks of one
+  priority by its own rule (fair share by namespace where the ClusterQueue opts into it, then
+  arrival: a held Workload keeps its creation time, so its place). An ask Kueue has found
+  larger than the pool can ever hold holds no one back.
+
 Kueue must know the job's kind as an external framework (its configuration's
 ``integrations.externalFrameworks: [RLTrainingJob.v1alpha1.rlpacer.io]``) where its webhooks
 run; docs/kueue.md. Nothing here does I/O: :mod:`rlpacer.operator.runtime` reads and writes.
@@ -57,6 +67,12 @@ QUOTA_RESERVED, ADMITTED, EVICTED, FINISHED, REQUEUED = (
 REQUEUE_REASONS = ("Preempted", "NodeFailures")
 #: Pod set of a long round's extra rollout replicas.
 LONG_ROUND_POD_SET = "rollout"
+LOCAL_QUEUES = "localqueues"
+#: On a long round's Workload held by the pool's order (module doc): the ask it waits behind
+#: (``<namespace>/<workload>``). The operator reactivates only Workloads it held.
+HELD_BY_ANNOTATION = "rlpacer.io/pool-held-by"
+#: Kueue's word (the QuotaReserved message) for a request the ClusterQueue can never hold.
+NEVER_FITS = "> maximum capacity"
 
 
 def workload_name(job: str) -> str:
@@ -110,6 +126,8 @@ class QueueView:
     counts: Mapping[str, int] = field(default_factory=dict)
     #: False: a Workload of that name that the job does not own (never touched)
     owned: bool = True
+    #: held by the burst pool's order: the ask it waits behind (module doc)
+    held_by: str | None = None
 
 
 NOT_INSTALLED = QueueView(installed=False)
@@ -149,12 +167,82 @@ def parse(wl: Mapping[str, Any] | None) -> QueueView:
                                              for k, v in (psa.get("flavors") or {}).items()}
     counts = {str(ps.get("name")): int(ps.get("count") or 0)
               for ps in (wl.get("spec") or {}).get("podSets") or []}
+    held_by = _held_by(wl)
+    if held_by is not None:
+        message = (f"held behind {held_by}, a higher-priority long round waiting for the same"
+                   " ClusterQueue (rlpacer's pool order: priority first)")
     return QueueView(
         exists=True,
         admitted=reserved and _true(wl, ADMITTED) and evicted is None,
         evicted=evicted, reserved=reserved, finished=_true(wl, FINISHED),
-        message=message, cluster_queue=cq, flavors=flavors, counts=counts,
+        message=message, cluster_queue=cq, flavors=flavors, counts=counts, held_by=held_by,
     )
+
+
+def _held_by(wl: Mapping[str, Any]) -> str | None:
+    """The ask a Workload is held behind (None: not held by the pool's order)."""
+    if (wl.get("spec") or {}).get("active", True) is not False:
+        return None
+    held = ((wl.get("metadata") or {}).get("annotations") or {}).get(HELD_BY_ANNOTATION)
+    return str(held) if held else None
+
+
+@dataclass(frozen=True)
+class PoolAsk:
+    """A long round's Workload as the burst pool's order sees it."""
+
+    namespace: str
+    name: str
+    #: the LocalQueue it asks in (its namespace's)
+    local_queue: str
+    priority: int
+    #: creationTimestamp as written (RFC 3339 UTC: sorts as text)
+    created: str
+    #: quota reserved (admitted, or an eviction not yet given back): not waiting
+    reserved: bool
+    #: Kueue found it larger than the ClusterQueue can ever hold
+    never_fits: bool
+    #: the ask it is held behind now (None: active, or inactive for another reason)
+    held_by: str | None
+    active: bool = True
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def pool_ask(wl: Mapping[str, Any]) -> PoolAsk | None:
+    """A Workload as a pool ask (None: not a long round's, finished, or being deleted)."""
+    meta = wl.get("metadata") or {}
+    spec = wl.get("spec") or {}
+    sets = spec.get("podSets") or []
+    if (not str(meta.get("name") or "").endswith("-long-round") or len(sets) != 1
+            or sets[0].get("name") != LONG_ROUND_POD_SET or _true(wl, FINISHED)
+            or meta.get("deletionTimestamp")):
+        return None
+    qr = _cond(wl, QUOTA_RESERVED)
+    return PoolAsk(
+        namespace=str(meta.get("namespace") or ""), name=str(meta.get("name")),
+        local_queue=str(spec.get("queueName") or ""), priority=int(spec.get("priority") or 0),
+        created=str(meta.get("creationTimestamp") or "~"),  # not yet made: after every other
+        reserved=_true(wl, QUOTA_RESERVED) and bool((wl.get("status") or {}).get("admission")),
+        never_fits=NEVER_FITS in str((qr or {}).get("message") or ""),
+        held_by=_held_by(wl), active=spec.get("active", True) is not False,
+    )
+
+
+def pool_holds(asks: list[PoolAsk]) -> dict[str, str | None]:
+    """The burst pool's order (module doc) over one ClusterQueue's long-round asks: for each
+    waiting ask, the ask it must wait behind (None: free to be admitted by Kueue's order).
+    Reserved asks are not waiting, nor are asks inactive for another reason than this order
+    (Kueue's own deactivation): neither is in the answer."""
+    waiting = [a for a in asks if not a.reserved and (a.active or a.held_by is not None)]
+    blockers = [a for a in waiting if not a.never_fits]
+    if not blockers:
+        return {a.key: None for a in waiting}
+    top = max(a.priority for a in blockers)
+    first = min((a for a in blockers if a.priority == top), key=lambda a: (a.created, a.key))
+    return {a.key: (first.key if a.priority < top else None) for a in waiting}
 
 
 def admission_wait(wl: Mapping[str, Any]) -> float | None:

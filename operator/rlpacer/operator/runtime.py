@@ -282,6 +282,8 @@ class Jobs:
         #: at start): a queued job is then looked at every WATCHED_POLL_SECONDS, not
         #: POLL_SECONDS.
         self.kueue_watched = False
+        #: The pool's order was refused by RBAC (logged once).
+        self._pool_order_refused = False
         self._jobs: dict[tuple[str, str], JobRuntime] = {}
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
         #: The resourceVersion of each job last seen on the operator's job watch: a pass
@@ -919,6 +921,7 @@ class Jobs:
                     again = every  # changed since read: read again, write again
             if long_view.exists and long_view.owned:
                 await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
+                await self._order_pool(rt, spec)
             return inputs, again
         if spec.suspend:
             # suspended: no Workload while the job is (it would hold its quota for nothing);
@@ -926,6 +929,7 @@ class Jobs:
             # goes back below once the pods are gone; resumed, the job queues again
             if long_view.exists and long_view.owned:
                 await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
+                await self._order_pool(rt, spec)
             name = queue.workload_name(rt.name)
             if view.exists and not view.reserved:
                 await self.kueue.delete(rt.namespace, name)
@@ -969,6 +973,7 @@ class Jobs:
             self.metrics.long_round_queued.labels(*lab).set(0)
             if long_view.exists and long_view.owned:
                 await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
+                await self._order_pool(rt, spec)
             return inputs, every
         placement = queue.placement(view, await self.kueue.flavors(queue.flavor_names(view)))
         inputs = dataclasses.replace(inputs, placement=placement)
@@ -984,28 +989,39 @@ class Jobs:
                 events.append(Event("Normal", "LongRoundReleased",
                                     "the long round's extra rollout replicas went back: their"
                                     f" Workload {long_name} deleted (quota returned)"))
+                await self._order_pool(rt, spec)
             return inputs, poll
         if not long_view.owned:  # someone else's Workload of the name: never touched
             return dataclasses.replace(inputs, rollout_replicas=short), every
         if not long_view.exists:
-            await self.kueue.create(queue.long_round_workload(
+            ask = queue.long_round_workload(
                 rt.name, rt.namespace, rt.uid, spec, pod_specs[contract.Role.ROLLOUT], extra,
-                priority, placement.get(contract.Role.ROLLOUT.value), API_VERSION, KIND))
+                priority, placement.get(contract.Role.ROLLOUT.value), API_VERSION, KIND)
+            behind = await self._order_pool(rt, spec, ask)
+            if behind is not None:
+                ask["metadata"]["annotations"] = {queue.HELD_BY_ANNOTATION: behind}
+                ask["spec"]["active"] = False
+            await self.kueue.create(ask)
             events.append(Event("Normal", "LongRoundQueued",
                                 f"{extra} extra rollout replicas asked from Kueue (Workload"
-                                f" {long_name}, queue {queue.long_round_queue(spec)})"))
+                                f" {long_name}, queue {queue.long_round_queue(spec)})"
+                                + (f", held behind {behind}: a higher-priority long round"
+                                   " waits for the same ClusterQueue" if behind else "")))
             rt.workload_admitted["long_round"] = False
             long_view = queue.ABSENT
         elif long_view.counts.get(queue.LONG_ROUND_POD_SET) != extra:
             # asked for another count (a policy clamp): asked again
             await self.kueue.delete(rt.namespace, long_name)
             long_view = queue.ABSENT
+        elif not long_view.admitted:
+            await self._order_pool(rt, spec)  # held, let go, or holding others back
         waited = self._saw_admission(rt, "long_round", long_view, objs.get("long"))
         if waited is not None:
             events.append(Event("Normal", "LongRoundAdmitted",
                                 f"Kueue admitted the long round's {extra} extra rollout"
                                 f" replicas after {waited:.0f}s (ClusterQueue"
                                 f" {long_view.cluster_queue})"))
+            await self._order_pool(rt, spec)  # no longer waiting: lower asks may go
         self.metrics.long_round_queued.labels(*lab).set(0 if long_view.admitted else 1)
         if not long_view.admitted:
             # the extra replicas wait for Kueue; the scale-up's deadline runs meanwhile
@@ -1017,6 +1033,53 @@ class Jobs:
                 await self.kueue.put_status(queue.give_back(obj, now))
             return inputs, every
         return inputs, poll
+
+    async def _order_pool(self, rt: JobRuntime, spec: RLTrainingJobSpec,
+                          new: dict[str, Any] | None = None) -> str | None:
+        """The burst pool's order (``rlpacer.operator.queue``, :func:`~queue.pool_holds`)
+        over the long-round Workloads this operator made that wait for the ClusterQueue the
+        job's long rounds ask in: each held behind the first waiting ask of a higher
+        priority, or let go. ``new``: the job's ask about to be made; returns the ask it must
+        be held behind (None: made active). Without the permission to read LocalQueues or to
+        list Workloads (an older chart's RBAC) nothing is held: Kueue's order alone."""
+        lq = queue.long_round_queue(spec)
+        if lq is None:
+            return None
+        try:
+            pool = await self.kueue.cluster_queue(rt.namespace, lq)
+            if pool is None:
+                return None
+            asks = [] if new is None else [queue.pool_ask(new)]
+            new_key = asks[0].key if asks and asks[0] is not None else None
+            for wl in await self.kueue.managed(self.settings.namespaces):
+                a = queue.pool_ask(wl)
+                if (a is not None and a.key != new_key
+                        and await self.kueue.cluster_queue(a.namespace, a.local_queue) == pool):
+                    asks.append(a)
+            order = [a for a in asks if a is not None]
+            holds = queue.pool_holds(order)
+            # hold first, then let go: never two priorities active at once
+            for a in sorted(order, key=lambda a: holds.get(a.key) is None):
+                if a.key == new_key or a.key not in holds:
+                    continue
+                behind = holds[a.key]
+                if behind is not None and (a.active or a.held_by != behind):
+                    log.info("%s: held behind %s (the pool's order: priority first)",
+                             a.key, behind)
+                    await self.kueue.hold(a.namespace, a.name, behind)
+                elif behind is None and a.held_by is not None:
+                    log.info("%s: let go (no higher-priority long round waits)", a.key)
+                    await self.kueue.hold(a.namespace, a.name, None)
+            return holds.get(new_key) if new_key is not None else None
+        except ApiError as e:
+            if e.status != 403:
+                raise
+            if not self._pool_order_refused:
+                self._pool_order_refused = True
+                log.warning("kueue: the long rounds' pool order is off: %s (the chart's"
+                            " kueue.enabled grants get on localqueues and list on workloads)",
+                            e)
+            return None
 
     async def _recover_state(self, rt: JobRuntime) -> None:
         """Rebuild the job's controller state if it cannot be used (someone else wrote the

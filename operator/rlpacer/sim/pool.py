@@ -25,10 +25,11 @@ The pool, a discrete-event co-simulation of the K jobs:
   free. A request larger than the whole pool is cut to the pool's size (otherwise it could
   never be granted; a job then gets fewer extra replicas than it asked for).
 * Waiting requests are served strictly in order (the first that does not fit blocks the
-  others, as Kueue's StrictFIFO), in Kueue's order (docs/kueue.md): with admission fair
-  sharing (the default; ``--no-fair-share`` turns it off), the namespace (one LocalQueue each)
-  that has used the pool least first, then higher priority, then arrival (then the job's
-  order); without it, priority then arrival. A namespace's usage is Kueue's: the pool
+  others, as Kueue's StrictFIFO), in rlpacer's pool order (docs/kueue.md: the operator holds
+  lower-priority long rounds back, Kueue orders the rest): higher priority first, then, with
+  admission fair sharing on the pool's ClusterQueue (the default; ``--no-fair-share`` turns
+  it off), the namespace (one LocalQueue each) that has used the pool least, then arrival
+  (then the job's order). A namespace's usage is Kueue's: the pool
   replicas it holds, decayed with a half-life (``--usage-half-life-s``; Kueue's
   ``usageHalfLifeTime``), plus an entry penalty at each grant (the request times
   ``1 - 0.5 ** (sampling / half-life)``, Kueue's, with ``usageSamplingInterval`` 5 min), taken
@@ -268,8 +269,8 @@ class JobRun:
 
 @dataclass(frozen=True)
 class Contention:
-    """The order waiting requests are served in (module doc): Kueue's, with or without its
-    admission fair sharing."""
+    """The order waiting requests are served in (module doc): rlpacer's pool order,
+    priority first, then Kueue's admission fair sharing (or not), then arrival."""
 
     fair_share: bool = True
     half_life_s: float = 3600.0
@@ -284,8 +285,8 @@ class Contention:
     def describe(self) -> str:
         if not self.fair_share:
             return "priority, then arrival (no fair sharing)"
-        return (f"fair share by namespace (usage half-life {self.half_life_s:g} s), then"
-                " priority, then arrival")
+        return (f"priority, then fair share by namespace (usage half-life"
+                f" {self.half_life_s:g} s), then arrival")
 
 
 @dataclass
@@ -343,9 +344,9 @@ def simulate_pool(jobs: Sequence[PoolJob], pool_replicas: int,
             usage[ns] = h + (usage[ns] - h) * f
         usage_t = t
 
-    def order(q: _Request) -> tuple[float, int, float, int]:
+    def order(q: _Request) -> tuple[int, float, float, int]:
         share = usage[jobs[q.job].namespace] if rule.fair_share else 0.0
-        return (share, -jobs[q.job].priority, q.t_request, q.seq)
+        return (-jobs[q.job].priority, share, q.t_request, q.seq)
 
     def join_at(j: int) -> float | None:
         r = req[j]
@@ -761,8 +762,9 @@ def register(subparsers: Any) -> None:
                    help="seconds from a grant to the replicas taking work; default: the"
                    " scenario's (default 90)")
     p.add_argument("--no-fair-share", action="store_true",
-                   help="serve the pool by priority, then arrival (Kueue without admission"
-                   " fair sharing); default: fair share by namespace first, as Kueue with it")
+                   help="serve the pool by priority, then arrival (a pool ClusterQueue"
+                   " without admission fair sharing); default: priority, then fair share by"
+                   " namespace, then arrival")
     p.add_argument("--usage-half-life-s", type=float, default=3600.0, metavar="SECONDS",
                    help="half-life of a namespace's pool usage for fair sharing (Kueue's"
                    " usageHalfLifeTime; default 3600)")

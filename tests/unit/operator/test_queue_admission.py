@@ -289,3 +289,105 @@ def test_a_pending_long_round_scale_up_is_unchanged_by_the_queue() -> None:
     d = decide(spec, st, Observed(driver_phase="Running", rollout_ready=2,
                                   queue=queue.parse(ADMITTED)), T0 + timedelta(seconds=301), 1)
     assert d.status.rollout.state == "TimedOut" and d.status.rollout.desired_replicas == 2
+
+
+# --- the burst pool's order: priority first --------------------------------------------------
+
+
+def _ask(ns: str, job: str, priority: int, created: str, *, reserved: bool = False,
+         message: str = "", held_by: str | None = None, active: bool | None = None,
+         ) -> dict[str, Any]:
+    wl: dict[str, Any] = {
+        "metadata": {"name": queue.long_round_name(job), "namespace": ns,
+                     "creationTimestamp": created},
+        "spec": {"queueName": "burst", "priority": priority,
+                 "podSets": [{"name": queue.LONG_ROUND_POD_SET, "count": 2}]},
+        "status": {"conditions": [{"type": "QuotaReserved",
+                                   "status": "True" if reserved else "False",
+                                   "reason": "Pending", "message": message}]},
+    }
+    if reserved:
+        wl["status"]["admission"] = {"clusterQueue": "pool", "podSetAssignments": []}
+    if held_by is not None:
+        wl["metadata"]["annotations"] = {queue.HELD_BY_ANNOTATION: held_by}
+        wl["spec"]["active"] = False
+    if active is not None:
+        wl["spec"]["active"] = active
+    return wl
+
+
+def _holds(*wls: dict[str, Any]) -> dict[str, str | None]:
+    asks = [queue.pool_ask(w) for w in wls]
+    assert all(a is not None for a in asks)
+    return queue.pool_holds([a for a in asks if a is not None])
+
+
+def test_lower_priority_long_rounds_wait_behind_the_first_higher_one() -> None:
+    holds = _holds(
+        _ask("team-a", "a2", 0, "2026-12-05T10:00:01Z"),
+        _ask("team-b", "b1", 0, "2026-12-05T10:00:02Z"),
+        _ask("team-a", "a3", 100, "2026-12-05T10:00:05Z"),
+        _ask("team-c", "c1", 100, "2026-12-05T10:00:03Z"),
+        _ask("team-a", "a1", 0, "2026-12-05T10:00:00Z", reserved=True),  # holds the pool
+    )
+    # the first-come of the highest waiting priority is named; that priority waits for Kueue
+    assert holds == {"team-a/a2-long-round": "team-c/c1-long-round",
+                     "team-b/b1-long-round": "team-c/c1-long-round",
+                     "team-a/a3-long-round": None, "team-c/c1-long-round": None}
+
+
+def test_once_no_higher_ask_waits_the_held_ones_go_and_one_priority_never_holds() -> None:
+    # the high ask admitted (reserved): the low ones are let go, Kueue orders them
+    holds = _holds(_ask("a", "x", 100, "2026-12-05T10:00:05Z", reserved=True),
+                   _ask("a", "y", 0, "2026-12-05T10:00:01Z", held_by="a/x-long-round"),
+                   _ask("b", "z", 0, "2026-12-05T10:00:02Z", held_by="a/x-long-round"))
+    assert holds == {"a/y-long-round": None, "b/z-long-round": None}
+    # equal priorities: nobody is held (fair share and arrival are Kueue's to apply)
+    assert set(_holds(_ask("a", "x", 5, "2026-12-05T10:00:05Z"),
+                      _ask("b", "y", 5, "2026-12-05T10:00:01Z")).values()) == {None}
+
+
+def test_an_ask_larger_than_the_pool_holds_no_one_back() -> None:
+    never = ("couldn't assign flavors to pod set rollout: insufficient quota for"
+             " nvidia.com/gpu in flavor h100, previously considered podsets requests (0) +"
+             " current podset request (16) > maximum capacity (2)")
+    holds = _holds(_ask("a", "big", 100, "2026-12-05T10:00:00Z", message=never),
+                   _ask("b", "small", 0, "2026-12-05T10:00:01Z"))
+    assert holds == {"a/big-long-round": None, "b/small-long-round": None}
+    # only waiting for quota (it may fit later): it holds the lower one back
+    busy = "insufficient unused quota for nvidia.com/gpu in flavor h100, 2 more needed"
+    holds = _holds(_ask("a", "big", 100, "2026-12-05T10:00:00Z", message=busy),
+                   _ask("b", "small", 0, "2026-12-05T10:00:01Z"))
+    assert holds["b/small-long-round"] == "a/big-long-round"
+
+
+def test_an_ask_about_to_be_made_sorts_after_every_made_one() -> None:
+    new = _ask("a", "new", 7, "")
+    del new["metadata"]["creationTimestamp"]
+    del new["status"]
+    holds = _holds(new, _ask("b", "old", 7, "2026-12-05T10:00:00Z"),
+                   _ask("c", "low", 1, "2026-12-05T09:00:00Z"))
+    assert holds["c/low-long-round"] == "b/old-long-round"
+    assert holds["a/new-long-round"] is None
+
+
+def test_workloads_that_are_no_pool_asks_are_left_alone() -> None:
+    job_wl = _ask("a", "j", 0, "2026-12-05T10:00:00Z")
+    job_wl["metadata"]["name"] = queue.workload_name("j")
+    assert queue.pool_ask(job_wl) is None
+    gone = _ask("a", "g", 0, "2026-12-05T10:00:00Z")
+    gone["metadata"]["deletionTimestamp"] = "2026-12-05T10:01:00Z"
+    assert queue.pool_ask(gone) is None
+    # inactive, but not by this order (Kueue's own deactivation): not waiting, never let go
+    off = queue.pool_ask(_ask("a", "off", 100, "2026-12-05T10:00:00Z", active=False))
+    low = queue.pool_ask(_ask("b", "low", 0, "2026-12-05T10:00:01Z"))
+    assert off is not None and low is not None
+    assert queue.pool_holds([off, low]) == {"b/low-long-round": None}
+
+
+def test_a_held_asks_view_says_what_it_waits_behind() -> None:
+    view = queue.parse(_ask("a", "y", 0, "2026-12-05T10:00:01Z", held_by="b/x-long-round"))
+    assert view.held_by == "b/x-long-round" and not view.admitted
+    assert "held behind b/x-long-round" in view.message
+    assert "priority first" in view.message
+    assert queue.parse(_ask("a", "y", 0, "2026-12-05T10:00:01Z")).held_by is None

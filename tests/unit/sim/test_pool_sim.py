@@ -114,20 +114,21 @@ def test_equal_priority_fair_share_by_namespace_before_arrival() -> None:
         assert runs["x"].waits_s == [100.0 - 11.0] and runs["y"].waits_s == [200.0 - 21.0]
 
 
-def test_fair_share_comes_before_priority_as_in_kueue_and_without_it_priority_wins() -> None:
-    """Kueue's order with admission fair sharing: the namespace that used the pool least
-    goes first, whatever the priorities (docs/kueue.md); without fair sharing, priority."""
+def test_priority_comes_before_fair_share_and_without_fair_share_too() -> None:
+    """rlpacer's pool order (docs/kueue.md): the higher priority first, though its namespace
+    used the pool more (Kueue alone, with admission fair sharing, would order usage first);
+    the same without fair sharing."""
     jobs = [
         _job("z", "team-a", 0, _fixed((True, 99.0))),  # team-a used the pool from 0 to 100
         _job("x", "team-a", 5, _fixed((False, 10.0), (True, 300.0))),  # high priority, at 11
         _job("y", "team-b", 0, _fixed((False, 20.0), (True, 300.0))),  # low priority, at 21
     ]
-    z, x, y = simulate_pool(jobs, 2)
-    assert z.waits_s == [0.0]
-    # y (team-b, low) is granted at 100; x (team-a, high) waits until its round ends
-    assert y.waits_s == [100.0 - 21.0] and x.granted == 0 and x.withdrawn == 1
-    z, x, y = simulate_pool(jobs, 2, Contention(fair_share=False))
-    assert x.waits_s == [100.0 - 11.0] and y.granted == 1 and y.waits_s[0] > 100.0 - 21.0
+    for rule in (Contention(), Contention(fair_share=False)):
+        z, x, y = simulate_pool(jobs, 2, rule)
+        assert z.waits_s == [0.0]
+        # x (team-a, high) is granted at 100; y (team-b, low) waits until x's round ends
+        assert x.waits_s == [100.0 - 11.0], rule
+        assert y.granted == 1 and y.waits_s[0] > 100.0 - 21.0, rule
     with pytest.raises(ValueError, match="half-life"):
         Contention(half_life_s=0.0)
 
@@ -208,7 +209,8 @@ def test_cli_prints_the_three_setups_and_the_target(
     for line in ("large: every job", "small: every job", "pool: every job", "target (pool"):
         assert line in text
     assert "dapo-qwen2.5-32b.jsonl" in text
-    assert "pool order: fair share by namespace (usage half-life 3600 s), then priority" in text
+    assert ("pool order: priority, then fair share by namespace (usage half-life 3600 s),"
+            " then arrival") in text
     report = json.loads(out_json.read_text())
     assert set(report["setups"]) == {"large", "small", "pool"}
     assert [r["name"] for r in report["setups"]["pool"]["jobs"]] == ["a0", "a1", "b2", "dapo"]
