@@ -96,7 +96,11 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
     asked from a burst pool held at first (its ClusterQueue stopped): the real driver runs
     short rounds in the long round's place (``maxDeferredRounds: 2``) instead of waiting;
     the pool is released, Kueue admits the replica with a Workload of its own, the long round
-    runs on it, and the job's Workload is marked Finished."""
+    runs on it. Then a higher-priority workload takes the queue's quota: Kueue preempts the
+    job, whose real driver checkpoints at its next step report on the job's claim and stops
+    (``checkpoint.evictionGraceSeconds``); the quota goes to the other workload; once it is
+    gone the job is admitted again and a new attempt resumes from that checkpoint, its
+    controller state continuous, and Succeeds; its Workload is marked Finished."""
     d = tmp_path / "dev"
     up = subprocess.run([str(RLPACER), "dev-cluster", "up", "--kueue", "--dir", str(d)],
                         capture_output=True, text=True, timeout=400)
@@ -126,6 +130,21 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
             {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
              "metadata": {"name": "burst", "namespace": NS}, "spec": {"clusterQueue": "burst"}},
         ]
+        # the checkpoints' claim (bound by hand: no provisioner), and the priority of the
+        # workload that will preempt the job
+        claim = "tiny-checkpoints"
+        pool += [
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": claim},
+             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                      "storageClassName": "manual", "hostPath": {"path": str(d / claim)},
+                      "claimRef": {"namespace": NS, "name": claim}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": claim, "namespace": NS},
+             "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual",
+                      "volumeName": claim, "resources": {"requests": {"storage": "1Gi"}}}},
+            {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+             "metadata": {"name": "dev-urgent"}, "value": 1000},
+        ]
         r = kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                            "items": pool}))
         assert r.returncode == 0, r.stderr
@@ -133,8 +152,12 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
         # the first short rounds (and DAPO's refill rounds) fill the long queue: the long
         # round is due at step 1 or 2, run in two short rounds' place while the pool is held,
         # then on the granted replica
-        job["spec"]["steps"] = 6
+        job["spec"]["steps"] = STEPS = 10
         job["spec"]["scheduling"] = {"queueName": "default"}
+        # every step checkpointed on the claim (evictionGraceSeconds defaults to 120 s)
+        job["spec"]["checkpoint"] = {"everySteps": 1, "volumeClaim": claim}
+        # the driver asks for a little of the queue's CPU: what the urgent workload preempts
+        job["spec"]["driver"] = {"resources": {"requests": {"cpu": "100m"}}}
         job["spec"]["tailBatching"]["longRound"].update(
             {"queueName": "burst", "maxDeferredRounds": 2})
         until = time.monotonic() + 60
@@ -156,10 +179,56 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
         r = kubectl("patch", "clusterqueue", "burst", "--type=merge", "-p",
                     '{"spec": {"stopPolicy": "None"}}')
         assert r.returncode == 0, r.stderr
+        # once the long round has run: a workload of higher priority asks for all of the
+        # queue's CPU, and Kueue preempts the job to make room
+        pods = d / "pods" / NS / "pods"
+        driver0 = pods / "tiny-cluster-driver-0" / "log.txt"
+        until = time.monotonic() + 300
+        while not any(ln.startswith("step ") and " Long " in ln for ln in
+                      driver0.read_text(errors="replace").splitlines()):
+            assert time.monotonic() < until, status()
+            assert status().get("summary") not in ("Succeeded", "Failed"), status()
+            time.sleep(0.5)
+        urgent = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+                  "metadata": {"name": "urgent", "namespace": NS},
+                  "spec": {"queueName": "default", "priorityClassRef": {
+                               "group": "scheduling.k8s.io", "kind": "PriorityClass",
+                               "name": "dev-urgent"},
+                           "priority": 1000, "podSets": [{"name": "main", "count": 1,
+                           "template": {"spec": {"restartPolicy": "Never", "containers": [{
+                               "name": "main", "image": "busybox", "resources": {
+                                   "requests": {"cpu": "128"}}}]}}}]}}
+        r = kubectl("apply", "-f", "-", input=json.dumps(urgent))
+        assert r.returncode == 0, r.stderr
+        until = time.monotonic() + 180
+        while True:  # the preempted driver checkpoints at its next report and stops
+            wl = json.loads(kubectl("get", "workloads.kueue.x-k8s.io", "urgent", "-n", NS,
+                                    "-o", "json").stdout)
+            if any(c["type"] == "Admitted" and c["status"] == "True"
+                   for c in (wl.get("status") or {}).get("conditions") or []):
+                break
+            assert time.monotonic() < until, (status(), wl.get("status"))
+            assert status().get("summary") not in ("Succeeded", "Failed"), status()
+            time.sleep(0.5)
+        evicted = status()
+        assert evicted["attempt"] == 0 and evicted["summary"] == "Queued", evicted
+        stopped_at = evicted["step"]
+        assert 1 <= stopped_at < STEPS, evicted
+        log0 = driver0.read_text(errors="replace")
+        assert f"done: {stopped_at} steps" in log0, log0[-3000:]
+        assert (d / "pods" / NS / "pvc" / claim / "latest").read_text().strip() \
+            == f"step-{stopped_at:06d}"
+        r = kubectl("delete", "workloads.kueue.x-k8s.io", "urgent", "-n", NS)
+        assert r.returncode == 0, r.stderr
         status_ = _finished(kubectl)
         log = (d / "supervisor.log").read_text(errors="replace")
         assert status_.get("summary") == "Succeeded", f"{status_}\n{log[-3000:]}"
-        assert status_.get("step") == 6 and status_.get("longRounds", 0) >= 1, status_
+        assert status_.get("step") == STEPS and status_.get("longRounds", 0) >= 1, status_
+        # a new attempt, from the checkpoint written at the eviction, not from step 0
+        assert status_["attempt"] == 1, status_
+        log1 = (pods / "tiny-cluster-driver-1" / "log.txt").read_text(errors="replace")
+        assert f"resumed from checkpoint at step {stopped_at} (attempt 1)" in log1, log1[-3000:]
+        assert f"step {stopped_at} G=" in log1 and f"step {stopped_at - 1} G=" not in log1
         conds = {c["type"]: c for c in status_["conditions"]}
         assert conds["QueueAdmitted"]["status"] == "True", conds["QueueAdmitted"]
         assert "ClusterQueue dev" in conds["QueueAdmitted"]["message"]
@@ -171,11 +240,10 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
                     "involvedObject.name=tiny-cluster", "-o", "json")
         reasons = [e["reason"] for e in json.loads(r.stdout)["items"]]
         for want in ("Queued", "QueueAdmitted", "LongRoundQueued", "LongRoundAdmitted",
-                     "LongRoundReleased", "ScaledUp"):
+                     "LongRoundReleased", "ScaledUp", "EvictionCheckpoint"):
             assert want in reasons, (want, reasons)
-        assert reasons.count("LongRoundDeferred") == 2, reasons
-        pods = d / "pods" / NS / "pods"
-        driver_log = (pods / "tiny-cluster-driver-0" / "log.txt").read_text(errors="replace")
+        assert reasons.count("LongRoundDeferred") >= 2, reasons  # 2 before the eviction
+        driver_log = log0
         # the real driver ran two steps as short rounds in the long round's place
         for step in (due, due + 1):
             assert f"step {step}: a short round in place of the long round" in driver_log
@@ -183,8 +251,6 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
             assert " Short " in line, line
         # the extra replica Kueue granted generated part of the long round: the driver's
         # step lines name it with responses, and its own pod's log says it generated them
-        pods = d / "pods" / NS / "pods"
-        driver_log = (pods / "tiny-cluster-driver-0" / "log.txt").read_text(errors="replace")
         served = 0
         for ln in driver_log.splitlines():
             if ln.startswith("step ") and " Long " in ln and "replica 1 on " in ln:

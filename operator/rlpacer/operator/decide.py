@@ -202,7 +202,8 @@ def decide(
             assert queued is not None
             reason, msg = queued
         held = find(st.conditions, ConditionType.SUSPENDED)
-        if not suspended or held is None or held.reason != reason.value:
+        entered = not suspended or held is None or held.reason != reason.value
+        if entered:
             _cond(st, ConditionType.SUSPENDED, True, reason, msg, t, gen)
             _cond(st, ConditionType.TRAINING, False, Reason.STOPPED,
                   "suspended" if spec.suspend else "held by Kueue", t, gen)
@@ -219,6 +220,12 @@ def decide(
             msg += (f"; the driver checkpoints at its next step report and stops (it has"
                     f" {spec.checkpoint.eviction_grace}s from the eviction), then the pods are"
                     " deleted")
+            if entered:
+                ev.append(Event("Normal", "EvictionCheckpoint",
+                                f"evicted with the driver running: the pods are kept up to"
+                                f" {spec.checkpoint.eviction_grace}s"
+                                " (checkpoint.evictionGraceSeconds) while the driver checkpoints"
+                                " at its next step report or plan and stops"))
             d.workloads, d.keep_children = True, True
             d.requeue_after = left + 0.5
         cur = find(st.conditions, ConditionType.SUSPENDED)

@@ -87,11 +87,15 @@ class Kueue:
         return queue.parse(obj), obj
 
     async def create(self, obj: Obj) -> None:
-        """Create a Workload; one that exists already (an earlier pass's answer lost) is
-        fine. Refused (Kueue's webhook or the schema: 400/403/422) raises ChildRefused: said
-        on the job (Warning FailedCreate), retried on the error backoff."""
+        """Create a Workload (with the API server's strict field validation); one that exists
+        already (an earlier pass's answer lost) is fine. Refused (Kueue's webhook or the
+        schema: 400/403/422) raises ChildRefused: said on the job (Warning FailedCreate),
+        retried on the error backoff."""
         try:
-            await self.kube.create(obj)
+            # strict: a field Kueue's API does not know is refused, not silently dropped
+            await self.kube.request(
+                "POST", self.path(obj["metadata"]["namespace"]), obj,
+                params={"fieldValidation": "Strict"})
         except ApiError as e:
             if e.status == 409:
                 return

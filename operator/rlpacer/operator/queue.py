@@ -59,7 +59,8 @@ GROUP = "kueue.x-k8s.io"
 API_VERSION = f"{GROUP}/v1beta2"
 WORKLOADS = "workloads"
 RESOURCE_FLAVORS = "resourceflavors"
-PRIORITY_CLASS_SOURCE = "scheduling.k8s.io/priorityclass"
+#: A Workload's reference to the job's PriorityClass (v1beta2 ``spec.priorityClassRef``).
+PRIORITY_CLASS_GROUP, PRIORITY_CLASS_KIND = "scheduling.k8s.io", "PriorityClass"
 #: Kueue's condition types on a Workload.
 QUOTA_RESERVED, ADMITTED, EVICTED, FINISHED, REQUEUED = (
     "QuotaReserved", "Admitted", "Evicted", "Finished", "Requeued")
@@ -321,8 +322,8 @@ def _spec(spec: RLTrainingJobSpec, queue: str, priority: int | None,
           pod_sets: list[Obj]) -> Obj:
     out: Obj = {"queueName": queue, "podSets": pod_sets}
     if spec.scheduling.priority_class_name and priority is not None:
-        out["priorityClassName"] = spec.scheduling.priority_class_name
-        out["priorityClassSource"] = PRIORITY_CLASS_SOURCE
+        out["priorityClassRef"] = {"group": PRIORITY_CLASS_GROUP, "kind": PRIORITY_CLASS_KIND,
+                                   "name": spec.scheduling.priority_class_name}
         out["priority"] = priority
     return out
 

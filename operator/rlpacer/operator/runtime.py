@@ -919,17 +919,13 @@ class Jobs:
                 if not await self.kueue.put_status(queue.finish(
                         obj, ok, f"the job {summarize(st.conditions).value}", now)):
                     again = every  # changed since read: read again, write again
-            if long_view.exists and long_view.owned:
-                await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
-                await self._order_pool(rt, spec)
+            await self._withdraw_long_round(rt, spec, long_view, events, "the job ended")
             return inputs, again
         if spec.suspend:
             # suspended: no Workload while the job is (it would hold its quota for nothing);
             # one holding quota is deactivated first, so that Kueue evicts it and the quota
             # goes back below once the pods are gone; resumed, the job queues again
-            if long_view.exists and long_view.owned:
-                await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
-                await self._order_pool(rt, spec)
+            await self._withdraw_long_round(rt, spec, long_view, events, "the job is suspended")
             name = queue.workload_name(rt.name)
             if view.exists and not view.reserved:
                 await self.kueue.delete(rt.namespace, name)
@@ -971,9 +967,8 @@ class Jobs:
             poll = every
         if not view.admitted:
             self.metrics.long_round_queued.labels(*lab).set(0)
-            if long_view.exists and long_view.owned:
-                await self.kueue.delete(rt.namespace, queue.long_round_name(rt.name))
-                await self._order_pool(rt, spec)
+            await self._withdraw_long_round(rt, spec, long_view, events,
+                                            "the job is not admitted (held or evicted)")
             return inputs, every
         placement = queue.placement(view, await self.kueue.flavors(queue.flavor_names(view)))
         inputs = dataclasses.replace(inputs, placement=placement)
@@ -1033,6 +1028,21 @@ class Jobs:
                 await self.kueue.put_status(queue.give_back(obj, now))
             return inputs, every
         return inputs, poll
+
+    async def _withdraw_long_round(self, rt: JobRuntime, spec: RLTrainingJobSpec,
+                                   long_view: queue.QueueView, events: list[Event],
+                                   why: str) -> None:
+        """Delete the job's long-round Workload (its extra replicas' quota goes back, or its
+        ask is withdrawn); Event LongRoundReleased when it had been granted."""
+        if not (long_view.exists and long_view.owned):
+            return
+        name = queue.long_round_name(rt.name)
+        rt.workload_admitted.pop("long_round", None)
+        if await self.kueue.delete(rt.namespace, name) and long_view.reserved:
+            events.append(Event("Normal", "LongRoundReleased",
+                                "the long round's extra rollout replicas went back: their"
+                                f" Workload {name} deleted (quota returned; {why})"))
+        await self._order_pool(rt, spec)
 
     async def _order_pool(self, rt: JobRuntime, spec: RLTrainingJobSpec,
                           new: dict[str, Any] | None = None) -> str | None:

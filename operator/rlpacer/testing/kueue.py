@@ -227,13 +227,16 @@ class KueueProc:
 
 def dev_queues(cluster: LocalCluster, namespace: str, gpus: int = 16) -> None:
     """The dev cluster's queues: ResourceFlavor ``gpu`` (no node labels: any node), ClusterQueue
-    ``dev`` covering CPU, memory and ``gpus`` GPUs, LocalQueue ``default`` in ``namespace``."""
+    ``dev`` covering CPU, memory and ``gpus`` GPUs (a workload of higher priority preempts),
+    LocalQueue ``default`` in ``namespace``."""
     quota = {"cpu": "128", "memory": "1Ti", "nvidia.com/gpu": gpus}
     items = [
         {"apiVersion": f"{GROUP}/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "gpu"},
          "spec": {}},
         {"apiVersion": f"{GROUP}/v1beta2", "kind": "ClusterQueue", "metadata": {"name": "dev"},
-         "spec": {"namespaceSelector": {}, "resourceGroups": [{
+         "spec": {"namespaceSelector": {},
+                  "preemption": {"withinClusterQueue": "LowerPriority"},
+                  "resourceGroups": [{
              "coveredResources": list(quota),
              "flavors": [{"name": "gpu", "resources": [
                  {"name": k, "nominalQuota": v} for k, v in quota.items()]}]}]}},

@@ -137,8 +137,9 @@ def test_the_jobs_workload_has_a_pod_set_per_role_with_its_resources_and_priorit
     res = sets["learner"]["template"]["spec"]["containers"][0]["resources"]
     assert res["requests"][contract.GPU_RESOURCE] == "2"  # requests from limits
     assert wl["spec"]["queueName"] == "team"
-    assert wl["spec"]["priority"] == 1000 and wl["spec"]["priorityClassName"] == "high"
-    assert wl["spec"]["priorityClassSource"] == queue.PRIORITY_CLASS_SOURCE
+    assert wl["spec"]["priority"] == 1000
+    assert wl["spec"]["priorityClassRef"] == {"group": "scheduling.k8s.io",
+                                              "kind": "PriorityClass", "name": "high"}
     assert wl["metadata"]["ownerReferences"][0]["uid"] == "u"
     # no priority class: no priority fields (Kueue's default)
     bare = queue.job_workload("j", "ns", "u", _spec(), pods, None, "v", "K")
@@ -227,10 +228,13 @@ def test_an_evicted_job_with_a_claim_keeps_its_pods_for_the_drivers_checkpoint()
     assert d.keep_children and d.requeue_after == pytest.approx(120.5)
     held = _cond(d.status, ConditionType.SUSPENDED)
     assert held.reason == Reason.EVICTED and "checkpoints at its next step report" in held.message
+    said = [e for e in d.events if e.reason == "EvictionCheckpoint"]
+    assert len(said) == 1 and "kept up to 120s" in said[0].message, d.events
     assert eviction_grace_left(spec, d.status, T0 + timedelta(seconds=30)) == pytest.approx(90)
-    # 30 s on, the driver still runs: still kept, the same message (no status write)
+    # 30 s on, the driver still runs: still kept, the same message (no status write), said once
     d2 = decide(spec, d.status, running, T0 + timedelta(seconds=30), 1)
     assert d2.keep_children and d2.requeue_after == pytest.approx(90.5)
+    assert not [e for e in d2.events if e.reason == "EvictionCheckpoint"]
     assert _cond(d2.status, ConditionType.SUSPENDED) == held
     # the driver stopped (it checkpointed at the step it was answered done at): pods deleted
     done = Observed(driver_phase="Succeeded", queue=queue.parse(EVICTED))
