@@ -453,6 +453,9 @@ def test_a_long_rounds_extra_replicas_wait_for_their_own_workload(
                 "LongRound says why, in Kueue's words")
     assert "2 extra rollout replicas (queue burst)" in cond["message"], cond
     assert "quota" in cond["message"], cond
+    # more than the queue can ever hold, in the words the pool's order reads (such an ask
+    # holds no lower-priority long round back)
+    assert queue.NEVER_FITS in cond["message"], cond
     assert _sample(operator.metrics(), "rlpacer_long_round_queued", namespace=namespace,
                    job="lr") == 1
     assert wl["spec"]["queueName"] == "burst"

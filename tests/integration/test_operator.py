@@ -667,6 +667,52 @@ def test_suspend_refuses_reports_resume_continues_and_success_with_ttl(
          is None, "deleted after ttlSecondsAfterFinished", 30)
 
 
+def test_a_suspended_job_with_a_claim_checkpoints_at_its_next_report_then_stops(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    """``spec.suspend`` with a checkpoint claim (evictionGraceSeconds 120 by default): the
+    pods are kept while the driver reaches its next report, which is accepted and answered
+    done (its checkpoint is at that step); the driver stops, the pods go, and the resumed
+    attempt reports from that step: no step lost to the suspend."""
+    bound_claim(cluster, namespace, "ckpt")
+    apply(cluster, small_job("sg", namespace, checkpoint={"volumeClaim": "ckpt"}))
+    drv = Driver(operator, namespace, "sg", token(cluster, namespace, "sg"))
+    pod0 = names.driver_pod("sg", 0)
+    wait(cluster, lambda: (get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod0}") or {})
+         .get("status", {}).get("phase") == "Running", "driver 0 running", 90)
+    g = drv.plan()["groupSize"]
+    for step in range(3):
+        code, plan = drv.post(report(step, g, 150.0))
+        assert code == 200 and plan["done"] is False, plan
+        g = plan["groupSize"]
+    cluster.kubectl("patch", "rltj", "sg", "-n", namespace, "--type=merge",
+                    "-p", '{"spec":{"suspend":true}}')
+    held = wait(cluster, lambda: (s := status(cluster, namespace, "sg")).get("summary")
+                == "Suspended" and s, "Suspended")
+    assert "checkpoints at its next step report" in next(
+        c for c in held["conditions"] if c["type"] == "Suspended")["message"], held
+    time.sleep(2)  # the pods stay while the driver runs
+    assert _sts(cluster, namespace, "sg")
+    assert (get(cluster, f"/api/v1/namespaces/{namespace}/pods/{pod0}") or {}).get(
+        "status", {}).get("phase") == "Running"
+    assert drv.plan()["done"] is True
+    code, plan = drv.post(report(3, g, 150.0))
+    assert code == 200 and plan["done"] is True and plan["step"] == 4, plan
+    reasons = {e["reason"] for e in kube_events(cluster, namespace, "sg")}
+    assert {"Suspended", "EvictionCheckpoint"} <= reasons, reasons
+    cluster.mark_pod_exit(namespace, pod0, 0)
+    wait(cluster, lambda: not _sts(cluster, namespace, "sg"), "pods deleted", 60)
+    st = status(cluster, namespace, "sg")
+    assert st["summary"] == "Suspended" and st["step"] == 4, st
+    cluster.kubectl("patch", "rltj", "sg", "-n", namespace, "--type=merge",
+                    "-p", '{"spec":{"suspend":false}}')
+    st = wait(cluster, lambda: (s := status(cluster, namespace, "sg")).get("attempt") == 1
+              and s, "resumed as attempt 1")
+    assert st["step"] == 4 and st["failures"] == 0, st
+    code, plan = drv.post(report(4, g, 150.0, attempt=1))
+    assert code == 200 and plan["step"] == 5 and plan["done"] is False, plan
+
+
 def test_a_controller_state_broken_by_a_status_edit_is_rebuilt_at_once_and_never_500(
     cluster: LocalCluster, crds: None, namespace: str
 ) -> None:

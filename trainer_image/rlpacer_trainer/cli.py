@@ -45,7 +45,9 @@ def register(subparsers: Any) -> None:
     b.add_argument("manifest", type=Path, nargs="?", default=Path("examples/tiny-local.yaml"))
     b.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), metavar="ARM",
                    help="fixed<N> (fixed G, no tail batching), tb<N> (fixed G, tail batching),"
-                   " sagc (no tail batching), sagc_tb (the product); default: %(default)s")
+                   " sagc (no tail batching), sagc_tb (the product), each with an optional"
+                   " -mb<K>: the learner's mini-batches (optimizer steps) per step, default 2;"
+                   " default: %(default)s")
     b.add_argument("--baseline", default="fixed16", help="the arm the others are measured"
                    " against (its final accuracy is the target); default: %(default)s")
     b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -271,18 +273,29 @@ def _slo_verdict(controller: Any, previous: Any) -> Any:
 DEFAULT_ARMS = ("fixed16", "fixed8", "sagc", "tb8", "sagc_tb")
 #: ``--equal-wall-clock``: an arm trains at most this many times the steps
 EQUAL_WALL_MAX_STEPS = 4
+#: The learner's mini-batches per step unless an arm says ``-mb<K>`` (RunConfig's default)
+MINI_BATCHES = 2
 
 
-def parse_arm(name: str) -> tuple[int | None, bool]:
-    """An arm's (fixed group size, tail batching): fixed<N>, tb<N>, sagc, sagc_tb."""
-    if name == "sagc":
-        return None, False
-    if name == "sagc_tb":
-        return None, True
+def parse_arm(name: str) -> tuple[int | None, bool, int]:
+    """An arm's (fixed group size, tail batching, the learner's mini-batches per step):
+    fixed<N>, tb<N>, sagc, sagc_tb, each with an optional ``-mb<K>`` (K mini-batches, each an
+    optimizer step; default 2)."""
+    base, mb = name, MINI_BATCHES
+    if "-mb" in name:
+        base, k = name.rsplit("-mb", 1)
+        if not (k.isdigit() and int(k) >= 1):
+            raise ValueError(f"unknown arm {name!r}: -mb<K> needs K >= 1 (mini-batches)")
+        mb = int(k)
+    if base == "sagc":
+        return None, False, mb
+    if base == "sagc_tb":
+        return None, True, mb
     for prefix, tb in (("fixed", False), ("tb", True)):
-        if name.startswith(prefix) and name[len(prefix):].isdigit() and int(name[len(prefix):]):
-            return int(name[len(prefix):]), tb
-    raise ValueError(f"unknown arm {name!r}: use fixed<N>, tb<N>, sagc or sagc_tb (N >= 1)")
+        if base.startswith(prefix) and base[len(prefix):].isdigit() and int(base[len(prefix):]):
+            return int(base[len(prefix):]), tb, mb
+    raise ValueError(f"unknown arm {name!r}: use fixed<N>, tb<N>, sagc or sagc_tb (N >= 1),"
+                     " optionally with -mb<K>")
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
@@ -323,12 +336,12 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     equal = bool(getattr(args, "equal_wall_clock", False))
     for seed in args.seeds:
         budget: float | None = None  # the baseline's training wall clock (--equal-wall-clock)
-        for arm, (fixed, tb) in arms.items():
+        for arm, (fixed, tb, mb) in arms.items():
             arm_kw = dict(kw)
             if equal and budget is not None:
                 arm_kw["steps"] = EQUAL_WALL_MAX_STEPS * base.total_steps
             cfg = RunConfig.load(args.manifest, seed=seed, fixed_group_size=fixed,
-                                 tail_batching=tb, **arm_kw)
+                                 tail_batching=tb, mini_batches=mb, **arm_kw)
             learners = runtime.start_learners(cfg)
             drv = runtime.build_driver(cfg, engines, learners=learners)
             if start_acc is None:

@@ -951,7 +951,16 @@ class Driver:
         """Runs until ``cfg.total_steps`` (or ``steps`` more steps); checkpoints every N."""
         end = self.cfg.total_steps if steps is None else min(self.cfg.total_steps,
                                                              self.step + steps)
-        plan = self._wait_ready(self.controller.plan())
+        plan = self.controller.plan()
+        if (plan.round_kind is RoundKind.SHORT and plan.rollout.state is RolloutState.SCALING_UP
+                and not self._asked_early):
+            # a scale-up for a short round is an early one (scaleUpLeadSeconds) that an
+            # earlier attempt asked and the operator still holds: this attempt's short rounds
+            # do not wait for it either (its reports ask again, or it is released)
+            self._asked_early = True
+            if self._asked_at is None:
+                self._asked_at, self._lead_done = time.perf_counter(), False
+        plan = self._wait_ready(plan)
         every = self.cfg.checkpoint_every
         while self.step < end and not self.planner.done and not plan.done:
             rec = self.run_step(plan)

@@ -802,11 +802,12 @@ class CheckpointSpec(APIModel):
     eviction_grace_seconds: int | None = Field(
         default=None, ge=0, le=86_400,
         description=(
-            "When Kueue evicts the job (a preemption, a stopped queue), how long its pods are"
-            " kept for the driver to reach its next step report: that report is accepted"
-            " and answered as the job's last, so the driver checkpoints there and stops, and"
-            " the resumed attempt loses no step; then the pods are deleted and the quota"
-            " given back (at once once the driver has stopped). 0: the pods are deleted at"
+            "When Kueue evicts the job (a preemption, a stopped queue) or spec.suspend is set"
+            " while it runs, how long its pods are kept for the driver to reach its next step"
+            " report: that report is accepted and answered as the job's last, so the driver"
+            " checkpoints there and stops, and the resumed attempt loses no step; then the"
+            " pods are deleted (and Kueue's quota given back; at once once the driver has"
+            " stopped). 0: the pods are deleted at"
             " once, and the job resumes from its last periodic checkpoint. Default: 120 with"
             " volumeClaim, 0 without; a value above 0 needs volumeClaim (no checkpoint"
             " outlives the pods without it)."

@@ -209,20 +209,25 @@ def decide(
                   "suspended" if spec.suspend else "held by Kueue", t, gen)
             _cond(st, ConditionType.LONG_ROUND, False, Reason.FINISHED,
                   "suspended" if spec.suspend else "held by Kueue", t, gen)
-            if spec.suspend:
-                ev.append(Event("Normal", "Suspended",
-                                "pods deleted; resume with spec.suspend=false"))
         left = eviction_grace_left(spec, st, now)
-        if (left > 0 and observed.driver_looked and observed.driver_phase == "Running"
-                and not observed.driver_deleting):
+        keep = (left > 0 and observed.driver_looked and observed.driver_phase == "Running"
+                and not observed.driver_deleting)
+        if entered and spec.suspend:
+            ev.append(Event("Normal", "Suspended",
+                            "pods deleted once the driver has checkpointed; resume with"
+                            " spec.suspend=false" if keep else
+                            "pods deleted; resume with spec.suspend=false"))
+        if keep:
             # checkpoint.evictionGraceSeconds: the pods stay while the driver reaches its next
             # report, which is answered as its last (it checkpoints there and stops)
             msg += (f"; the driver checkpoints at its next step report and stops (it has"
-                    f" {spec.checkpoint.eviction_grace}s from the eviction), then the pods are"
+                    f" {spec.checkpoint.eviction_grace}s from the"
+                    f" {'suspend' if spec.suspend else 'eviction'}), then the pods are"
                     " deleted")
             if entered:
                 ev.append(Event("Normal", "EvictionCheckpoint",
-                                f"evicted with the driver running: the pods are kept up to"
+                                f"{'suspended' if spec.suspend else 'evicted'} with the driver"
+                                " running: the pods are kept up to"
                                 f" {spec.checkpoint.eviction_grace}s"
                                 " (checkpoint.evictionGraceSeconds) while the driver checkpoints"
                                 " at its next step report or plan and stops"))
@@ -380,15 +385,16 @@ def decide(
 def eviction_grace_left(
     spec: RLTrainingJobSpec, status: RLTrainingJobStatus, now: datetime
 ) -> float:
-    """Seconds left of ``checkpoint.evictionGraceSeconds`` for a job Kueue evicted (0: no
-    grace, none left, or not evicted). While some is left and its driver runs, the job's
-    pods are kept and the driver's next step report is accepted and answered as its last
-    (``done``), so it checkpoints at that step and stops; then the pods are deleted and the
-    quota given back, and the next attempt resumes from that checkpoint."""
+    """Seconds left of ``checkpoint.evictionGraceSeconds`` for a job Kueue evicted or a job
+    suspended (``spec.suspend``) while it ran (0: no grace, none left, or neither). While
+    some is left and its driver runs, the job's pods are kept and the driver's next step
+    report is accepted and answered as its last (``done``), so it checkpoints at that step
+    and stops; then the pods are deleted (and Kueue's quota given back), and the next attempt
+    resumes from that checkpoint."""
     grace = spec.checkpoint.eviction_grace
     held = find(status.conditions, ConditionType.SUSPENDED)
-    if (grace <= 0 or spec.suspend or held is None or held.status != "True"
-            or held.reason != Reason.EVICTED.value):
+    why = Reason.SUSPENDED if spec.suspend else Reason.EVICTED
+    if grace <= 0 or held is None or held.status != "True" or held.reason != why.value:
         return 0.0
     since = parse_time(held.last_transition_time)
     return max(0.0, grace - (now - since).total_seconds())

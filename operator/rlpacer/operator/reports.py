@@ -118,8 +118,8 @@ def accept_report(
     if is_terminal(status.conditions):
         raise ReportRejected("JobFinished", f"the job is {summarize(status.conditions).value}")
     held = find(status.conditions, ConditionType.SUSPENDED)
-    # evicted by Kueue within checkpoint.evictionGraceSeconds: the report is accepted and
-    # answered as the job's last, so the driver checkpoints at its step and stops
+    # evicted by Kueue or suspended within checkpoint.evictionGraceSeconds: the report is
+    # accepted and answered as the job's last, so the driver checkpoints at its step and stops
     stopping = eviction_grace_left(spec, status, now) > 0
     if (not spec.suspend and held is not None and held.status == "True"
             and held.reason != Reason.SUSPENDED.value and not stopping):
@@ -128,7 +128,7 @@ def accept_report(
             f"the job is held by Kueue ({held.reason}: {held.message}): no step report is"
             " accepted and its pods are deleted; this driver should stop. Admitted again,"
             " the job starts a new attempt, from the last checkpoint, that reports again")
-    if spec.suspend or (is_true(status.conditions, ConditionType.SUSPENDED) and not stopping):
+    if not stopping and (spec.suspend or is_true(status.conditions, ConditionType.SUSPENDED)):
         # Its pods are being deleted: a step accepted now would be one the resumed attempt
         # (from the last checkpoint) runs again, counted twice.
         raise JobSuspended(
@@ -180,7 +180,8 @@ def accept_report(
     if stopping:
         stop_events.append(Event(
             "Normal", "EvictionCheckpoint",
-            f"step {report.step} reported after Kueue's eviction (within"
+            f"step {report.step} reported after"
+            f" {'the suspend' if spec.suspend else 'the eviction by Kueue'} (within"
             f" checkpoint.evictionGraceSeconds): answered as the last step of attempt"
             f" {status.attempt}; its driver checkpoints at step {cp.step} and stops, and the"
             " next attempt resumes there"))

@@ -244,3 +244,50 @@ def _spec_wire() -> dict[str, Any]:
     from test_reports import SPEC
 
     return dict(SPEC)
+
+
+def test_a_suspended_job_with_a_claim_lets_its_driver_checkpoint_at_its_next_report() -> None:
+    """``spec.suspend`` while the driver runs, with a checkpoint claim (evictionGraceSeconds
+    defaults to 120 s): the pods are kept, ``GET plan`` says done, the next report is
+    accepted and answered done (the driver checkpoints there and stops); once the driver has
+    stopped the pods go, and the resumed attempt starts from the step after that report."""
+    from datetime import timedelta
+
+    spec = _spec(checkpoint={"volumeClaim": "ckpt"}, steps=10)
+    running = Observed(driver_phase="Running")
+    st = _run(spec, RLTrainingJobStatus(), running).status
+    for step in range(3):
+        st = _reported(spec, st, 0, step)
+    suspended = spec.model_copy(update={"suspend": True})
+    d = _run(suspended, st, running)
+    assert d.keep_children and d.workloads and d.status.summary == Summary.SUSPENDED
+    said = {e.reason: e.message for e in d.events}
+    assert "once the driver has checkpointed" in said["Suspended"], said
+    assert "suspended with the driver running" in said["EvictionCheckpoint"], said
+    assert reports.current_plan(suspended, d.status, now=T0).done
+    g = reports.current_plan(spec, st).group_size
+    st2, acc = reports.accept_report(
+        suspended, d.status, StepReport.model_validate(report(3, g, 20.0)),
+        T0 + timedelta(seconds=5), 1)
+    assert acc.plan.done and st2.step == 4
+    assert any(e.reason == "EvictionCheckpoint" and "after the suspend" in e.message
+               for e in acc.events), acc.events
+    # the driver stopped: the pods go; resumed, attempt 1 starts at step 4
+    d = _run(suspended, st2, Observed(driver_phase="Succeeded"), T0 + timedelta(seconds=6))
+    assert not d.keep_children and not d.workloads
+    assert d.status.summary == Summary.SUSPENDED
+    d = _run(spec, d.status, Observed(driver_phase=None), T0 + timedelta(seconds=7))
+    assert d.status.attempt == 1 and d.status.step == 4
+    # the grace over with the driver still running: pods deleted all the same, and a late
+    # report is refused (409: the resumed attempt redoes that step from the checkpoint)
+    held = _run(suspended, st, running).status
+    assert not _run(suspended, held, running, T0 + timedelta(seconds=121)).keep_children
+    with pytest.raises(reports.JobSuspended):
+        reports.accept_report(suspended, held, StepReport.model_validate(report(3, g, 20.0)),
+                              T0 + timedelta(seconds=121), 1)
+    # no claim: no grace, pods deleted at once and the report refused, as before
+    bare = _spec()
+    bst = _run(bare, RLTrainingJobStatus(), running).status
+    d = _run(bare.model_copy(update={"suspend": True}), bst, running)
+    assert not d.keep_children and not d.workloads
+    assert "pods deleted; resume" in {e.reason: e.message for e in d.events}["Suspended"]

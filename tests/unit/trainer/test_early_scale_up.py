@@ -194,3 +194,53 @@ def test_without_a_lead_the_long_round_waits_for_its_replica() -> None:
     long_recs = [r for r in drv.records if r["round_kind"] == "Long"]
     assert long_recs and long_recs[0]["seconds_capacity_wait"] >= START_S
     assert all(r["prepare_long_round"] is False for r in drv.records)
+
+
+def test_a_restarted_attempt_does_not_wait_for_the_early_scale_up_it_inherits(
+    tmp_path: Path,
+) -> None:
+    """An attempt that stops right after its report asked ahead (the operator holds the
+    early scale-up while it pends); the next attempt resumes from the checkpoint and reads a
+    plan for a short round with the scale-up pending: its short round does not wait for the
+    pods (as the attempt that asked would not have), and its reports ask on."""
+    cfg = RunConfig.load(EXAMPLE, steps=8)
+    cfg.job.spec.prompts_per_step = 4
+    cfg.job.spec.tail_batching.activation = TailBatchingActivation("Always")
+    cfg.job.spec.tail_batching.long_round.rollout_replicas = 2
+    cfg.job.spec.tail_batching.long_round.scale_up_lead_seconds = 60
+    log: list[tuple[object, ...]] = []
+
+    def factory(r: int) -> LoggedEngine:
+        time.sleep(START_S)
+        return SlowEngine(r, log)
+
+    ctl = OperatorCapacity(cfg)
+    ctl.ready_after_s = 6.0  # the pods of the early scale-up come long after the restart
+    first = runtime.build_driver(cfg, [SlowEngine(0, log)], controller=ctl,
+                                 engine_factory=factory, offered_replicas=lambda: set(range(8)),
+                                 checkpoint_dir=tmp_path)
+    first.join_wait_s = 0.0
+    try:
+        while not (ctl.reports and ctl.reports[-1].prepare_long_round):
+            assert first.step < 6, [r.round_kind for r in ctl.reports]
+            first.run(steps=1)
+        first.save_checkpoint()
+    finally:
+        first.close()
+    plan = ctl.plan()
+    assert plan.round_kind is RoundKind.SHORT and plan.rollout.state is RolloutState.SCALING_UP
+    second = runtime.build_driver(cfg, [SlowEngine(0, log)], controller=ctl, attempt=1,
+                                  engine_factory=factory,
+                                  offered_replicas=lambda: set(range(8)),
+                                  checkpoint_dir=tmp_path)
+    second.join_wait_s = 0.0
+    try:
+        assert second.load_checkpoint(at_most=plan.step) and second.step == plan.step
+        t0 = time.monotonic()
+        second.run(steps=1)
+        took = time.monotonic() - t0
+    finally:
+        second.close()
+    rec = second.records[-1]
+    assert rec["round_kind"] == "Short" and rec["seconds_capacity_wait"] < 1.0, rec
+    assert took < ctl.ready_after_s - 1.0, took  # not held until the pods were ready

@@ -91,13 +91,28 @@ def test_rollout_seconds_per_informative_group_by_round_kind() -> None:
     assert out["Long"]["rounds"] == 1 and out["Long"]["rollout_s_per_informative_group"] is None
 
 
-@pytest.mark.parametrize(("name", "want"), [("fixed16", (16, False)), ("tb8", (8, True)),
-                                            ("sagc", (None, False)), ("sagc_tb", (None, True))])
-def test_arms(name: str, want: tuple[int | None, bool]) -> None:
+@pytest.mark.parametrize(("name", "want"), [
+    ("fixed16", (16, False, 2)), ("tb8", (8, True, 2)), ("sagc", (None, False, 2)),
+    ("sagc_tb", (None, True, 2)), ("fixed16-mb1", (16, False, 1)),
+    ("sagc_tb-mb4", (None, True, 4))])
+def test_arms(name: str, want: tuple[int | None, bool, int]) -> None:
     assert parse_arm(name) == want
 
 
-@pytest.mark.parametrize("name", ["fixed", "fixed0", "tbx", "sagc-tb", "g16"])
+def test_the_default_mini_batches_are_the_runs() -> None:
+    from rlpacer_trainer.cli import MINI_BATCHES
+    from rlpacer_trainer.config import RunConfig
+
+    assert RunConfig.__dataclass_fields__["mini_batches"].default == MINI_BATCHES
+
+
+@pytest.mark.parametrize("name", ["fixed", "fixed0", "tbx", "sagc-tb", "g16", "x-mb1"])
 def test_unknown_arms_are_refused_naming_the_forms(name: str) -> None:
     with pytest.raises(ValueError, match="fixed<N>, tb<N>, sagc or sagc_tb"):
+        parse_arm(name)
+
+
+@pytest.mark.parametrize("name", ["fixed16-mb0", "sagc-mbx", "tb8-mb"])
+def test_bad_mini_batches_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="-mb<K> needs K >= 1"):
         parse_arm(name)
