@@ -273,15 +273,13 @@ def _slo_verdict(controller: Any, previous: Any) -> Any:
 DEFAULT_ARMS = ("fixed16", "fixed8", "sagc", "tb8", "sagc_tb")
 #: ``--equal-wall-clock``: an arm trains at most this many times the steps
 EQUAL_WALL_MAX_STEPS = 4
-#: The learner's mini-batches per step unless an arm says ``-mb<K>`` (RunConfig's default)
-MINI_BATCHES = 2
 
 
-def parse_arm(name: str) -> tuple[int | None, bool, int]:
+def parse_arm(name: str) -> tuple[int | None, bool, int | None]:
     """An arm's (fixed group size, tail batching, the learner's mini-batches per step):
     fixed<N>, tb<N>, sagc, sagc_tb, each with an optional ``-mb<K>`` (K mini-batches, each an
-    optimizer step; default 2)."""
-    base, mb = name, MINI_BATCHES
+    optimizer step; None: the run's default)."""
+    base, mb = name, None
     if "-mb" in name:
         base, k = name.rsplit("-mb", 1)
         if not (k.isdigit() and int(k) >= 1):
@@ -338,10 +336,12 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         budget: float | None = None  # the baseline's training wall clock (--equal-wall-clock)
         for arm, (fixed, tb, mb) in arms.items():
             arm_kw = dict(kw)
+            if mb is not None:
+                arm_kw["mini_batches"] = mb
             if equal and budget is not None:
                 arm_kw["steps"] = EQUAL_WALL_MAX_STEPS * base.total_steps
             cfg = RunConfig.load(args.manifest, seed=seed, fixed_group_size=fixed,
-                                 tail_batching=tb, mini_batches=mb, **arm_kw)
+                                 tail_batching=tb, **arm_kw)
             learners = runtime.start_learners(cfg)
             drv = runtime.build_driver(cfg, engines, learners=learners)
             if start_acc is None:

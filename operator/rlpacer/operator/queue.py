@@ -80,8 +80,12 @@ def workload_name(job: str) -> str:
     return names.child_name(job, "workload")
 
 
+#: The suffix of a long round's Workload name (``<job>-long-round``, kept when the name is cut)
+LONG_ROUND_SUFFIX = "long-round"
+
+
 def long_round_name(job: str) -> str:
-    return names.child_name(job, "long-round")
+    return names.child_name(job, LONG_ROUND_SUFFIX)
 
 
 def queue_of(spec: RLTrainingJobSpec) -> str | None:
@@ -217,7 +221,7 @@ def pool_ask(wl: Mapping[str, Any]) -> PoolAsk | None:
     meta = wl.get("metadata") or {}
     spec = wl.get("spec") or {}
     sets = spec.get("podSets") or []
-    if (not str(meta.get("name") or "").endswith("-long-round") or len(sets) != 1
+    if (not str(meta.get("name") or "").endswith("-" + LONG_ROUND_SUFFIX) or len(sets) != 1
             or sets[0].get("name") != LONG_ROUND_POD_SET or _true(wl, FINISHED)
             or meta.get("deletionTimestamp")):
         return None

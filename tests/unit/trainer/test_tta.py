@@ -92,18 +92,11 @@ def test_rollout_seconds_per_informative_group_by_round_kind() -> None:
 
 
 @pytest.mark.parametrize(("name", "want"), [
-    ("fixed16", (16, False, 2)), ("tb8", (8, True, 2)), ("sagc", (None, False, 2)),
-    ("sagc_tb", (None, True, 2)), ("fixed16-mb1", (16, False, 1)),
+    ("fixed16", (16, False, None)), ("tb8", (8, True, None)), ("sagc", (None, False, None)),
+    ("sagc_tb", (None, True, None)), ("fixed16-mb1", (16, False, 1)),
     ("sagc_tb-mb4", (None, True, 4))])
-def test_arms(name: str, want: tuple[int | None, bool, int]) -> None:
+def test_arms(name: str, want: tuple[int | None, bool, int | None]) -> None:
     assert parse_arm(name) == want
-
-
-def test_the_default_mini_batches_are_the_runs() -> None:
-    from rlpacer_trainer.cli import MINI_BATCHES
-    from rlpacer_trainer.config import RunConfig
-
-    assert RunConfig.__dataclass_fields__["mini_batches"].default == MINI_BATCHES
 
 
 @pytest.mark.parametrize("name", ["fixed", "fixed0", "tbx", "sagc-tb", "g16", "x-mb1"])
@@ -116,3 +109,18 @@ def test_unknown_arms_are_refused_naming_the_forms(name: str) -> None:
 def test_bad_mini_batches_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match="-mb<K> needs K >= 1"):
         parse_arm(name)
+
+
+def test_an_arms_mini_batches_reach_the_learner() -> None:
+    """What bench-train loads for ``fixed16-mb1``: the learner takes one optimizer step per
+    training step; an arm without ``-mb`` keeps the run's default."""
+    from pathlib import Path
+
+    from rlpacer_trainer.config import RunConfig
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "tiny-local.yaml"
+    fixed, tb, mb = parse_arm("fixed16-mb1")
+    kw = {} if mb is None else {"mini_batches": mb}
+    assert RunConfig.load(example, fixed_group_size=fixed, tail_batching=tb,
+                          **kw).learner_config().mini_batches == 1
+    assert RunConfig.load(example).learner_config().mini_batches == 2
