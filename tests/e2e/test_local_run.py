@@ -213,7 +213,8 @@ def test_length_prior_routes_seen_long_prompts_and_dispatches_by_length(tmp_path
     """``tailBatching.lengthPrior``: a dataset of 24 prompts seen over several epochs; from
     the second epoch on, prompts the prior predicts long (rank >= 0.5 here, so some always
     are) skip the short rounds' race and are trained in a long round of their epoch, each once;
-    the prior's calibration comes with the report and its state with the checkpoint."""
+    the prior's calibration comes with the report and its state with the checkpoint; with
+    ``context`` SAGC files the short rounds under the prior's predicted risk."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     spec = doc["spec"]
     spec["data"]["numPrompts"] = 24
@@ -224,7 +225,7 @@ def test_length_prior_routes_seen_long_prompts_and_dispatches_by_length(tmp_path
     spec["tailBatching"]["activation"] = "Always"
     spec["tailBatching"]["longRound"] = {"rolloutReplicas": 2, "minYieldRatio": "0"}
     spec["tailBatching"]["lengthPrior"] = {"route": True, "routeQuantile": "0.5",
-                                           "dispatch": True}
+                                           "dispatch": True, "context": True}
     manifest = tmp_path / "prior.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
@@ -254,3 +255,8 @@ def test_length_prior_routes_seen_long_prompts_and_dispatches_by_length(tmp_path
     assert state["length_prior"]["population"][0] == cal["groups"]
     # dispatch by length: both engines served every step
     assert all(len(r["engines"]) == 2 for r in recs)
+    # context: every short round after the first two is filed under one half of its risk
+    ctx = summary["sagc_context"]
+    shorts = sum(r["round_kind"] == "Short" for r in recs)
+    filed = ctx["predicted_low"]["steps"] + ctx["predicted_high"]["steps"]
+    assert shorts - 2 <= filed <= shorts and filed > 0

@@ -404,12 +404,17 @@ def test_step_reports_drive_sagc_exactly_like_the_library(
     plan = drv.plan()
     assert plan["groupSize"] == lib.plan().group_size
     g, gs = plan["groupSize"], []
-    # 35 straggler-heavy steps (max/median 8 > tau 4 whenever G >= 8), then 35 quiet ones
+    # 35 straggler-heavy steps (max/median 8 > tau 4 whenever G >= 8), then 35 quiet ones;
+    # in the quiet half each report names the next round's predicted risk (lengthPrior.context)
     for step in range(70):
         mx = (800.0 if g >= 8 else 150.0) if step < 35 else 150.0
         body = report(step, g, mx)
+        if step >= 35:
+            body["nextStragglerRisk"] = [{"groupSize": c, "probability": (0.1 + 0.5 * (step % 2))
+                                          * c / 16} for c in (4, 8, 16)]
         code, plan = drv.post(body)
         assert code == 200, plan
+        last_body = body
         want = lib.observe(hosting.to_data(StepReport.model_validate(body)))
         assert (plan["groupSize"], plan["lambda"]) == (want.group_size, want.lambda_)
         g = plan["groupSize"]
@@ -418,10 +423,14 @@ def test_step_reports_drive_sagc_exactly_like_the_library(
     assert gs[-10:] == [16] * 10, gs  # quiet steps drive it back up
     st = status(cluster, namespace, "sagc")
     assert st["controllerState"] == hosting.dumps(lib.state_dict())  # bit-exact
+    ctx = json.loads(st["controllerState"])["controller"]["context"]
+    assert ctx["decisions"] > 0 and sum(n for n, _ in ctx["counts"]) >= 30  # the risk reached SAGC
     assert st["step"] == 70 and st["groupSize"] == g
     # a retried report is answered identically and not counted again
-    code, again = drv.post(report(69, gs[-2], 150.0))
+    code, again = drv.post(last_body)
     assert code == 200 and again == plan
+    code, err = drv.post({k: v for k, v in last_body.items() if k != "nextStragglerRisk"})
+    assert code == 422 and err["reason"] == "ConflictingRepeat"  # the same key, another body
     assert status(cluster, namespace, "sagc")["controllerState"] == st["controllerState"]
     # errors: wrong token 401, unknown job 404, impossible 422; state unchanged
     assert drv.post(report(70, g, 150.0), tok="nope")[0] == 401

@@ -191,6 +191,9 @@ def run_local(cfg: Any, *, resume: bool = False, evaluate: bool = True,
         extra["straggler_slo"] = final.to_dict()
     extra["length_prior"] = drv.prior.calibration()
     extra["routed_prompts"] = drv.routed_total
+    ctx = _context_summary(drv.controller) if cfg.length_context else None
+    if ctx is not None:
+        extra["sagc_context"] = ctx
     metrics.close()
     drv.close()
     if baseline is not None and evaluate:
@@ -257,6 +260,19 @@ def _run_baseline(cfg: Any, engines: list[Any], evalset: Any, out: Path) -> dict
             "rollout_seconds": sum(r["seconds_rollout"] for r in recs),
             "train_seconds": sum(r["seconds_train"] for r in recs),
             "metrics": str(out / "metrics.jsonl")}
+
+
+def _context_summary(controller: Any) -> dict[str, Any] | None:
+    """``tailBatching.lengthPrior.context`` (local runs): SAGC's decisions drawn in context and
+    the realised straggler rate of the rounds predicted at or below / above their recent mean
+    (equal rates: the prediction knew nothing)."""
+    ctl: Any = getattr(getattr(controller, "jc", None), "controller", None)
+    if ctl is None or not hasattr(ctl, "context_counts"):
+        return None
+    (ln, ls), (hn, hs) = ctl.context_counts()
+    return {"decisions": ctl.context_decisions,
+            "predicted_low": {"steps": ln, "stragglers": ls},
+            "predicted_high": {"steps": hn, "stragglers": hs}}
 
 
 def _slo_verdict(controller: Any, previous: Any) -> Any:

@@ -315,6 +315,14 @@ class RunConfig:
         lp = self.spec.tail_batching.length_prior
         return lp is not None and bool(lp.dispatch)
 
+    @property
+    def length_context(self) -> bool:
+        """``tailBatching.lengthPrior.context``: reports carry the next round's predicted
+        straggler risk per candidate G (SAGC's context; nothing to choose in Fixed mode)."""
+        lp = self.spec.tail_batching.length_prior
+        return (lp is not None and bool(lp.context)
+                and self.controller_config().mode is GroupControlMode.SAGC)
+
     def planner_epochs(self) -> int:
         """Enough epochs that the planner never runs dry before ``total_steps``."""
         # a step takes at most a full short round's fresh prompts per round (retired long

@@ -128,6 +128,8 @@ def to_data(r: StepReport) -> StepReportData:
                             aborted=ln.aborted),
         seconds=StepSecondsData(rollout=s.rollout, reward=s.reward, train=s.train, sync=s.sync),
         long_queue=r.long_queue, next_round_kind=r.next_round_kind, reward=r.reward,
+        next_straggler_risk=(None if r.next_straggler_risk is None else tuple(
+            (x.group_size, x.probability) for x in r.next_straggler_risk)),
     )
 
 

@@ -56,6 +56,7 @@ from rlpacer.api.protocol import (
     RoundKind,
     StepReport,
     StepSeconds,
+    StragglerRisk,
 )
 from rlpacer.control.length_prior import LengthPrior
 from rlpacer.control.tail_batching import TailBatchingPlanner, ask_early
@@ -275,6 +276,22 @@ class Driver:
         q = self.cfg.route_quantile
         return (q is not None and self.prior.predict(prompt).seen > 0
                 and self.prior.level_rank(prompt) >= q)
+
+    def next_straggler_risk(self) -> list[StragglerRisk] | None:
+        """``tailBatching.lengthPrior.context``: the next round's predicted straggler
+        probability per candidate G, from the prompts the planner will launch (None: the use
+        is off, the run is over, or the prior has seen nothing yet). Deterministic in the
+        step (the Monte Carlo's seed), so a resumed run reports what the straight run did."""
+        if not self.cfg.length_context or self.planner.done:
+            return None
+        route = self._route if self.cfg.route_quantile is not None else None
+        nxt = self.planner.peek_round(route=route)
+        gc = self.cfg.spec.group_control
+        risk = self.prior.straggler_risk(
+            nxt.prompts, [int(g) for g in gc.candidates], float(gc.straggler_ratio),
+            extra=nxt.extra_responses, target=nxt.target_prompts, cap=self.cfg.max_tokens,
+            seed=self.step)
+        return [StragglerRisk(group_size=g, probability=p) for g, p in sorted(risk.items())] or None
 
     def run_round(self, group_size: int) -> RoundOutcome:
         route = self._route if self.cfg.route_quantile is not None else None
@@ -566,7 +583,7 @@ class Driver:
             seconds=StepSeconds(rollout=rollout_s, reward=reward_s, train=train_s, sync=sync_s),
             long_queue=self.planner.long_queue_len,
             next_round_kind=self.planner.next_round_kind, reward=mean_reward,
-            prepare_long_round=asking,
+            prepare_long_round=asking, next_straggler_risk=self.next_straggler_risk(),
         )
         next_plan = self.controller.report(report)
         self._asked_early = asking

@@ -749,6 +749,16 @@ class LengthPriorSpec(APIModel):
             " fewest requests outstanding)."
         ),
     )
+    context: bool = Field(
+        default=False,
+        description=(
+            "Give SAGC the next round's predicted straggler probability at each candidate"
+            " group size (from the prompts it will launch), on the step report: SAGC then"
+            " keeps a posterior per candidate for rounds predicted riskier than their recent"
+            " median and one for the rest, and draws from the one the round falls in. Works"
+            " with or without tail batching; no effect in groupControl.mode Fixed."
+        ),
+    )
 
 
 class TailBatchingSpec(APIModel):
@@ -781,7 +791,8 @@ class TailBatchingSpec(APIModel):
     length_prior: LengthPriorSpec | None = Field(
         default=None,
         description=(
-            "Uses of the per-prompt length prior (routing, dispatch); unset: none (the prior"
+            "Uses of the per-prompt length prior (routing, dispatch, SAGC context); unset:"
+            " none (the prior"
             " is still learned and its calibration reported)."
         ),
     )

@@ -160,6 +160,14 @@ class StepSeconds(WireModel):
         return self.rollout + self.reward + self.train + self.sync
 
 
+class StragglerRisk(WireModel):
+    """The next round's predicted straggler probability at one candidate group size."""
+
+    group_size: WireInt = Field(ge=1, description="A candidate group size G.")
+    probability: WireFloat = Field(
+        ge=0, le=1, description="P(the round straggles at this G), from the length prior.")
+
+
 class StepReport(WireModel):
     """What the driver reports after each step (short or long round)."""
 
@@ -185,6 +193,20 @@ class StepReport(WireModel):
             " measured): the operator scales the rollout up now and the short rounds in"
             " between do not wait for it. Older trainers never send it (the scale-up is then"
             " asked at the report before the long round)."))
+    next_straggler_risk: list[StragglerRisk] | None = Field(
+        default=None, max_length=64,
+        description=(
+            "The next round's predicted straggler probability per candidate group size, from"
+            " the per-prompt length prior (tailBatching.lengthPrior.context): SAGC's context"
+            " for its choice of the next G. Absent: SAGC decides without one (older trainers,"
+            " or the use off); an older operator ignores it."))
+
+    @model_validator(mode="after")
+    def _distinct_sizes(self) -> StepReport:
+        risk = self.next_straggler_risk
+        if risk is not None and len({r.group_size for r in risk}) != len(risk):
+            raise ValueError("nextStragglerRisk names a groupSize twice")
+        return self
 
 
 class RolloutCapacity(WireModel):

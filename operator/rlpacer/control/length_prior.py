@@ -33,6 +33,12 @@ variance), over prompts seen before (0: no better than the population, 1: perfec
 recorded traces most of the length variance is inside a group (83-87%), which bounds what any
 per-prompt prior can know.
 
+**Straggler risk** (:meth:`LengthPrior.straggler_risk`): the probability that a round of
+given prompts straggles (kept max over kept median above tau) at each candidate G, by Monte
+Carlo from the predictive distributions, the round's race modelled (each prompt launches G +
+extra responses, keeps its first G to finish, and the first ``target`` groups to complete are
+kept): SAGC's context (rlpacer.control.sagc). Common random numbers across the candidates.
+
 The prior is a few numbers per prompt (:meth:`state_dict` is JSON), saved with the planner in
 the trainer's checkpoint.
 """
@@ -45,12 +51,17 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
 
+import numpy as np
+
 from rlpacer.control._validate import require_float, require_int
 from rlpacer.control.errors import StateError
 
 _STATE_VERSION = 1
 QUANTILES = (0.1, 0.5, 0.9)
 _STD = NormalDist()
+#: Monte Carlo draws of :meth:`LengthPrior.straggler_risk` (its standard error at p = 0.2 is
+#: 0.035; SAGC uses it only to split batches at their recent median).
+RISK_SAMPLES = 128
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,47 @@ class LengthPrior:
         m, t2, _ = self._population()
         p = self.predict(prompt)
         return _STD.cdf((p.level - m) / math.sqrt(t2))
+
+    def straggler_risk(
+        self, prompts: Sequence[int], sizes: Sequence[int], tau: float, *, extra: int = 0,
+        target: int | None = None, cap: float | None = None, samples: int = RISK_SAMPLES,
+        seed: int = 0,
+    ) -> dict[int, float]:
+        """``{G: P(kept max > tau * kept median)}`` of a round launching ``prompts``, each with
+        G + ``extra`` responses and keeping its first G to finish, and keeping the first
+        ``target`` groups to complete (all when None); lengths capped at ``cap`` tokens (the
+        response limit). Empty before the prior has seen a group (nothing to predict from).
+        Deterministic in ``seed``."""
+        if self._groups == 0 or not prompts or not sizes:
+            return {}
+        require_float("tau", tau, low=1, low_open=True)
+        require_int("extra", extra, minimum=0)
+        require_int("samples", samples, minimum=1)
+        n = len(prompts)
+        keep = n if target is None else min(require_int("target", target, minimum=1), n)
+        preds = [self.predict(p) for p in prompts]
+        level = np.array([p.level for p in preds])
+        level_sd = np.sqrt(np.array([p.level_var for p in preds]))
+        within_sd = math.sqrt(preds[0].within_var)
+        rng = np.random.Generator(np.random.PCG64(seed))
+        widest = max(sizes) + extra
+        mu = level + level_sd * rng.standard_normal((samples, n))
+        lengths = np.exp(mu[:, :, None] + within_sd * rng.standard_normal((samples, n, widest)))
+        if cap is not None:
+            np.minimum(lengths, cap, out=lengths)
+        out: dict[int, float] = {}
+        for g in sorted(set(int(x) for x in sizes)):
+            launched = lengths[:, :, : g + extra]
+            if extra > 0 or keep < n:
+                first = np.sort(launched, axis=2)[:, :, :g]  # each group's first g to finish
+                done_at = first[:, :, -1]  # a group completes with its g-th response
+                order = np.argsort(done_at, axis=1, kind="stable")[:, :keep]
+                kept = np.take_along_axis(first, order[:, :, None], axis=1)
+            else:
+                kept = launched
+            flat = kept.reshape(samples, -1)
+            out[g] = float(np.mean(flat.max(axis=1) > tau * np.median(flat, axis=1)))
+        return out
 
     def observe(self, prompt: int, lengths: Sequence[int], censored: int = 0) -> None:
         """A trained group of ``prompt``: its finished lengths (tokens) and how many of its

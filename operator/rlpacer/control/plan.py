@@ -197,12 +197,15 @@ class StepReportData:
     long_queue: int = 0
     next_round_kind: RoundKind = RoundKind.SHORT
     reward: float | None = None
+    next_straggler_risk: tuple[tuple[int, float], ...] | None = None
+    """(G, predicted straggler probability) of the next round per candidate: SAGC's context
+    (rlpacer.control.sagc); None: no context."""
 
     def to_dict(self) -> dict[str, Any]:
         # asdict()'s result, written out: it deep-copies every value, and a job's state
         # (which holds its last report) is serialised on every step report.
         ln, s = self.lengths, self.seconds
-        return {
+        out: dict[str, Any] = {
             "attempt": self.attempt,
             "step": self.step,
             "group_size": self.group_size,
@@ -215,9 +218,13 @@ class StepReportData:
             "next_round_kind": self.next_round_kind.value,
             "reward": self.reward,
         }
+        if self.next_straggler_risk is not None:  # absent as in a state written before it
+            out["next_straggler_risk"] = [[g, p] for g, p in self.next_straggler_risk]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepReportData:
+        risk = data.get("next_straggler_risk")
         return cls(
             attempt=data["attempt"],
             step=data["step"],
@@ -228,6 +235,8 @@ class StepReportData:
             long_queue=data["long_queue"],
             next_round_kind=RoundKind(data["next_round_kind"]),
             reward=data["reward"],
+            next_straggler_risk=(None if risk is None
+                                 else tuple((int(g), float(p)) for g, p in risk)),
         )
 
 
@@ -687,6 +696,19 @@ class JobController:
             or not math.isfinite(r.reward)
         ):
             raise ReportRejected("InvalidReport", f"reward must be finite, got {r.reward!r}")
+        if r.next_straggler_risk is not None:
+            seen: set[int] = set()
+            for g, p in r.next_straggler_risk:
+                _count("nextStragglerRisk.groupSize", g)
+                if (isinstance(p, bool) or not isinstance(p, int | float)
+                        or not 0.0 <= p <= 1.0):
+                    raise ReportRejected(
+                        "InvalidReport",
+                        f"nextStragglerRisk.probability must be in [0, 1], got {p!r}")
+                if g in seen:
+                    raise ReportRejected(
+                        "InvalidReport", f"nextStragglerRisk names groupSize {g} twice")
+                seen.add(g)
 
     def observe(self, report: StepReportData) -> ControlPlan:
         """Accept one step report and return the plan for the next step.
@@ -706,7 +728,8 @@ class JobController:
             straggler = self._ctl.observe(report.group_size, ln.max, ln.median)
         else:
             straggler = self._ctl.is_straggler(ln.max, ln.median)
-        self._ctl.decide()
+        risk = report.next_straggler_risk
+        self._ctl.decide(None if risk is None else dict(risk))
         self._window.append(straggler)
         if report.round_kind is RoundKind.LONG:
             self._long_window.append(straggler)

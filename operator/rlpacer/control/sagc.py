@@ -39,6 +39,19 @@ Decisions taken here (ALGORITHMS.md leaves them open):
 * The first decision (no step observed yet) is ``initial`` and draws nothing: the spec
   documents ``initial`` as the first group size, and a draw before any evidence would only
   move G by the prior's noise.
+* **Context** (``decide(context=...)``, optional): the next round's predicted straggler
+  probability per candidate G, from a per-prompt length prior
+  (rlpacer.control.length_prior.LengthPrior.straggler_risk). Each candidate keeps two more
+  Beta posteriors, for rounds predicted riskier than the mean of that candidate's last
+  ``CONTEXT_HISTORY`` contexts and for the rest (a relative split, so a prior whose
+  probabilities are off by a constant factor still splits; the mean, not the median, so a
+  context of few distinct values, 0 and 1 say, splits too), updated with the same
+  forgetting. Once a candidate has ``CONTEXT_MIN`` contexts its Thompson draw comes from the
+  posterior its context names; before that, and for a candidate the context leaves out, from
+  the pooled one. The pooled posteriors are updated on every step as without context, and
+  are what ``posterior()`` and the SLO verdict read: a controller never given a context
+  decides exactly as before (same draws), and a state written before has no context
+  posteriors and restores with fresh ones.
 * The Thompson draws use one numpy ``Generator`` (PCG64); its full bit-generator state is in
   ``state_dict()``, so ``from_state_dict(state_dict())`` continues bit for bit.
 
@@ -50,6 +63,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
@@ -72,6 +86,10 @@ __all__ = [
 
 _MIN_PSEUDO_COUNT = 1e-6
 _STATE_VERSION = 1
+#: Contexts remembered per candidate for the split at their mean (module docstring).
+CONTEXT_HISTORY = 32
+#: Contexts a candidate needs before its draws come from the context's posterior.
+CONTEXT_MIN = 8
 
 
 def is_straggler(max_len: float, median_len: float, tau: float) -> bool:
@@ -204,7 +222,7 @@ class GroupController(Protocol):
     def current(self) -> int: ...
     @property
     def pending(self) -> int | None: ...
-    def decide(self) -> int: ...
+    def decide(self, context: Mapping[int, float] | None = None) -> int: ...
     def observe(self, g: int, max_len: float, median_len: float) -> bool: ...
     def posterior_means(self) -> dict[int, float]: ...
     def posterior(self) -> dict[int, tuple[float, float]]: ...
@@ -271,6 +289,13 @@ class SAGCController:
         self._rng = np.random.Generator(np.random.PCG64(cfg.seed))
         self._utility = np.log2(np.asarray(cfg.candidates, dtype=np.float64))
         self._counters = _Counters(per_size={g: [0, 0] for g in cfg.candidates})
+        # context (module docstring): [bin][candidate] with bin 0 = at or below the recent mean
+        self._ctx_alpha = [[cfg.alpha0] * n, [cfg.alpha0] * n]
+        self._ctx_beta = [[cfg.beta0] * n, [cfg.beta0] * n]
+        self._ctx_recent: dict[int, list[float]] = {g: [] for g in cfg.candidates}
+        self._pending_bin: int | None = None
+        self._ctx_decisions = 0
+        self._ctx_counts = [[0, 0], [0, 0]]  # per bin: [steps observed, straggler steps]
 
     # --- read-only views ------------------------------------------------------------------
     @property
@@ -321,6 +346,26 @@ class SAGCController:
         """``{G: (steps observed, straggler steps)}`` per candidate, over the whole run."""
         return {g: (v[0], v[1]) for g, v in self._counters.per_size.items()}
 
+    @property
+    def context_decisions(self) -> int:
+        """Decisions whose chosen G was drawn from a context's posterior."""
+        return self._ctx_decisions
+
+    def context_counts(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Steps observed with a context bin at their G, and straggler steps among them:
+        ``((steps, stragglers) predicted at or below the recent mean, (...) above)``: what the
+        context knows (equal rates: nothing)."""
+        (a, b), (c, d) = self._ctx_counts
+        return (a, b), (c, d)
+
+    def context_posterior_means(self) -> dict[int, tuple[float, float]]:
+        """``{G: (E[p(G) | low-risk round], E[p(G) | high-risk round])}``."""
+        out: dict[int, tuple[float, float]] = {}
+        for i, g in enumerate(self._cfg.candidates):
+            a, b = self._ctx_alpha, self._ctx_beta
+            out[g] = (a[0][i] / (a[0][i] + b[0][i]), a[1][i] / (a[1][i] + b[1][i]))
+        return out
+
     def allowed(self) -> tuple[int, ...]:
         """Candidates reachable from the current G under the local-search radius."""
         lo = max(0, self._index - self._cfg.radius)
@@ -331,22 +376,56 @@ class SAGCController:
         return is_straggler(max_len, median_len, self._cfg.tau)
 
     # --- the algorithm --------------------------------------------------------------------
-    def decide(self) -> int:
-        """The group size for the next step (the same pending G until it is observed)."""
+    def decide(self, context: Mapping[int, float] | None = None) -> int:
+        """The group size for the next step (the same pending G until it is observed).
+
+        ``context``: the next round's predicted straggler probability per candidate (module
+        docstring); candidates it leaves out are drawn from their pooled posterior."""
         if self._pending is not None:
             return self._pending
+        bins = self._bins(context)
         if self._counters.steps == 0:
             # Step 0 runs ``initial``, as documented (a Thompson draw would already move G
             # within the radius, before any evidence: initial 8 gave G=16 at step 0).
             self._pending = self._cfg.initial
+            self._pending_bin = bins.get(self._pending)
             return self._pending
         r = self._cfg.radius
         lo = max(0, self._index - r)
         hi = min(len(self._cfg.candidates), self._index + r + 1)
-        draws = self._rng.beta(self._alpha[lo:hi], self._beta[lo:hi])
+        alpha, beta = list(self._alpha[lo:hi]), list(self._beta[lo:hi])
+        ready: set[int] = set()
+        for k, i in enumerate(range(lo, hi)):
+            g = self._cfg.candidates[i]
+            b = bins.get(g)
+            if b is not None and len(self._ctx_recent[g]) > CONTEXT_MIN:
+                alpha[k], beta[k] = self._ctx_alpha[b][i], self._ctx_beta[b][i]
+                ready.add(g)
+        draws = self._rng.beta(alpha, beta)
         scores = self._utility[lo:hi] - self._lambda * draws
         self._pending = self._cfg.candidates[lo + int(np.argmax(scores))]
+        self._pending_bin = bins.get(self._pending)
+        self._ctx_decisions += self._pending in ready
         return self._pending
+
+    def _bins(self, context: Mapping[int, float] | None) -> dict[int, int]:
+        """Each candidate's context bin (0: at or below its recent mean, 1: above), and
+        the context remembered; candidates with no context or no history yet are left out."""
+        if not context:
+            return {}
+        known = {g: float(x) for g, x in context.items() if g in self._ctx_recent}
+        for g, x in known.items():  # all checked before any is remembered
+            if not 0.0 <= x <= 1.0:  # NaN fails this too
+                raise ObservationError(
+                    f"context[{g}] must be a probability in [0, 1], got {x!r}")
+        out: dict[int, int] = {}
+        for g, x in known.items():
+            recent = self._ctx_recent[g]
+            if recent:
+                out[g] = int(x > math.fsum(recent) / len(recent))
+            recent.append(x)
+            del recent[:-CONTEXT_HISTORY]
+        return out
 
     def observe(self, g: int, max_len: float, median_len: float) -> bool:
         """Record the length summary of the step run with the decided ``g``.
@@ -376,9 +455,25 @@ class SAGCController:
             elif cfg.decay_unchosen:
                 self._alpha[i] = gamma * self._alpha[i] + (1.0 - gamma) * cfg.alpha0
                 self._beta[i] = gamma * self._beta[i] + (1.0 - gamma) * cfg.beta0
+        b = self._pending_bin
+        if b is not None:
+            ca, cb = self._ctx_alpha[b], self._ctx_beta[b]
+            ca[chosen] = max(gamma * ca[chosen] + s, _MIN_PSEUDO_COUNT)
+            cb[chosen] = max(gamma * cb[chosen] + (1.0 - s), _MIN_PSEUDO_COUNT)
+            self._ctx_counts[b][0] += 1
+            self._ctx_counts[b][1] += int(s)
+        if cfg.decay_unchosen:
+            for bb in (0, 1):
+                for i in range(len(cfg.candidates)):
+                    if (bb, i) != (b, chosen):
+                        self._ctx_alpha[bb][i] = (gamma * self._ctx_alpha[bb][i]
+                                                  + (1.0 - gamma) * cfg.alpha0)
+                        self._ctx_beta[bb][i] = (gamma * self._ctx_beta[bb][i]
+                                                 + (1.0 - gamma) * cfg.beta0)
         self._lambda = min(max(self._lambda + cfg.dual_step * (s - cfg.delta), 0.0), cfg.lambda_max)
         self._index = chosen
         self._pending = None
+        self._pending_bin = None
         self._counters.steps += 1
         self._counters.stragglers += int(s)
         per = self._counters.per_size[g]
@@ -415,7 +510,14 @@ class SAGCController:
         self._counters.per_size = {
             g: list(self._counters.per_size.get(g, [0, 0])) for g in cfg.candidates
         }
+        for arms, prior in ((self._ctx_alpha, cfg.alpha0), (self._ctx_beta, cfg.beta0)):
+            for b in (0, 1):
+                was = dict(zip(old.candidates, arms[b], strict=True))
+                arms[b] = [was.get(g, prior) for g in cfg.candidates]
+        self._ctx_recent = {g: self._ctx_recent.get(g, []) for g in cfg.candidates}
         self._pending = pending if pending in cfg.candidates else None
+        if self._pending is None:
+            self._pending_bin = None
         if self._pending is None and pending is not None:
             self.decide()
 
@@ -435,6 +537,14 @@ class SAGCController:
             "stragglers": self._counters.stragglers,
             "per_size": {str(g): list(v) for g, v in self._counters.per_size.items()},
             "rng": _rng_state_to_json(self._rng),
+            "context": {
+                "alpha": [list(a) for a in self._ctx_alpha],
+                "beta": [list(b) for b in self._ctx_beta],
+                "recent": {str(g): list(v) for g, v in self._ctx_recent.items()},
+                "pending_bin": self._pending_bin,
+                "decisions": self._ctx_decisions,
+                "counts": [list(c) for c in self._ctx_counts],
+            },
         }
 
     @classmethod
@@ -468,6 +578,26 @@ class SAGCController:
                 per_size={int(g): [int(v[0]), int(v[1])] for g, v in state["per_size"].items()},
             )
             ctl._rng = _rng_from_json(state["rng"])
+            ctx = state.get("context")  # absent in a state written before contexts
+            if ctx is not None:
+                ca = [[float(x) for x in row] for row in ctx["alpha"]]
+                cb = [[float(x) for x in row] for row in ctx["beta"]]
+                if len(ca) != 2 or len(cb) != 2 or any(len(r) != n for r in ca + cb):
+                    raise StateError(f"context alpha/beta must be 2 x {n}")
+                if not all(math.isfinite(x) and x > 0 for r in ca + cb for x in r):
+                    raise StateError("context alpha/beta must be positive and finite")
+                recent = {int(g): [float(x) for x in v] for g, v in ctx["recent"].items()}
+                if set(recent) != set(cfg.candidates):
+                    raise StateError("context.recent must name every candidate")
+                pb = ctx["pending_bin"]
+                if pb not in (None, 0, 1):
+                    raise StateError(f"context.pending_bin must be 0, 1 or null, got {pb!r}")
+                ctl._ctx_alpha, ctl._ctx_beta, ctl._ctx_recent = ca, cb, recent
+                ctl._pending_bin = pb
+                ctl._ctx_decisions = int(ctx["decisions"])
+                ctl._ctx_counts = [[int(x) for x in c] for c in ctx["counts"]]
+                if len(ctl._ctx_counts) != 2 or any(len(c) != 2 for c in ctl._ctx_counts):
+                    raise StateError("context.counts must be 2 x 2")
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, StateError | ConfigError):
                 raise
@@ -574,7 +704,8 @@ class FixedController:
     def is_straggler(self, max_len: float, median_len: float) -> bool:
         return is_straggler(max_len, median_len, self._cfg.tau)
 
-    def decide(self) -> int:
+    def decide(self, context: Mapping[int, float] | None = None) -> int:
+        """The one size (``context`` is ignored: there is nothing to choose)."""
         self._pending = self._cfg.group_size
         return self._pending
 

@@ -90,6 +90,7 @@ __all__ = [
     "PlannerError",
     "RoundKind",
     "RoundPlan",
+    "RoundPreview",
     "RoundResult",
     "TailBatchingConfig",
     "TailBatchingPlanner",
@@ -195,6 +196,19 @@ class RoundPlan:
     routed: list[int] = field(default_factory=list)
     """Fresh prompts sent straight to the long queue, never launched in this round (the
     ``route`` predicate of :meth:`TailBatchingPlanner.start_round`); queued at the commit."""
+
+
+@dataclass(frozen=True)
+class RoundPreview:
+    """The next round as :meth:`TailBatchingPlanner.peek_round` sees it before its G."""
+
+    kind: RoundKind
+    prompts: list[int]
+    """The prompts it launches."""
+    target_prompts: int
+    """Groups it trains: the first to complete in a race, every one otherwise."""
+    extra_responses: int
+    """Responses launched beyond G per prompt (0 unless an over-provisioned short round)."""
 
 
 @dataclass(frozen=True)
@@ -540,6 +554,50 @@ class TailBatchingPlanner:
         return self._order_cache[1]
 
     # --- a round --------------------------------------------------------------------------
+    def _select(
+        self, route: Callable[[int], bool] | None
+    ) -> tuple[RoundKind, list[int], list[int], bool]:
+        """The next round's (kind, launched prompts, routed prompts, over-provisioned); reads
+        the planner only. The prompts do not depend on the round's group size."""
+        cfg = self._cfg
+        p0 = cfg.prompts_per_step
+        kind = self.next_round_kind
+        if kind is RoundKind.LONG:
+            return kind, list(self._queue[:p0]), [], False
+        order = self._order(self._epoch)
+        over = self.overprovision_next
+        full = cfg.launched_prompts if over else p0
+        launched = min(full, self._n - self._position)
+        routed: list[int] = []
+        if over and route is not None:
+            budget = launched - p0
+            prompts: list[int] = []
+            at = self._position
+            while len(prompts) < launched and at < self._n:
+                p = int(order[at])
+                at += 1
+                if len(routed) < budget and route(p):
+                    routed.append(p)
+                else:
+                    prompts.append(p)
+        else:
+            prompts = [int(x) for x in order[self._position : self._position + launched]]
+        return kind, prompts, routed, over
+
+    def peek_round(self, route: Callable[[int], bool] | None = None) -> RoundPreview:
+        """What :meth:`start_round` would launch next with the same ``route``, whatever the
+        group size, without starting it: a length prior's straggler risk for SAGC's choice of
+        G is computed from it (rlpacer.control.length_prior.LengthPrior.straggler_risk)."""
+        if self._round is not None:
+            raise PlannerError("a round is in progress: peek at the next one after its commit")
+        if self.done:
+            raise PlannerError("every prompt of every epoch is trained: nothing left to plan")
+        kind, prompts, _, over = self._select(route)
+        target = len(prompts) if kind is RoundKind.LONG else min(
+            self._cfg.prompts_per_step, len(prompts))
+        return RoundPreview(kind, prompts, target,
+                            self._cfg.extra_responses if over else 0)
+
     def start_round(
         self, group_size: int, route: Callable[[int], bool] | None = None
     ) -> RoundPlan:
@@ -558,33 +616,13 @@ class TailBatchingPlanner:
             raise PlannerError("every prompt of every epoch is trained: nothing left to plan")
         cfg = self._cfg
         p0 = cfg.prompts_per_step
-        kind = self.next_round_kind
+        kind, prompts, routed, over = self._select(route)
         if kind is RoundKind.LONG:
-            prompts = list(self._queue[:p0])
             plan = RoundPlan(kind, self._rounds, prompts, g, g, len(prompts), self._epoch)
         else:
-            order = self._order(self._epoch)
-            over = self.overprovision_next
-            full = cfg.launched_prompts if over else p0
-            launched = min(full, self._n - self._position)
-            routed: list[int] = []
-            if over and route is not None:
-                budget = launched - p0
-                prompts = []
-                at = self._position
-                while len(prompts) < launched and at < self._n:
-                    p = int(order[at])
-                    at += 1
-                    if len(routed) < budget and route(p):
-                        routed.append(p)
-                    else:
-                        prompts.append(p)
-                launched = len(prompts)
-            else:
-                prompts = [int(x) for x in order[self._position : self._position + launched]]
             per_prompt = g + cfg.extra_responses if over else g
             plan = RoundPlan(
-                kind, self._rounds, prompts, per_prompt, g, min(p0, launched), self._epoch,
+                kind, self._rounds, prompts, per_prompt, g, min(p0, len(prompts)), self._epoch,
                 overprovisioned=over, routed=routed,
             )
         self._round = _Round(plan)

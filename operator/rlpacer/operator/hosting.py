@@ -67,6 +67,8 @@ def to_data(report: StepReport) -> StepReportData:
         long_queue=report.long_queue,
         next_round_kind=report.next_round_kind,
         reward=report.reward,
+        next_straggler_risk=(None if report.next_straggler_risk is None else tuple(
+            (x.group_size, x.probability) for x in report.next_straggler_risk)),
     )
 
 

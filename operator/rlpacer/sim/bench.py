@@ -13,7 +13,10 @@ The workload is a parametric scenario (``--scenario``, rlpacer.sim.workload) or 
 trace (``--trace FILE``, rlpacer.sim.trace: a veRL length trace or a job's own trace.jsonl),
 named in the table's first line. ``--prior`` adds SAGC + tail batching with a per-prompt
 length prior (rlpacer.control.length_prior): routing (``sagc_tail_route``), length-aware
-dispatch (``sagc_tail_dispatch``) and both (``sagc_tail_prior``), each against ``sagc_tail``.
+dispatch (``sagc_tail_dispatch``) and both (``sagc_tail_prior``), each against ``sagc_tail``,
+and the prior as SAGC's context (each report names the next round's predicted straggler
+probability per candidate G: ``sagc_tail_context`` against ``sagc_tail``, ``sagc_context``
+against ``sagc``).
 
 Every policy trains the same ``steps * P0`` prompts exactly once (queued prompts are flushed by
 final long rounds), so wall clock is comparable; speedups are against ``fixed16`` from the same
@@ -137,7 +140,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -151,7 +154,7 @@ from rlpacer.control.plan import (
     StepReportData,
     StepSecondsData,
 )
-from rlpacer.control.sagc import GroupControlMode, SAGCConfig
+from rlpacer.control.sagc import GroupControlMode, SAGCConfig, SAGCController
 from rlpacer.control.tail_batching import (
     RoundKind,
     RoundPlan,
@@ -192,9 +195,15 @@ class Policy:
     above this quantile of the population goes straight to the long queue."""
     dispatch: bool = False
     """Length prior, dispatch: a round's prompts go to engines by predicted work, most first."""
+    context: bool = False
+    """Length prior as SAGC's context: each report carries the next round's predicted
+    straggler probability per candidate G (LengthPrior.straggler_risk)."""
 
 
-PRIOR_POLICIES = ("sagc_tail_route", "sagc_tail_dispatch", "sagc_tail_prior")
+PRIOR_POLICIES = ("sagc_tail_route", "sagc_tail_dispatch", "sagc_tail_prior",
+                  "sagc_tail_context", "sagc_context")
+#: What each prior policy is measured against (the same policy without the prior's use).
+PRIOR_BASE = {"sagc_context": "sagc"}
 ROUTE_QUANTILE = 0.8
 
 
@@ -216,6 +225,8 @@ def policies(ablations: bool = False, prior: bool = False) -> list[Policy]:
             Policy("sagc_tail_dispatch", GroupControlMode.SAGC, None, True, dispatch=True),
             Policy("sagc_tail_prior", GroupControlMode.SAGC, None, True,
                    route_quantile=ROUTE_QUANTILE, dispatch=True),
+            Policy("sagc_tail_context", GroupControlMode.SAGC, None, True, context=True),
+            Policy("sagc_context", GroupControlMode.SAGC, None, False, context=True),
         ]
     return out
 
@@ -268,6 +279,11 @@ class PolicyRun:
     moved: int = 0
     routed: int = 0
     """Prompts the length prior routed straight to long rounds."""
+    context_decisions: int = 0
+    """SAGC decisions drawn from a context's posterior (the prior as SAGC's context)."""
+    context_counts: list[list[int]] = field(default_factory=lambda: [[0, 0], [0, 0]])
+    """Per context bin (0: predicted at or below the recent median, 1: above): [steps,
+    straggler steps] (SAGCController.context_counts)."""
     prior: dict[str, Any] | None = None
     """The length prior's calibration at the end (policies that use it)."""
     # Wider engines for long rounds (``--long-round-tp``, module doc); empty when off.
@@ -442,6 +458,8 @@ class PolicyRun:
             "aborted_responses": int(sum(self.aborted)),
             "posterior_means": {str(g): p for g, p in self.posterior.items()},
             "routed_prompts": self.routed,
+            "context_decisions": self.context_decisions,
+            "context_counts": self.context_counts,
             **({"length_prior": self.prior} if self.prior is not None else {}),
         }
 
@@ -613,7 +631,7 @@ def run_policy(
             wide_sim = RoundSimulator(wide_prof, out.wide_engines, scn.prompt_len,
                                       wide_prof.saturation_batch(scn.ctx_ref))
     prior = (LengthPrior(num_prompts)
-             if pol.route_quantile is not None or pol.dispatch else None)
+             if pol.route_quantile is not None or pol.dispatch or pol.context else None)
     route = None
     if prior is not None and pol.route_quantile is not None:
         rq = pol.route_quantile
@@ -703,6 +721,13 @@ def run_policy(
             out.routed += len(res.routed)
         kept = np.asarray(oc.kept_lengths, dtype=np.float64)
         report = step_report(scn, step, g, rp.kind, oc, res.aborted_responses, planner)
+        if pol.context and prior is not None and not planner.done:
+            nxt = planner.peek_round(route=route)
+            risk = prior.straggler_risk(
+                nxt.prompts, jc.config.sagc.candidates, jc.controller.tau,
+                extra=nxt.extra_responses, target=nxt.target_prompts, cap=scn.cap, seed=step)
+            if risk:
+                report = replace(report, next_straggler_risk=tuple(sorted(risk.items())))
         seconds = report.seconds
         plan = jc.observe(report)
         out.group_size.append(g)
@@ -758,6 +783,9 @@ def run_policy(
         step += 1
     out.prompts_trained = planner.consumed
     out.posterior = jc.posterior_means()
+    if pol.context and isinstance(jc.controller, SAGCController):
+        out.context_decisions = jc.controller.context_decisions
+        out.context_counts = [list(c) for c in jc.controller.context_counts()]
     if prior is not None:
         out.prior = prior.calibration()
     return out
@@ -906,19 +934,27 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def format_prior(report: dict[str, Any]) -> str:
-    """The length prior's uses against sagc_tail, and its calibration."""
+    """The length prior's uses against sagc_tail (sagc_context against sagc), and its
+    calibration."""
     pol = report["policies"]
-    base = pol["sagc_tail"]["wall_clock_s"]
     lines = [f"length prior (routing: predicted rank >= {ROUTE_QUANTILE:g}; dispatch: most"
-             " predicted work first):"]
+             " predicted work first; context: the next round's predicted straggler"
+             " probability per G to SAGC):"]
     for name in PRIOR_POLICIES:
         s = pol[name]
+        base_name = PRIOR_BASE.get(name, "sagc_tail")
+        b = pol[base_name]
         cal = s["length_prior"]
         seen = cal["seen"]
+        what = (f"straggler rate {s['straggler_rate']:.3f} ({b['straggler_rate']:.3f}), mean G"
+                f" {s['mean_group_size']:.1f} ({b['mean_group_size']:.1f}), drawn in context"
+                f" {s['context_decisions']} of {s['steps']} steps, straggler rate of rounds"
+                f" predicted low / high {_rate(s['context_counts'][0])} /"
+                f" {_rate(s['context_counts'][1])}" if name.endswith("context")
+                else f"routed {s['routed_prompts']}, long rounds {s['long_rounds']}")
         lines.append(
-            f"  {name:<20} {base / s['wall_clock_s']:.3f}x sagc_tail, routed"
-            f" {s['routed_prompts']}, long rounds {s['long_rounds']}; prompts seen before:"
-            f" {_cover(seen)}, level skill {_num(cal['level_skill'])}"
+            f"  {name:<20} {b['wall_clock_s'] / s['wall_clock_s']:.3f}x {base_name}, {what};"
+            f" prompts seen before: {_cover(seen)}, level skill {_num(cal['level_skill'])}"
         )
     half = report.get("length_prior_split_half")
     if half is not None:
@@ -928,6 +964,12 @@ def format_prior(report: dict[str, Any]) -> str:
             f" share {half['population']['within_share']:.2f}"
         )
     return "\n".join(lines)
+
+
+def _rate(count: list[int]) -> str:
+    """``stragglers/steps`` as a rate with its count."""
+    steps, stragglers = count
+    return f"{stragglers / steps:.2f} ({stragglers}/{steps})" if steps else "n/a (0 steps)"
 
 
 def _cover(row: dict[str, Any]) -> str:
@@ -1196,7 +1238,8 @@ def register(subparsers: Any) -> None:
         "--prior", action="store_true",
         help="also run SAGC + tail batching with a per-prompt length prior: routing"
         " (sagc_tail_route), length-aware dispatch (sagc_tail_dispatch), both"
-        " (sagc_tail_prior); prints the prior's calibration",
+        " (sagc_tail_prior), and as SAGC's context (sagc_tail_context, sagc_context);"
+        " prints the prior's calibration",
     )
     p.add_argument(
         "--long-round-replicas", type=int, default=None, metavar="N",

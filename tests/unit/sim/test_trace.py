@@ -219,3 +219,11 @@ def test_the_bench_measures_each_use_of_the_length_prior_alone() -> None:
     assert cal["seen"]["responses"] > 0 and cal["unseen"]["responses"] > 0
     assert 0.35 < cal["seen"]["below_p50"] < 0.65
     assert runs["sagc_tail_route"].long_replicas == runs["sagc_tail"].long_replicas
+    # the prior as SAGC's context: every report after the first names the next round's risk,
+    # SAGC draws from the context's posteriors once it has history, and files each step
+    for name in ("sagc_tail_context", "sagc_context"):
+        ctx = pol[name]
+        assert ctx["routed_prompts"] == 0 and ctx["context_decisions"] > 0
+        filed = sum(n for n, _ in ctx["context_counts"])
+        assert filed >= ctx["steps"] - ctx["long_rounds"] - 3
+    assert pol["sagc_tail"]["context_decisions"] == 0

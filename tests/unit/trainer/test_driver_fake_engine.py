@@ -766,3 +766,41 @@ def test_rewards_run_in_the_pool_failures_scored_and_counted_per_step(
         assert r["reward_worker_restarts"] == r["reward_crashes"] + r["reward_timeouts"]
         assert r["reward"] == pytest.approx((right - (r["kept"] - right)) / r["kept"])
     assert 0 < sum(r["reward_crashes"] for r in recs) < 32
+
+
+def test_length_context_reports_the_next_rounds_risk_and_sagc_takes_it() -> None:
+    """``tailBatching.lengthPrior.context``: from the first step on (the prior has seen a
+    round) each report names the next round's predicted straggler probability at every
+    candidate G, computed from the prompts the planner launches next, and the plan logic's
+    SAGC files each step under its context; off, no report carries one."""
+    from rlpacer.api.job import LengthPriorSpec
+    from rlpacer.control.sagc import SAGCController
+
+    for on in (False, True):
+        cfg = _cfg(steps=10)
+        cfg.job.spec.tail_batching.length_prior = LengthPriorSpec(context=on)
+        drv = runtime.build_driver(cfg, [ScriptedEngine()])
+        sent: list[StepReport] = []
+        report = drv.controller.report
+
+        def spy(r: StepReport, report=report, sent=sent) -> Plan:  # type: ignore[no-untyped-def]
+            sent.append(r)
+            return report(r)
+
+        drv.controller.report = spy  # type: ignore[method-assign]
+        drv.run()
+        ctl = drv.controller.jc.controller
+        assert isinstance(ctl, SAGCController) and len(sent) == 10
+        filed = sum(n for n, _ in ctl.context_counts())
+        if not on:
+            assert all(r.next_straggler_risk is None for r in sent) and filed == 0
+            continue
+        cands = [int(g) for g in cfg.spec.group_control.candidates]
+        for r in sent[:-1]:  # the last step's report has no next round
+            risk = r.next_straggler_risk
+            assert risk is not None and [x.group_size for x in risk] == cands
+            assert all(0.0 <= x.probability <= 1.0 for x in risk)
+        # every short round after the first two (no context yet, then no history to split
+        # at) is filed under a half (long rounds do not feed SAGC)
+        shorts = sum(r.round_kind is RoundKind.SHORT for r in sent)
+        assert filed >= shorts - 2 > 0
