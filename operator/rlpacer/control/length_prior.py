@@ -60,7 +60,7 @@ _STATE_VERSION = 1
 QUANTILES = (0.1, 0.5, 0.9)
 _STD = NormalDist()
 #: Monte Carlo draws of :meth:`LengthPrior.straggler_risk` (its standard error at p = 0.2 is
-#: 0.035; SAGC uses it only to split batches at their recent median).
+#: 0.035; SAGC uses it only to split rounds at their recent mean).
 RISK_SAMPLES = 128
 
 

@@ -282,7 +282,7 @@ class PolicyRun:
     context_decisions: int = 0
     """SAGC decisions drawn from a context's posterior (the prior as SAGC's context)."""
     context_counts: list[list[int]] = field(default_factory=lambda: [[0, 0], [0, 0]])
-    """Per context bin (0: predicted at or below the recent median, 1: above): [steps,
+    """Per context bin (0: predicted at or below the recent mean, 1: above): [steps,
     straggler steps] (SAGCController.context_counts)."""
     prior: dict[str, Any] | None = None
     """The length prior's calibration at the end (policies that use it)."""

@@ -110,7 +110,7 @@ def test_the_context_waits_for_history_before_it_picks_a_posterior() -> None:
         assert g is not None
         ctl.observe(g, 2.0, 1.0)
         ctl.decide({c: 0.1 * (i % 3) for c in CFG.candidates})
-        assert ctl.context_decisions == 0  # too few contexts yet to split at their median
+        assert ctl.context_decisions == 0  # too few contexts yet to split at their mean
     ctl.observe(ctl.pending, 2.0, 1.0)  # type: ignore[arg-type]
     ctl.decide({c: 0.9 for c in CFG.candidates})
     assert ctl.context_decisions == 1
