@@ -107,7 +107,7 @@ fi
 ENV_REV=1
 deps_key=$("$PY" -c 'import tomllib,json,sys; p=tomllib.load(open("pyproject.toml","rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"], p["requires-python"]], sort_keys=True))' | cat - <(echo "$ENV_REV") | sha256sum | cut -c1-12)
 VENV="${RLPACER_VENV:-$CACHE/venv-$deps_key}"
-EXTRAS="operator,trainer,cpu,dev"
+EXTRAS="operator,trainer,cpu,dev,trl"
 
 build_shared_env() {
   step "shared Python dependencies into $VENV (cold: 3-5 minutes, 3.4 GB; warm: skipped)"

@@ -71,3 +71,48 @@ def test_bench_train_records_accuracy_against_training_wall_clock(tmp_path: Path
     assert res["equal_wall_clock"] is True
     assert (out / "time-to-accuracy.png").stat().st_size > 10_000
     assert "time to accuracy against fixed16" in proc.stdout
+
+
+def test_the_trl_arm_trains_with_trl_and_is_scored_on_the_same_engines(tmp_path: Path) -> None:
+    """``trl16`` beside ``fixed16`` on the word-problem example: TRL's GRPOTrainer trains the
+    same warm start (every step moves the weights), and each evaluation scores the weights it
+    holds at that step on the job's own vLLM engines (they report its fingerprint, or the arm
+    fails), with the clock stopped."""
+    import yaml
+
+    from rlpacer_trainer import wordproblems
+
+    doc = yaml.safe_load((ROOT / "examples" / "wordproblems-local.yaml").read_text())
+    spec = doc["spec"]
+    spec["model"]["source"] = str(ROOT / spec["model"]["source"])
+    spec["data"]["source"] = str(wordproblems.write(tmp_path / "train.jsonl", 256, seed=0))
+    spec["data"]["evalSource"] = str(wordproblems.write(tmp_path / "held.jsonl", 64, seed=99))
+    spec["promptsPerStep"] = 8
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    env = {k: v for k, v in os.environ.items() if k != c.ENV_RAY_ADDRESS}
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [str(BIN / "rlpacer"), "bench-train", str(tmp_path / "job.yaml"), "--arms", "fixed16",
+         "trl16", "--seeds", "0", "--steps", "2", "--eval-every", "1", "--out", str(out)],
+        cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["arm"]: r for r in map(json.loads, (out / "bench-train.jsonl").read_text()
+                                     .splitlines())}
+    trl = rows["trl16"]
+    assert trl["trainer"] == "trl 1.16.0" and trl["steps"] == 2
+    curve = trl["curve"]
+    assert [p["step"] for p in curve] == [0, 1, 2]
+    # the same warm start as fixed16's, scored once for both
+    assert curve[0] == rows["fixed16"]["curve"][0]
+    # TRL moved the weights at every step, and the engines held each step's when scored
+    policies = [trl["start_policy"]] + [p["policy"] for p in curve[1:]]
+    assert len(set(policies)) == 3, policies
+    assert all(b["train_s"] > a["train_s"] for a, b in itertools.pairwise(curve))
+    assert trl["eval_s"] > 0 and trl["train_s"] == pytest.approx(curve[-1]["train_s"])
+    # it generated its own responses (8 prompts x 16 a step) and trained on them
+    assert trl["tokens"] >= 2 * 8 * 16 and 0 < trl["rollout_s"] < trl["train_s"]
+    assert trl["group_sizes"] == [16] and trl["trained_samples"] == 2 * 8 * 16
+    res = json.loads((out / "bench-train.json").read_text())
+    assert set(res["arms"]) == {"fixed16", "trl16"}
+    assert "trl16" in proc.stdout

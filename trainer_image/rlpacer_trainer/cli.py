@@ -47,7 +47,8 @@ def register(subparsers: Any) -> None:
                    help="fixed<N> (fixed G, no tail batching), tb<N> (fixed G, tail batching),"
                    " sagc (no tail batching), sagc_tb (the product), each with an optional"
                    " -mb<K>: the learner's mini-batches (optimizer steps) per step, default 2;"
-                   " default: %(default)s")
+                   " trl<N>: TRL's GRPOTrainer at G=N on the same job, for comparison (pip"
+                   " install 'rlpacer[trl]'; docs/benchmarks.md); default: %(default)s")
     b.add_argument("--baseline", default="fixed16", help="the arm the others are measured"
                    " against (its final accuracy is the target); default: %(default)s")
     b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -314,11 +315,16 @@ def parse_arm(name: str) -> tuple[int | None, bool, int | None]:
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
     from rlpacer.api.job import ManifestError
-    from rlpacer_trainer import runtime, tta
+    from rlpacer_trainer import runtime, trl_arm, tta
     from rlpacer_trainer.config import ConfigError, RunConfig
 
     try:
-        arms = {a: parse_arm(a) for a in dict.fromkeys(args.arms)}
+        trl_arms = {a: g for a in dict.fromkeys(args.arms) if (g := trl_arm.parse(a))}
+        if args.baseline in trl_arms:
+            raise ValueError(f"--baseline {args.baseline}: a trl<N> arm cannot be the"
+                             " baseline (name one of rlpacer's arms)")
+        arms = {a: (trl_arms[a], False, None) if a in trl_arms else parse_arm(a)
+                for a in dict.fromkeys(args.arms)}
         if args.baseline not in arms:
             raise ValueError(f"--baseline {args.baseline} is not one of --arms {list(arms)}")
         # the baseline first: with --equal-wall-clock the others train to its wall clock
@@ -330,6 +336,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         if args.eval_prompts is not None:
             kw["eval_prompts"] = args.eval_prompts
         base = RunConfig.load(args.manifest, **kw)
+        if trl_arms:
+            trl_arm.check(base)
     except (ValueError, ManifestError, ConfigError, FileNotFoundError) as err:
         print(f"error: {err}")
         return 2
@@ -358,6 +366,17 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 arm_kw["steps"] = EQUAL_WALL_MAX_STEPS * base.total_steps
             cfg = RunConfig.load(args.manifest, seed=seed, fixed_group_size=fixed,
                                  tail_batching=tb, **arm_kw)
+            if arm in trl_arms:
+                assert start_acc is not None  # the baseline ran first
+                row = _trl_row(cfg, engines, evalset, arm=arm, seed=seed, budget=budget,
+                               steps=arm_kw["steps"] or cfg.total_steps,
+                               eval_every=args.eval_every, start_acc=start_acc,
+                               out=args.out / f"{arm}-seed{seed}")
+                curves[arm][seed] = row["curve"]
+                rows.append(row)
+                with (args.out / "bench-train.jsonl").open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                continue
             learners = runtime.start_learners(cfg)
             drv = runtime.build_driver(cfg, engines, learners=learners)
             if start_acc is None:
@@ -419,6 +438,34 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     print(format_tta(result))
     print(f"results: {args.out / 'bench-train.json'}  plot: {plot_path}")
     return 0
+
+
+def _trl_row(cfg: Any, engines: list[Any], evalset: Any, *, arm: str, seed: int,
+             budget: float | None, steps: int, eval_every: int, start_acc: float,
+             out: Path) -> dict[str, Any]:
+    """One seed of a ``trl<N>`` arm (:mod:`rlpacer_trainer.trl_arm`) as a bench-train row;
+    a driver with no learner of its own in use scores its weights on the same engines."""
+    from rlpacer_trainer import runtime, trl_arm
+
+    drv = runtime.build_driver(cfg, engines)
+    try:
+        got = trl_arm.run(cfg, drv, evalset, group_size=int(cfg.fixed_group_size),
+                          steps=steps, eval_every=eval_every, budget=budget,
+                          start_accuracy=start_acc, out_dir=out, label=f"{arm} seed {seed}")
+    finally:
+        drv.close()
+    curve = got["curve"]
+    return {"arm": arm, "seed": seed, "train_s": got["train_s"], "eval_s": got["eval_s"],
+            "stopped_at": ("wall_clock" if budget is not None and got["train_s"] >= budget
+                           else "steps"),
+            "steps": got["steps"], "curve": curve, "final_accuracy": curve[-1]["accuracy"],
+            "tokens": got["tokens"], "rollout_s": got["rollout_s"],
+            "train_step_s": got["train_s"] - got["rollout_s"], "long_rounds": 0,
+            "short_straggler_steps": 0,
+            "trained_samples": got["steps"] * int(cfg.spec.prompts_per_step)
+            * int(cfg.fixed_group_size),
+            "group_sizes": [int(cfg.fixed_group_size)], "per_round_kind": {},
+            "trainer": f"trl {got['trl_version']}", "start_policy": got["start_policy"]}
 
 
 def format_tta(result: dict[str, Any]) -> str:

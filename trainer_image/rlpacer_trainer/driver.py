@@ -938,6 +938,21 @@ class Driver:
                                f"the learner's weights {version}")
         return seconds
 
+    def push_policy(self, blob: bytes, version: str) -> None:
+        """Loads a serialized state dict (``weights.to_bytes``) from outside this driver's
+        learner into every engine, e.g. to score another trainer's weights with
+        :meth:`evaluate`, and checks that every engine holds ``version`` (its
+        ``weights.fingerprint``); the next :meth:`sync_weights` puts the learner's back."""
+        replicas = sorted(self.pool)
+        dead = self._push_weights([self.pool[r] for r in replicas], blob)
+        if dead:
+            raise RuntimeError(f"engines of replicas {[replicas[k] for k in dead]} died while"
+                               " loading weights")
+        stale = [(i.replica, i.policy_version) for i in self.engine_infos()
+                 if i.policy_version != version]
+        if stale:
+            raise RuntimeError(f"engines (replica, version) {stale} do not hold {version}")
+
     def _push_weights(self, engines: Sequence[Any], blob: Any) -> list[int]:
         """Loads ``blob`` into ``engines``; returns the positions of those that died."""
         dead: list[int] = []

@@ -124,3 +124,46 @@ def test_an_arms_mini_batches_reach_the_learner() -> None:
     assert RunConfig.load(example, fixed_group_size=fixed, tail_batching=tb,
                           **kw).learner_config().mini_batches == 1
     assert RunConfig.load(example).learner_config().mini_batches == 2
+
+
+@pytest.mark.parametrize(("name", "want"), [("trl16", 16), ("trl8", 8), ("fixed16", None),
+                                            ("sagc_tb", None)])
+def test_trl_arms(name: str, want: int | None) -> None:
+    from rlpacer_trainer import trl_arm
+
+    assert trl_arm.parse(name) == want
+
+
+@pytest.mark.parametrize("name", ["trl", "trl1", "trlx", "trl16-mb1"])
+def test_bad_trl_arms_are_refused(name: str) -> None:
+    from rlpacer_trainer import trl_arm
+
+    with pytest.raises(ValueError, match="trl<N> with N >= 2"):
+        trl_arm.parse(name)
+
+
+def test_bench_train_refuses_a_trl_arm_it_cannot_run(capsys: object, tmp_path: object) -> None:
+    """Before any engine starts: a trl arm as the baseline is an error naming what to change,
+    and so are a model TRL cannot load (a folder with no Hugging Face config) and a job with
+    overlong shaping (TRL cannot match it)."""
+    import argparse
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from rlpacer_trainer import trl_arm
+    from rlpacer_trainer.cli import cmd_bench_train
+
+    root = Path(__file__).resolve().parents[3]
+    args = argparse.Namespace(manifest=root / "examples" / "tiny-local.yaml", arms=["trl16"],
+                              baseline="trl16", seeds=[0], steps=2, eval_every=1,
+                              eval_prompts=8, equal_wall_clock=False, out=Path("unused"))
+    assert cmd_bench_train(args) == 2
+    assert "a trl<N> arm cannot be the baseline" in capsys.readouterr().out  # type: ignore[attr-defined]
+    cfg = SimpleNamespace(model_path=Path(str(tmp_path)), overlong_buffer=0,
+                          spec=SimpleNamespace(model=SimpleNamespace(source="pvc://m/x")))
+    with pytest.raises(ValueError, match=r"needs a Hugging Face-format model folder in"
+                       r" spec.model.source \(got 'pvc://m/x', no config.json\)"):
+        trl_arm.check(cfg)
+    cfg.overlong_buffer = 16  # DAPO's shaping: TRL has none, so no like-for-like arm
+    with pytest.raises(ValueError, match=r"overlongPenalty\.enabled: false"):
+        trl_arm.check(cfg)
