@@ -931,11 +931,7 @@ class Driver:
             self._forget(replicas[k], "died")  # started again once its pod is back
         seconds = time.perf_counter() - t0
         self.policy_version = version
-        stale = [(i.replica, i.policy_version) for i in self.engine_infos()
-                 if i.policy_version != version]
-        if stale:
-            raise RuntimeError(f"weight sync: engines (replica, version) {stale} do not hold "
-                               f"the learner's weights {version}")
+        self._check_held(version, "the learner's weights")
         return seconds
 
     def push_policy(self, blob: bytes, version: str) -> None:
@@ -948,10 +944,15 @@ class Driver:
         if dead:
             raise RuntimeError(f"engines of replicas {[replicas[k] for k in dead]} died while"
                                " loading weights")
+        self._check_held(version, "the weights pushed")
+
+    def _check_held(self, version: str, what: str) -> None:
+        """Raises unless every engine's worker reports ``version`` (a weights fingerprint)."""
         stale = [(i.replica, i.policy_version) for i in self.engine_infos()
                  if i.policy_version != version]
         if stale:
-            raise RuntimeError(f"engines (replica, version) {stale} do not hold {version}")
+            raise RuntimeError(f"weight sync: engines (replica, version) {stale} do not hold "
+                               f"{what} {version}")
 
     def _push_weights(self, engines: Sequence[Any], blob: Any) -> list[int]:
         """Loads ``blob`` into ``engines``; returns the positions of those that died."""
