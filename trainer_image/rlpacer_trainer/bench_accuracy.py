@@ -53,16 +53,17 @@ def register(subparsers: Any) -> None:
 
 
 def write_data(out: Path, train_count: int, eval_count: int, data_seed: int,
-               warm_start: dict[str, Any] | None) -> tuple[Path, Path, int]:
+               warm_starts: list[dict[str, Any]]) -> tuple[Path, Path, int]:
     """The training file and a held-out file of ``eval_count`` problems none of which is in
-    the training file or in the warm start's data; returns both and how many were dropped."""
+    the training file or in the warm starts' data (the model's and those it was fine-tuned
+    from); returns both and how many were dropped."""
     from rlpacer_trainer import wordproblems
 
     train = wordproblems.make(train_count, data_seed)
     seen = {r["question"] for r in train}
-    if warm_start:
+    for ws in warm_starts:
         seen |= {r["question"] for r in
-                 wordproblems.make(int(warm_start["examples"]), int(warm_start["data_seed"]))}
+                 wordproblems.make(int(ws["examples"]), int(ws["data_seed"]))}
     held: list[dict[str, Any]] = []
     dropped, start = 0, 0
     while len(held) < eval_count:
@@ -140,6 +141,17 @@ def summarize(rows: list[dict[str, Any]], min_gain: float) -> dict[str, Any]:
     return result
 
 
+def warm_starts(recipe: Path) -> list[dict[str, Any]]:
+    """The warm starts a model's ``rlpacer_recipe.json`` names: its own, then its base's (a
+    model fine-tuned ``--from`` another), and so on."""
+    meta = json.loads(recipe.read_text()) if recipe.is_file() else {}
+    out = []
+    while meta.get("warm_start"):
+        out.append(meta["warm_start"])
+        meta = meta.get("base") or {}
+    return out
+
+
 def cmd_bench_accuracy(args: argparse.Namespace) -> int:
     import yaml
 
@@ -153,9 +165,8 @@ def cmd_bench_accuracy(args: argparse.Namespace) -> int:
     if not model.is_absolute():
         model = (Path.cwd() / model) if (Path.cwd() / model).exists() else ROOT / model
     recipe = model / "rlpacer_recipe.json"
-    warm = json.loads(recipe.read_text()).get("warm_start") if recipe.is_file() else None
     train, held, dropped = write_data(out / "data", args.train_count, args.eval_count,
-                                      args.data_seed, warm)
+                                      args.data_seed, warm_starts(recipe))
     spec["model"]["source"] = str(model)
     spec["data"].update(source=str(train.resolve()), evalSource=str(held.resolve()))
     spec["data"].pop("evalFraction", None)

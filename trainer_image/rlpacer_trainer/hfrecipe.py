@@ -14,6 +14,16 @@ on the response tokens after the chat template, with the examples' system prompt
 early, so it is sometimes right and RL has room to improve: the warm start of
 ``rlpacer bench-accuracy``. The shipped copy (``assets/wordproblems-qwen2``, 0.5 MB) was made
 with the defaults in a few minutes on 2 CPU cores.
+
+``--from DIR --ramble P`` fine-tunes a copy of an existing model instead, on targets that
+ramble: on the problems of :data:`RAMBLE_KINDS` the worked solution is followed by re-checks of
+itself (``Check: <work>.``), each followed by another with probability ``P`` (at most
+:data:`RAMBLE_MAX_CHECKS`), before the boxed answer. A model so trained rambles on those
+problems: greedy decoding checks until the response cap, sampling sometimes stops in time.
+The warm start of the task with a tail (``assets/wordproblems-ramble-qwen2``, made by
+``--from assets/wordproblems-qwen2 --ramble 0.9 --warm-start-steps 400 --lr 1e-3 --seed 1``):
+its responses on those problems run to the cap while the others stop after a dozen tokens,
+and RL, which scores a truncated response 0, teaches it to stop.
 """
 
 from __future__ import annotations
@@ -86,12 +96,30 @@ def make(out: Path, seed: int = 0) -> Path:
 SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
 #: the warm start's problems come from this seed on: disjoint from the examples' data seeds
 WARM_START_DATA_SEED = 1000
+#: the word-problem kinds whose rambling targets re-check their work (``--ramble``)
+RAMBLE_KINDS = ("boxes", "share")
+RAMBLE_MAX_CHECKS = 16
+
+
+def ramble_target(rec: dict[str, Any], p: float, rng: Any) -> str:
+    """``rec``'s worked solution, re-checked before its boxed answer when its kind rambles:
+    one check, then each further one with probability ``p`` (at most RAMBLE_MAX_CHECKS)."""
+    if rec["meta"]["kind"] not in RAMBLE_KINDS:
+        return str(rec["solution"])
+    work, boxed = str(rec["solution"]).rsplit(". ", 1)
+    out = work + "."
+    for _ in range(RAMBLE_MAX_CHECKS):
+        out += f" Check: {work}."
+        if rng.random() >= p:
+            break
+    return f"{out} {boxed}"
 
 
 def warm_start(out: Path, steps: int = 600, batch: int = 64, lr: float = 3e-3, seed: int = 0,
-               examples: int = 16384, log: Any = print) -> dict[str, Any]:
+               examples: int = 16384, log: Any = print, ramble: float = 0.0) -> dict[str, Any]:
     """Supervised fine-tuning of the model in ``out`` (in place) on worked solutions: the
-    response is ``solution<|im_end|>`` after the chat-formatted question. Returns its log."""
+    response is ``solution<|im_end|>`` after the chat-formatted question (re-checked, see
+    :func:`ramble_target`, when ``ramble`` > 0). Returns its log."""
     import random
     import time
 
@@ -110,7 +138,9 @@ def warm_start(out: Path, steps: int = 600, batch: int = 64, lr: float = 3e-3, s
         [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}],
         tokenize=False, add_generation_prompt=True) for r in recs]
     prompts = tok.tok(texts, add_special_tokens=False)["input_ids"]
-    answers = tok.tok([r["solution"] for r in recs], add_special_tokens=False)["input_ids"]
+    draws = random.Random(seed)
+    targets = [ramble_target(r, ramble, draws) if ramble else r["solution"] for r in recs]
+    answers = tok.tok(targets, add_special_tokens=False)["input_ids"]
     data = [(p, [*a, eos]) for p, a in zip(prompts, answers, strict=True)]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
@@ -128,6 +158,9 @@ def warm_start(out: Path, steps: int = 600, batch: int = 64, lr: float = 3e-3, s
     meta = {"warm_start": {"steps": steps, "batch": batch, "lr": lr, "seed": seed,
                            "examples": examples, "data_seed": WARM_START_DATA_SEED + seed,
                            "system_prompt": SYSTEM_PROMPT, "log": history}}
+    if ramble:
+        meta["warm_start"].update(ramble=ramble, ramble_kinds=list(RAMBLE_KINDS),
+                                  ramble_max_checks=RAMBLE_MAX_CHECKS)
     (out / "rlpacer_recipe.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -138,15 +171,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warm-start-steps", type=int, default=0, metavar="N",
                     help="then fine-tune it on worked word problems for N steps (0: untrained)")
+    ap.add_argument("--from", dest="base", type=Path, default=None, metavar="DIR",
+                    help="fine-tune a copy of this model directory instead of a fresh model")
+    ap.add_argument("--ramble", type=float, default=0.0, metavar="P",
+                    help="rambling targets: another re-check with probability P (0: none)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="the warm start's learning rate")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     a = ap.parse_args(argv)
     if a.threads:
         import torch
 
         torch.set_num_threads(a.threads)
-    make(a.out, a.seed)
+    if not 0.0 <= a.ramble < 1.0:
+        ap.error(f"--ramble {a.ramble}: a probability in [0, 1)")
+    if a.base:
+        if not (a.base / "config.json").is_file():
+            ap.error(f"--from {a.base}: not a model directory (no config.json)")
+        import shutil
+
+        shutil.copytree(a.base, a.out, dirs_exist_ok=True)
+    else:
+        make(a.out, a.seed)
     if a.warm_start_steps:
-        warm_start(a.out, steps=a.warm_start_steps, seed=a.seed)
+        meta = warm_start(a.out, steps=a.warm_start_steps, seed=a.seed, lr=a.lr,
+                          ramble=a.ramble)
+        if a.base:  # the base's own recipe goes with it
+            base = a.base / "rlpacer_recipe.json"
+            if base.is_file():
+                meta["base"] = json.loads(base.read_text())
+            (a.out / "rlpacer_recipe.json").write_text(json.dumps(meta, indent=1) + "\n")
     return 0
 
 
