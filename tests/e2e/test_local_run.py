@@ -213,8 +213,9 @@ def test_length_prior_routes_seen_long_prompts_and_dispatches_by_length(tmp_path
     """``tailBatching.lengthPrior``: a dataset of 24 prompts seen over several epochs; from
     the second epoch on, prompts the prior predicts long (rank >= 0.5 here, so some always
     are) skip the short rounds' race and are trained in a long round of their epoch, each once;
-    the prior's calibration comes with the report and its state with the checkpoint; with
-    ``context`` SAGC files the short rounds under the prior's predicted risk."""
+    the prior's calibration comes with the report and its state with the checkpoint, which
+    forgets at ``halfLifeGroups``; with ``context`` SAGC files the short rounds under the
+    prior's predicted risk."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     spec = doc["spec"]
     spec["data"]["numPrompts"] = 24
@@ -225,7 +226,8 @@ def test_length_prior_routes_seen_long_prompts_and_dispatches_by_length(tmp_path
     spec["tailBatching"]["activation"] = "Always"
     spec["tailBatching"]["longRound"] = {"rolloutReplicas": 2, "minYieldRatio": "0"}
     spec["tailBatching"]["lengthPrior"] = {"route": True, "routeQuantile": "0.5",
-                                           "dispatch": True, "context": True}
+                                           "dispatch": True, "context": True,
+                                           "halfLifeGroups": 48}  # forgets over two epochs
     manifest = tmp_path / "prior.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
@@ -252,7 +254,10 @@ def test_length_prior_routes_seen_long_prompts_and_dispatches_by_length(tmp_path
     assert "## Length prior" in (out / "report.md").read_text()
     latest = (out / "checkpoints" / "latest").read_text().strip()
     state = json.loads((out / "checkpoints" / latest / "state.json").read_text())
-    assert state["length_prior"]["population"][0] == cal["groups"]
+    assert state["length_prior"]["clock"] == cal["groups"]
+    # forgetting: the spec's half-life, and the population's evidence discounted by it
+    assert cal["half_life"] == state["length_prior"]["half_life"] == 48
+    assert state["length_prior"]["population"][0] < cal["groups"] - 1
     # dispatch by length: both engines served every step
     assert all(len(r["engines"]) == 2 for r in recs)
     # context: every short round after the first two is filed under one half of its risk

@@ -310,6 +310,12 @@ class RunConfig:
         return decimal(lp.route_quantile)
 
     @property
+    def length_half_life(self) -> float | None:
+        """``tailBatching.lengthPrior.halfLifeGroups``: the prior's forgetting, or None."""
+        lp = self.spec.tail_batching.length_prior
+        return None if lp is None or lp.half_life_groups is None else float(lp.half_life_groups)
+
+    @property
     def length_dispatch(self) -> bool:
         """``tailBatching.lengthPrior.dispatch``: requests go to engines by predicted length."""
         lp = self.spec.tail_batching.length_prior

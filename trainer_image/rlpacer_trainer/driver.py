@@ -182,7 +182,7 @@ class Driver:
         self.weight_transport = "store"
         #: per-prompt length prior: every trained group's lengths (rlpacer.control.length_prior);
         #: its uses (routing, dispatch) only as the spec's tailBatching.lengthPrior says
-        self.prior = LengthPrior(planner.num_prompts)
+        self.prior = LengthPrior(planner.num_prompts, half_life=cfg.length_half_life)
         self.routed_total = 0
         self._trace: Any = None  # the open response trace (record_trace), or None
         self._trace_t0 = time.perf_counter()
@@ -1142,6 +1142,7 @@ class Driver:
         # checkpoints written before the prior existed: it starts again from nothing
         self.prior = (LengthPrior.from_state_dict(state["length_prior"])
                       if "length_prior" in state else LengthPrior(self.planner.num_prompts))
+        self.prior.half_life = self.cfg.length_half_life  # the spec's, not the checkpoint's
         self.routed_total = int(state.get("routed_total", 0))
         self.sync_weights()
         return True

@@ -99,6 +99,8 @@ WARM_START_DATA_SEED = 1000
 #: the word-problem kinds whose rambling targets re-check their work (``--ramble``)
 RAMBLE_KINDS = ("boxes", "share")
 RAMBLE_MAX_CHECKS = 16
+#: The warm start's learning rate unless --lr says otherwise.
+DEFAULT_LR = 3e-3
 
 
 def ramble_target(rec: dict[str, Any], p: float, rng: Any) -> str:
@@ -115,7 +117,7 @@ def ramble_target(rec: dict[str, Any], p: float, rng: Any) -> str:
     return f"{out} {boxed}"
 
 
-def warm_start(out: Path, steps: int = 600, batch: int = 64, lr: float = 3e-3, seed: int = 0,
+def warm_start(out: Path, steps: int = 600, batch: int = 64, lr: float = DEFAULT_LR, seed: int = 0,
                examples: int = 16384, log: Any = print, ramble: float = 0.0) -> dict[str, Any]:
     """Supervised fine-tuning of the model in ``out`` (in place) on worked solutions: the
     response is ``solution<|im_end|>`` after the chat-formatted question (re-checked, see
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="fine-tune a copy of this model directory instead of a fresh model")
     ap.add_argument("--ramble", type=float, default=0.0, metavar="P",
                     help="rambling targets: another re-check with probability P (0: none)")
-    ap.add_argument("--lr", type=float, default=3e-3, help="the warm start's learning rate")
+    ap.add_argument("--lr", type=float, default=None,
+                    help=f"the warm start's learning rate (default {DEFAULT_LR})")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     a = ap.parse_args(argv)
     if a.threads:
@@ -184,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     if not 0.0 <= a.ramble < 1.0:
         ap.error(f"--ramble {a.ramble}: a probability in [0, 1)")
+    if a.warm_start_steps < 0:
+        ap.error(f"--warm-start-steps {a.warm_start_steps}: a number of steps, 0 or more")
+    if a.lr is not None and not a.lr > 0:
+        ap.error(f"--lr {a.lr}: a learning rate above 0")
+    if not a.warm_start_steps:  # both only shape the warm start: without one they do nothing
+        for flag, value in (("--ramble", a.ramble or None), ("--lr", a.lr)):
+            if value is not None:
+                ap.error(f"{flag} {value} shapes the warm start: give --warm-start-steps N too")
     if a.base:
         if not (a.base / "config.json").is_file():
             ap.error(f"--from {a.base}: not a model directory (no config.json)")
@@ -193,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         make(a.out, a.seed)
     if a.warm_start_steps:
-        meta = warm_start(a.out, steps=a.warm_start_steps, seed=a.seed, lr=a.lr,
+        meta = warm_start(a.out, steps=a.warm_start_steps, seed=a.seed,
+                          lr=DEFAULT_LR if a.lr is None else a.lr,
                           ramble=a.ramble)
         if a.base:  # the base's own recipe goes with it
             base = a.base / "rlpacer_recipe.json"

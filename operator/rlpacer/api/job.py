@@ -749,6 +749,17 @@ class LengthPriorSpec(APIModel):
             " fewest requests outstanding)."
         ),
     )
+    half_life_groups: int | None = Field(
+        default=None, ge=1, le=100_000_000,
+        description=(
+            "Forget: a trained group's lengths weigh half as much once this many more groups"
+            " have been trained, so the prior follows lengths that drift as the policy learns"
+            " (the population's level within about this many groups; each prompt's own"
+            " evidence, kept as its offset from that level, across epochs: a few epochs of"
+            " groups keeps a prompt's rank and follows a change in its length). Unset: every"
+            " group weighs the same."
+        ),
+    )
     context: bool = Field(
         default=False,
         description=(

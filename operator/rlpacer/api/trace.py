@@ -94,6 +94,12 @@ class TraceGroup:
     lengths: tuple[int, ...]
     key: str
     """Where it came from: ``line 12`` (veRL) or ``epoch 0 prompt 17`` (recorded)."""
+    prompt: int | None = None
+    """The recorded job's prompt id (rlpacer traces; None for veRL)."""
+    epoch: int | None = None
+    """The epoch it was trained in (rlpacer traces; None for veRL)."""
+    censored: int = 0
+    """Its responses of that round with no length (aborted or deferred)."""
 
 
 @dataclass
@@ -240,8 +246,10 @@ def _read_rlpacer(head: dict[str, Any], rest: Iterable[tuple[str, dict[str, Any]
         attempt, rnd = kept_in[(ep, pr)]
         recs = list(by_round[(attempt, rnd, ep, pr)].values())
         lengths = tuple(ln for _, ln, _ in recs if ln is not None)
-        censored += sum(1 for _, ln, _ in recs if ln is None)
-        groups.append(TraceGroup(recs[0][2], lengths, f"epoch {ep} prompt {pr}"))
+        unfinished = sum(1 for _, ln, _ in recs if ln is None)
+        censored += unfinished
+        groups.append(TraceGroup(recs[0][2], lengths, f"epoch {ep} prompt {pr}", pr, ep,
+                                 unfinished))
     if not groups:
         raise TraceError(f"{name}: no kept response: nothing to replay (a trace needs at least"
                          " one finished round)")

@@ -15,6 +15,22 @@ s_w^2)``: an unseen prompt is predicted as the population, a prompt seen often a
 response's predictive distribution is ``N(mu_hat, v + s_w^2)`` in log space; its quantiles are
 :meth:`LengthPrior.quantile`.
 
+**Forgetting** (``half_life``, optional): lengths drift as the policy learns (a model taught
+to stop rambling answers in a tenth of the tokens a few steps later), and a prior that weighs
+every epoch alike keeps predicting the lengths of the policy that was. With a half-life of
+``H`` groups the population level drifts, ``log L_pj = m(t) + b_p + e_pj``, and each
+observed group's evidence weighs ``2^(-k/H)`` once ``k`` more groups have been observed: the
+population's sums (the groups' mean log lengths, their squares, the within-group sums of
+squares and their degrees of freedom) are discounted by ``2^(-1/H)`` at each group, so ``m``
+follows the recent groups. A prompt's own responses are kept as their offsets from the
+population level when they were observed (``b_p``'s evidence, so a prompt that ran longer
+than most still does after the whole population has shortened) and discounted by the groups
+observed since (a prompt seen one epoch ago, with ``N`` prompts an epoch, counts
+``2^(-N/H)`` of a fresh one: a prompt whose own lengths changed is followed too). Unset,
+every group weighs the same and a prompt's responses are kept as they are (the population is
+stationary). A prompt counts as seen (``Prediction.seen``) by its responses, whatever their
+weight.
+
 **Censoring.** A short round of tail batching aborts each kept prompt's slowest response(s);
 those have no length, only a lower bound (the group's longest finished one).
 :meth:`LengthPrior.observe` takes their count and imputes each at its mean under the prompt's
@@ -56,7 +72,7 @@ import numpy as np
 from rlpacer.control._validate import require_float, require_int
 from rlpacer.control.errors import StateError
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: forgetting (half_life, the clock, each prompt's weight and stamp)
 QUANTILES = (0.1, 0.5, 0.9)
 _STD = NormalDist()
 #: Monte Carlo draws of :meth:`LengthPrior.straggler_risk` (its standard error at p = 0.2 is
@@ -88,19 +104,26 @@ class Prediction:
 class LengthPrior:
     """Online per-prompt length prior; see the module docstring."""
 
-    def __init__(self, num_prompts: int) -> None:
+    def __init__(self, num_prompts: int, half_life: float | None = None) -> None:
         self._n = require_int("num_prompts", num_prompts, minimum=1)
-        # per prompt: responses seen, sum of log lengths
+        self._half_life: float | None = None
+        self._decay = 1.0
+        self.half_life = half_life
+        self._clock = 0  # groups observed
+        # per prompt: responses seen, their weight and weighted sum of log lengths at the
+        # clock of its last group (its stamp); without forgetting the weight is the count
         self._count: dict[int, int] = {}
+        self._weight: dict[int, float] = {}
         self._sum: dict[int, float] = {}
-        # population: groups, sum and sum of squares of group means; pooled within-group
-        # sum of squared deviations and its degrees of freedom
-        self._groups = 0
+        self._stamp: dict[int, int] = {}
+        # population (weighted): groups, sum and sum of squares of group means; pooled
+        # within-group sum of squared deviations and its degrees of freedom
+        self._groups = 0.0
         self._gsum = 0.0
         self._gsq = 0.0
         self._gsize = 0.0  # sum over groups of 1/size (the within-noise share of a mean)
         self._wss = 0.0
-        self._wdf = 0
+        self._wdf = 0.0
         # calibration
         # per kind, per quantile: [responses at or below the predicted quantile, responses
         # judged]; a censored response is judged only where its lower bound settles it
@@ -119,12 +142,45 @@ class LengthPrior:
     @property
     def groups(self) -> int:
         """Groups observed so far."""
-        return self._groups
+        return self._clock
+
+    @property
+    def half_life(self) -> float | None:
+        """Groups after which a group's evidence weighs half (None: no forgetting)."""
+        return self._half_life
+
+    @half_life.setter
+    def half_life(self, value: float | None) -> None:
+        """Set or change the half-life. Turning forgetting on or off re-expresses each prompt's
+        evidence (offsets from the population level now, or log lengths) as of now, so every
+        prediction stays what it was; changing it re-weighs the evidence not yet discounted
+        by its age at the new rate."""
+        if value is not None:
+            value = require_float("half_life", value, low=1.0)
+        was = self._half_life
+        if (was is None) != (value is None) and getattr(self, "_clock", 0) > 0:
+            m = self._population()[0]
+            sign = -1.0 if value is not None else 1.0  # to offsets, or back to log lengths
+            for p in self._weight:
+                w, total = self._own(p)
+                self._weight[p], self._sum[p] = w, total + sign * w * m
+                self._stamp[p] = self._clock
+        self._half_life = value
+        self._decay = 1.0 if value is None else 2.0 ** (-1.0 / value)
+
+    def _own(self, prompt: int) -> tuple[float, float]:
+        """The prompt's (weight, weighted sum): of log lengths, or with forgetting of their
+        offsets from the population level when observed; discounted to now."""
+        w = self._weight.get(prompt, 0.0)
+        if not w:
+            return 0.0, 0.0
+        f = self._decay ** (self._clock - self._stamp[prompt]) if self._decay < 1.0 else 1.0
+        return w * f, self._sum[prompt] * f
 
     def _population(self) -> tuple[float, float, float]:
         """(m, t^2, s_w^2); before any data a wide prior around e^5 ~ 150 tokens."""
         sw2 = max(self._wss / self._wdf, 1e-4) if self._wdf > 0 else 1.0
-        if self._groups == 0:
+        if self._clock == 0:
             return 5.0, 4.0, sw2
         m = self._gsum / self._groups
         var_means = max(0.0, self._gsq / self._groups - m * m)
@@ -135,11 +191,13 @@ class LengthPrior:
     def predict(self, prompt: int) -> Prediction:
         """The prompt's predicted length (the population's for a prompt never seen)."""
         m, t2, sw2 = self._population()
-        n = self._count.get(prompt, 0)
+        n, total = self._own(prompt)
+        if self._half_life is not None:  # offsets from the level when observed: to today's
+            total += n * m
         prec = 1.0 / t2 + n / sw2
         v = 1.0 / prec
-        level = v * (m / t2 + self._sum.get(prompt, 0.0) / sw2)
-        return Prediction(level, v, sw2, n)
+        level = v * (m / t2 + total / sw2)
+        return Prediction(level, v, sw2, self._count.get(prompt, 0))
 
     def quantile(self, prompt: int, q: float) -> float:
         """The q-quantile of one response's length for ``prompt``, tokens."""
@@ -162,7 +220,7 @@ class LengthPrior:
         ``target`` groups to complete (all when None); lengths capped at ``cap`` tokens (the
         response limit). Empty before the prior has seen a group (nothing to predict from).
         Deterministic in ``seed``."""
-        if self._groups == 0 or not prompts or not sizes:
+        if self._clock == 0 or not prompts or not sizes:
             return {}
         require_float("tau", tau, low=1, low_open=True)
         require_int("extra", extra, minimum=0)
@@ -208,12 +266,21 @@ class LengthPrior:
         logs = [math.log(x) for x in ls] + [self._impute(prompt, max(ls))] * censored
         k = len(logs)
         mean = sum(logs) / k
+        w, total = self._own(prompt)
+        # with forgetting a prompt keeps its offsets from the population level of now
+        anchor = self._population()[0] * k if self._half_life is not None else 0.0
+        self._clock += 1
+        d = self._decay  # the population's evidence ages one group
         self._count[prompt] = self._count.get(prompt, 0) + k
-        self._sum[prompt] = self._sum.get(prompt, 0.0) + sum(logs)
-        self._groups += 1
-        self._gsum += mean
-        self._gsq += mean * mean
-        self._gsize += 1.0 / k
+        self._weight[prompt] = w * self._decay + k
+        self._sum[prompt] = total * self._decay + sum(logs) - anchor
+        self._stamp[prompt] = self._clock
+        self._groups = self._groups * d + 1.0
+        self._gsum = self._gsum * d + mean
+        self._gsq = self._gsq * d + mean * mean
+        self._gsize = self._gsize * d + 1.0 / k
+        self._wss *= d
+        self._wdf *= d
         if k > 1:
             self._wss += sum((x - mean) ** 2 for x in logs)
             self._wdf += k - 1
@@ -222,7 +289,7 @@ class LengthPrior:
         """A censored response's log length: its mean under the prompt's predictive
         distribution given that it ran past ``longest`` (a truncated normal's mean)."""
         a = math.log(longest)
-        if self._groups == 0:
+        if self._clock == 0:
             return a
         pred = self.predict(prompt)
         sd = math.sqrt(pred.level_var + pred.within_var)
@@ -235,7 +302,7 @@ class LengthPrior:
 
     # --- calibration ------------------------------------------------------------------------
     def _calibrate(self, prompt: int, lengths: list[int], censored: int = 0) -> None:
-        if self._groups == 0:
+        if self._clock == 0:
             return  # no prediction yet
         pred = self.predict(prompt)
         kind = "seen" if pred.seen else "unseen"
@@ -260,7 +327,7 @@ class LengthPrior:
 
     def calibration(self) -> dict[str, Any]:
         """Predicted against realised quantiles (module doc), as JSON."""
-        out: dict[str, Any] = {"groups": self._groups}
+        out: dict[str, Any] = {"groups": self._clock, "half_life": self._half_life}
         for k, rows in self._cover.items():
             out[k] = {"responses": self._responses[k],
                       **{f"below_p{int(q * 100)}": (b / n if n else None)
@@ -275,30 +342,52 @@ class LengthPrior:
 
     # --- persistence ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """JSON. Without forgetting (every weight its count) in the form of version 1, which
+        a trainer from before forgetting restores too; with it, version 2."""
+        state: dict[str, Any] = {
             "kind": "length_prior", "version": _STATE_VERSION, "num_prompts": self._n,
+            "half_life": self._half_life, "clock": self._clock,
             "count": {str(k): v for k, v in self._count.items()},
+            "weight": {str(k): v for k, v in self._weight.items()},
             "sum": {str(k): v for k, v in self._sum.items()},
+            "stamp": {str(k): v for k, v in self._stamp.items()},
             "population": [self._groups, self._gsum, self._gsq, self._gsize, self._wss,
                            self._wdf],
             "calibration": {"cover": self._cover, "responses": self._responses,
                             "skill": [self._sse, self._skill_n,
-                                                            self._skill_sum, self._skill_sq]},
+                                      self._skill_sum, self._skill_sq]},
         }
+        if self._half_life is None and self._groups == self._clock and all(
+                self._weight[k] == n for k, n in self._count.items()):
+            for key in ("half_life", "clock", "weight", "stamp"):
+                del state[key]
+            state["version"] = 1
+            state["population"][0] = self._clock
+            state["population"][5] = int(self._wdf)
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> LengthPrior:
         if not isinstance(state, dict) or state.get("kind") != "length_prior":
             raise StateError("not a length-prior state")
-        if state.get("version") != _STATE_VERSION:
-            raise StateError(f"unsupported length-prior state version {state.get('version')!r}")
+        version = state.get("version")
+        if version not in (1, _STATE_VERSION):
+            raise StateError(f"unsupported length-prior state version {version!r}")
         try:
-            p = cls(int(state["num_prompts"]))
+            p = cls(int(state["num_prompts"]), state.get("half_life"))
             p._count = {int(k): int(v) for k, v in state["count"].items()}
             p._sum = {int(k): float(v) for k, v in state["sum"].items()}
             g, gs, gq, gz, w, wd = state["population"]
-            p._groups, p._gsum, p._gsq, p._gsize = int(g), float(gs), float(gq), float(gz)
-            p._wss, p._wdf = float(w), int(wd)
+            p._groups, p._gsum, p._gsq, p._gsize = float(g), float(gs), float(gq), float(gz)
+            p._wss, p._wdf = float(w), float(wd)
+            if version == 1:  # written before forgetting: every group weighed the same
+                p._clock = int(g)
+                p._weight = {k: float(v) for k, v in p._count.items()}
+                p._stamp = dict.fromkeys(p._count, p._clock)
+            else:
+                p._clock = int(state["clock"])
+                p._weight = {int(k): float(v) for k, v in state["weight"].items()}
+                p._stamp = {int(k): int(v) for k, v in state["stamp"].items()}
             cal = state["calibration"]
             p._cover = {k: [[int(b), int(n)] for b, n in cal["cover"][k]]
                         for k in ("seen", "unseen")}
@@ -310,5 +399,7 @@ class LengthPrior:
             raise StateError(f"cannot restore LengthPrior: {exc!r}") from exc
         if any(not 0 <= k < p._n for k in p._count):
             raise StateError("length prior holds unknown prompt ids")
+        if not set(p._count) == set(p._weight) == set(p._sum) == set(p._stamp):
+            raise StateError("length prior's per-prompt tables disagree")
         require_float("population groups", float(p._groups), low=0.0)
         return p

@@ -164,7 +164,13 @@ from rlpacer.control.tail_batching import (
 )
 from rlpacer.sim.cost import QWEN25_14B_H100, CostProfile, tp_profile
 from rlpacer.sim.rollout import RoundOutcome, RoundSimulator
-from rlpacer.sim.trace import TraceWorkload, load_trace, split_half_calibration, trace_scenario
+from rlpacer.sim.trace import (
+    TraceWorkload,
+    load_trace,
+    recorded_order_calibration,
+    split_half_calibration,
+    trace_scenario,
+)
 from rlpacer.sim.workload import SCENARIOS, Scenario, Workload, scenario
 
 POLICY_NAMES = ("fixed4", "fixed8", "fixed16", "sagc", "tail8", "sagc_tail")
@@ -963,6 +969,17 @@ def format_prior(report: dict[str, Any]) -> str:
             f"{_cover(half['seen'])}, level skill {_num(half['level_skill'])}, within-group"
             f" share {half['population']['within_share']:.2f}"
         )
+    for row in report.get("length_prior_recorded_order", []):
+        h = row["half_life"]
+        cal = row["calibration"]
+        epochs = "; ".join(f"epoch {ep} {_cover(c).split(' at')[0]}"
+                           for ep, c in row["seen_by_epoch"].items())
+        how = "no forgetting" if h is None else f"half-life {h:g} groups"
+        lines.append(
+            f"  in the job's own order, {how}:"
+            f" prompts seen before {_cover(cal['seen'])}, level skill"
+            f" {_num(cal['level_skill'])}; by epoch (p10/p50/p90) {epochs or 'none seen'}"
+        )
     return "\n".join(lines)
 
 
@@ -1189,9 +1206,21 @@ def main(args: argparse.Namespace) -> int:
         except TraceError as err:
             print(f"error: --trace: {err}", file=sys.stderr)
             return 2
+    half_lives: list[float] = list(getattr(args, "prior_half_life", None) or [])
+    if half_lives:
+        bad = [h for h in half_lives if not h >= 1]
+        if bad or not args.prior or trace is None or trace.kind != "rlpacer":
+            why = (f"{bad[0]:g}: a half-life is 1 group or more" if bad else
+                   "needs --prior and --trace of a trace recorded by rlpacer (a job's"
+                   " trace.jsonl: prompt ids in training order)")
+            print(f"error: --prior-half-life {why}", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
     report, runs = run_bench(scn, seed=args.seed, ablations=args.ablations, trace=trace,
                              prior=args.prior, long_round_tp=long_round_tp)
+    if args.prior and trace is not None and trace.kind == "rlpacer":
+        report["length_prior_recorded_order"] = [
+            recorded_order_calibration(trace, h) for h in (None, *half_lives)]
     report["bench_seconds"] = time.perf_counter() - t0
     print(format_table(report))
     if args.prior:
@@ -1239,7 +1268,14 @@ def register(subparsers: Any) -> None:
         help="also run SAGC + tail batching with a per-prompt length prior: routing"
         " (sagc_tail_route), length-aware dispatch (sagc_tail_dispatch), both"
         " (sagc_tail_prior), and as SAGC's context (sagc_tail_context, sagc_context);"
-        " prints the prior's calibration",
+        " prints the prior's calibration; with a trace recorded by rlpacer, also the prior"
+        " in the job's own training order",
+    )
+    p.add_argument(
+        "--prior-half-life", type=float, action="append", metavar="GROUPS",
+        help="with --prior and a recorded rlpacer trace: the prior in the job's own order"
+        " again with forgetting at this half-life (tailBatching.lengthPrior.halfLifeGroups);"
+        " repeat for several",
     )
     p.add_argument(
         "--long-round-replicas", type=int, default=None, metavar="N",

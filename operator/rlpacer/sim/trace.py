@@ -31,11 +31,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from rlpacer.api.trace import Trace, TraceError, read_trace
-from rlpacer.control.length_prior import LengthPrior
+from rlpacer.control.length_prior import QUANTILES, LengthPrior
 from rlpacer.sim.workload import Scenario
 
 _POOL = 64  # draws per (epoch, prompt): more than any policy launches per prompt
@@ -140,3 +141,40 @@ def split_half_calibration(trace: Trace) -> dict[str, object]:
         if half:
             prior.observe(i, g.lengths[half:])
     return prior.calibration()
+
+
+def recorded_order_calibration(trace: Trace, half_life: float | None = None) -> dict[str, Any]:
+    """The length prior as the recorded job learned it: each trained group, in the order the
+    job trained them (epoch, step), observed as the driver observes it (finished lengths, the
+    rest censored), after its finished lengths are checked against the prediction made
+    without it. With ``half_life`` the prior forgets (rlpacer.control.length_prior), so the
+    same trace says what forgetting would have predicted. The prior's calibration, and per
+    epoch the coverage of prompts seen before (finished responses only). Recorded rlpacer
+    traces only: a veRL trace has no prompt ids or order."""
+    if trace.kind != "rlpacer":
+        raise TraceError(f"{trace.name}: a {trace.kind} trace has no prompt ids or training"
+                         " order (record one with rlpacer run or a cluster job)")
+    ids = [g.prompt for g in trace.groups]
+    prompts = int(trace.meta.get("prompts") or 0)
+    prompts = max([prompts, *(int(p) + 1 for p in ids if p is not None)])
+    prior = LengthPrior(prompts, half_life=half_life)
+    # per epoch: responses at or below the predicted p10, p50, p90, and responses judged
+    by_epoch: dict[int, list[int]] = {}
+    for g in trace.groups:
+        assert g.prompt is not None and g.epoch is not None  # rlpacer traces carry both
+        if g.lengths and prior.groups and prior.predict(g.prompt).seen:
+            row = by_epoch.setdefault(g.epoch, [0, 0, 0, 0])
+            qs = [prior.quantile(g.prompt, q) for q in QUANTILES]
+            for i, qv in enumerate(qs):
+                row[i] += sum(x <= qv for x in g.lengths)
+            row[3] += len(g.lengths)
+        if g.lengths:
+            prior.observe(g.prompt, g.lengths, censored=g.censored)
+    return {
+        "half_life": half_life,
+        "calibration": prior.calibration(),
+        "seen_by_epoch": {
+            str(ep): {"responses": n, **{f"below_p{int(q * 100)}": b / n
+                                         for q, b in zip(QUANTILES, row[:3], strict=True)}}
+            for ep, (*row, n) in sorted(by_epoch.items()) if n},
+    }

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from rlpacer.control.errors import StateError
+from rlpacer.control.errors import ConfigError, StateError
 from rlpacer.control.length_prior import LengthPrior
 from rlpacer.control.tail_batching import RoundKind, TailBatchingConfig, TailBatchingPlanner
 
@@ -99,6 +99,103 @@ def test_state_round_trips_through_json_and_rejects_garbage() -> None:
         pr.observe(50, [3])
     with pytest.raises(ValueError, match=">= 1 token"):
         pr.observe(1, [0])
+
+
+# --- forgetting -------------------------------------------------------------------------------
+def _drift(pr: LengthPrior, levels: np.ndarray, rng: np.random.Generator, shift: float,
+           epochs: int) -> list[tuple[float, int]]:
+    """Epochs of every prompt, lengths shifted by ``shift`` (log) from the second epoch on
+    (a policy that learned to stop rambling); each later response's predicted-median
+    coverage: (fraction of its group at or below the predicted median, group size)."""
+    cover = []
+    for epoch in range(epochs):
+        for p in range(len(levels)):
+            g = _group(levels[p] + (shift if epoch else 0.0), rng, 0.4)
+            if epoch:
+                med = pr.quantile(p, 0.5)
+                cover.append((sum(x <= med for x in g) / len(g), len(g)))
+            pr.observe(p, g)
+    return cover
+
+
+def test_forgetting_follows_lengths_that_drift_and_keeps_each_prompts_rank() -> None:
+    levels, _ = _population(200, between=0.5, within=0.4, seed=5)
+    runs = {}
+    for half_life in (None, 800.0):  # four epochs of 200 prompts
+        pr = LengthPrior(200, half_life=half_life)
+        cover = _drift(pr, levels, np.random.default_rng(7), shift=-2.0, epochs=3)
+        runs[half_life] = (pr, float(np.mean([c for c, _ in cover[-200:]])))
+    stale, fresh = runs[None][0], runs[800.0][0]
+    # every prompt's lengths fell by e^2 after the first epoch: in the third, a prior that
+    # weighs all epochs alike predicts a median that nearly every response falls below; with
+    # forgetting about half of them do
+    assert runs[None][1] > 0.9
+    assert abs(runs[800.0][1] - 0.5) < 0.1
+    pop = {k: r[0].calibration()["population"]["level"] for k, r in runs.items()}
+    assert pop[800.0] < pop[None]  # the level follows too, slowly at this half-life
+    # a prompt keeps its place in the population (its offset from the level), so routing
+    # and dispatch still tell long prompts from short ones
+    hi, lo = int(np.argmax(levels)), int(np.argmin(levels))
+    assert fresh.level_rank(hi) > 0.8 and fresh.level_rank(lo) < 0.2
+    assert abs(fresh.predict(hi).level - (levels[hi] - 2.0)) < 0.3 < abs(
+        stale.predict(hi).level - (levels[hi] - 2.0))
+    assert fresh.predict(hi).seen == stale.predict(hi).seen == 24  # seen, whatever the weight
+    assert fresh.calibration()["half_life"] == 800.0 and stale.calibration()["half_life"] is None
+
+
+def test_a_long_half_life_on_a_workload_that_does_not_drift_stays_calibrated() -> None:
+    levels, rng = _population(400, between=0.5, within=0.7, seed=1)
+    pr = LengthPrior(400, half_life=2000)
+    for _epoch in range(3):
+        for p in range(400):
+            pr.observe(p, _group(levels[p], rng, 0.7))
+    cal = pr.calibration()
+    for kind in ("seen", "unseen"):
+        for q, key in ((0.1, "below_p10"), (0.5, "below_p50"), (0.9, "below_p90")):
+            assert abs(cal[kind][key] - q) < 0.05, (kind, key, cal[kind])
+
+
+def test_forgetting_state_round_trips_and_a_state_from_before_forgetting_loads() -> None:
+    levels, rng = _population(60, between=0.5, within=0.5, seed=3)
+    pr = LengthPrior(60, half_life=25)
+    for p in list(range(50)) * 2:
+        pr.observe(p, _group(levels[p], rng, 0.5))
+    again = LengthPrior.from_state_dict(json.loads(json.dumps(pr.state_dict())))
+    assert again.half_life == 25
+    for p in (0, 17, 55):
+        assert again.predict(p) == pr.predict(p)
+    for q in (pr, again):  # and they go on alike
+        q.observe(3, [40, 50, 60])
+    assert again.predict(3) == pr.predict(3) and again.predict(40) == pr.predict(40)
+    # a checkpoint written before forgetting existed (state version 1): the same prior
+    plain = LengthPrior(60)
+    for p in range(40):
+        plain.observe(p, _group(levels[p], rng, 0.5))
+    v1 = plain.state_dict()  # without forgetting, written as before it existed
+    assert v1["version"] == 1 and set(v1) == {
+        "kind", "version", "num_prompts", "count", "sum", "population", "calibration"}
+    assert all(isinstance(x, int) for x in (v1["population"][0], v1["population"][5],
+                                            *v1["count"].values()))
+    old = LengthPrior.from_state_dict(json.loads(json.dumps(v1)))
+    assert old.half_life is None and old.groups == 40
+    for p in (0, 39, 45):
+        assert old.predict(p) == plain.predict(p)
+    old.observe(0, [10, 20])
+    plain.observe(0, [10, 20])
+    assert old.predict(0) == plain.predict(0)
+    # forgetting turned on for a prior restored without it (and off again): the same
+    # predictions at once, the evidence re-expressed as offsets from today's level
+    before = [old.predict(p) for p in (0, 39, 45)]
+    for h in (100.0, None):
+        old.half_life = h
+        for p, b in zip((0, 39, 45), before, strict=True):
+            assert old.predict(p).level == pytest.approx(b.level, abs=1e-9)
+    with pytest.raises(ConfigError, match="half_life"):
+        LengthPrior(10, half_life=0.5)
+    bad = pr.state_dict()
+    del bad["stamp"]["0"]
+    with pytest.raises(StateError, match="disagree"):
+        LengthPrior.from_state_dict(bad)
 
 
 # --- routing in the planner ------------------------------------------------------------------

@@ -166,6 +166,7 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
         "longRound": {"rolloutReplicas": 2}, "lengthPrior": {"route": True}}}),
     "tailBatching.lengthPrior.dispatch": (True, None),
     "tailBatching.lengthPrior.context": (True, None),
+    "tailBatching.lengthPrior.halfLifeGroups": (512, None),
     "checkpoint.volumeClaim": ("checkpoints", None),
     "checkpoint.everySteps": (5, None),
     # the scenario: evicted by Kueue while the driver runs (pods kept for its checkpoint, or not)
@@ -411,7 +412,7 @@ def _trainer(spec: Any) -> dict[str, Any]:
             "overlong_scale": cfg.overlong_scale, "planner": _plain(cfg.planner_config()),
             "planner_epochs": cfg.planner_epochs(),
             "route_quantile": cfg.route_quantile, "length_dispatch": cfg.length_dispatch,
-            "length_context": cfg.length_context,
+            "length_context": cfg.length_context, "length_half_life": cfg.length_half_life,
             "scale_up_lead_s": cfg.scale_up_lead_s,
             "max_deferred_rounds": cfg.max_deferred_rounds,
             "controller": _plain(cfg.controller_config()),

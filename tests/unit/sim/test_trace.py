@@ -12,7 +12,12 @@ import pytest
 from rlpacer.api.trace import ResponseRecord, TraceError, header, read_trace
 from rlpacer.cli import main
 from rlpacer.sim.bench import run_bench
-from rlpacer.sim.trace import TraceWorkload, load_trace, trace_scenario
+from rlpacer.sim.trace import (
+    TraceWorkload,
+    load_trace,
+    recorded_order_calibration,
+    trace_scenario,
+)
 from rlpacer.sim.workload import scenario
 
 pytestmark = pytest.mark.unit
@@ -95,6 +100,9 @@ def test_a_recorded_trace_replays_the_round_each_prompt_was_kept_in() -> None:
     assert by_key == {"epoch 0 prompt 0": (10, 30, 50), "epoch 0 prompt 1": (200, 240),
                       "epoch 0 prompt 2": (70, 90), "epoch 0 prompt 3": (55,)}
     assert t.censored == 1  # prompt 0's aborted response (prompt 1's deferral is not replayed)
+    # each group knows its prompt, its epoch and its round's responses without a length
+    assert [(g.prompt, g.epoch, g.censored) for g in t.groups] == [
+        (0, 0, 1), (2, 0, 0), (3, 0, 0), (1, 0, 0)]
 
 
 def test_a_recorded_trace_with_a_bad_line_names_it() -> None:
@@ -227,3 +235,56 @@ def test_the_bench_measures_each_use_of_the_length_prior_alone() -> None:
         filed = sum(n for n, _ in ctx["context_counts"])
         assert filed >= ctx["steps"] - ctx["long_rounds"] - 3
     assert pol["sagc_tail"]["context_decisions"] == 0
+
+
+# --- the length prior in a job's own order -----------------------------------------------------
+def _drifting_trace(prompts: int = 40, epochs: int = 3, per_step: int = 10) -> list[str]:
+    """A recorded trace whose every prompt answers e^2 times shorter after its first epoch
+    (a policy that learned to stop rambling): lognormal lengths, a level per prompt."""
+    rng = np.random.default_rng(0)
+    levels = rng.normal(5.0, 0.5, size=prompts)
+    lines = [header(max_tokens=4096, prompts=prompts, prompts_per_step=per_step, seed=0)]
+    for ep in range(epochs):
+        for p in range(prompts):
+            step = ep * (prompts // per_step) + p // per_step
+            for i in range(8):
+                n = max(1, round(float(np.exp(levels[p] - (2.0 if ep else 0.0)
+                                              + 0.4 * rng.standard_normal()))))
+                lines.append(_rec(step=step, round=step, epoch=ep, prompt=p, index=i, length=n))
+    return lines
+
+
+def test_the_prior_replayed_in_the_jobs_order_shows_what_forgetting_predicts() -> None:
+    trace = read_trace(_drifting_trace(), "drift.jsonl")
+    stale = recorded_order_calibration(trace)
+    fresh = recorded_order_calibration(trace, half_life=160.0)  # four epochs of 40 prompts
+    assert stale["half_life"] is None and fresh["half_life"] == 160.0
+    assert set(stale["seen_by_epoch"]) == {"1", "2"}  # nothing is seen before epoch 1
+    # the third epoch: nearly every response below the median a prior of every epoch alike
+    # predicts; about half with forgetting
+    assert stale["seen_by_epoch"]["2"]["below_p50"] > 0.9
+    assert abs(fresh["seen_by_epoch"]["2"]["below_p50"] - 0.5) < 0.15
+    assert fresh["calibration"]["level_skill"] > stale["calibration"]["level_skill"]
+    assert stale["calibration"]["groups"] == 120
+    with pytest.raises(TraceError, match="no prompt ids"):
+        recorded_order_calibration(load_trace(DAPO))
+
+
+def test_cli_prints_the_prior_in_the_jobs_order_at_each_half_life(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rec = _write(tmp_path, "drift.jsonl", _drifting_trace())
+    out = tmp_path / "r.json"
+    assert main(["bench", "--trace", str(rec), "--steps", "12", "--prior",
+                 "--prior-half-life", "160", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "in the job's own order, no forgetting" in text
+    assert "in the job's own order, half-life 160 groups" in text
+    rows = json.loads(out.read_text())["length_prior_recorded_order"]
+    assert [r["half_life"] for r in rows] == [None, 160.0]
+    for argv, message in (
+            (["--trace", str(rec), "--prior-half-life", "160"], "needs --prior"),
+            (["--trace", str(DAPO), "--prior", "--prior-half-life", "160"], "recorded by rlpacer"),
+            (["--trace", str(rec), "--prior", "--prior-half-life", "0.5"], "1 group or more")):
+        assert main(["bench", *argv]) == 2
+        assert message in capsys.readouterr().err, argv
+

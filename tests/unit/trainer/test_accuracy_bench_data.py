@@ -129,13 +129,26 @@ def test_the_shipped_rambling_warm_start_names_its_recipe_and_its_base() -> None
             f"--seed {ws['seed']}") in header and ws["lr"] == 1e-3
 
 
-def test_the_recipe_fine_tunes_a_copy_with_rambling_targets(tmp_path: Path) -> None:
+def test_the_recipe_fine_tunes_a_copy_with_rambling_targets(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = hfrecipe.make(tmp_path / "base")
-    with pytest.raises(SystemExit):
-        hfrecipe.main([str(tmp_path / "x"), "--from", str(base), "--ramble", "1.0"])
-    with pytest.raises(SystemExit):
-        hfrecipe.main([str(tmp_path / "y"), "--from", str(tmp_path / "nowhere"), "--ramble", "0.5"])
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    refused = {  # each bad command line, and what its error names
+        "x": (["--from", str(base), "--ramble", "1.0", "--warm-start-steps", "2"],
+              "--ramble 1.0: a probability in [0, 1)"),
+        "y": (["--from", str(tmp_path / "nowhere"), "--ramble", "0.5", "--warm-start-steps", "2"],
+              "not a model directory"),
+        # the warm start's own flags without a warm start would do nothing: refused
+        "z": (["--from", str(base), "--ramble", "0.5"],
+              "--ramble 0.5 shapes the warm start: give --warm-start-steps N too"),
+        "w": (["--lr", "1e-4"], "--lr 0.0001 shapes the warm start: give --warm-start-steps"),
+        "v": (["--warm-start-steps", "2", "--lr", "0"], "--lr 0.0: a learning rate above 0"),
+        "u": (["--warm-start-steps", "-1"], "--warm-start-steps -1: a number of steps"),
+    }
+    for name, (argv, message) in refused.items():
+        with pytest.raises(SystemExit):
+            hfrecipe.main([str(tmp_path / name), *argv])
+        assert message in capsys.readouterr().err, name
+        assert not (tmp_path / name).exists(), name
     (base / "rlpacer_recipe.json").write_text('{"warm_start": {"steps": 1}}')
     out = tmp_path / "out"
     assert hfrecipe.main([str(out), "--from", str(base), "--ramble", "0.5",

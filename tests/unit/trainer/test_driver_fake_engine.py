@@ -804,3 +804,37 @@ def test_length_context_reports_the_next_rounds_risk_and_sagc_takes_it() -> None
         # at) is filed under a half (long rounds do not feed SAGC)
         shorts = sum(r.round_kind is RoundKind.SHORT for r in sent)
         assert filed >= shorts - 2 > 0
+
+
+def test_the_length_priors_forgetting_follows_the_spec_through_a_checkpoint(
+        tmp_path: Path) -> None:
+    """``tailBatching.lengthPrior.halfLifeGroups``: the driver's prior discounts each group's
+    evidence by the groups trained since (without it, every response weighs one), a resumed
+    driver's prior is the straight run's, and the spec's half-life, not the checkpoint's,
+    applies on resume."""
+    from rlpacer.api.job import LengthPriorSpec
+
+    runs = {}
+    for half_life in (None, 8):
+        cfg = _cfg(steps=6)
+        cfg.job.spec.checkpoint.every_steps = 3
+        cfg.job.spec.tail_batching.length_prior = LengthPriorSpec(half_life_groups=half_life)
+        ckpt = tmp_path / str(half_life)
+        a = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=ckpt)
+        a.run()
+        assert a.prior.half_life == half_life and a.prior.groups > 16
+        state = a.prior.state_dict()
+        weights = [(a.prior._own(int(p))[0], n) for p, n in state["count"].items()]
+        if half_life is None:
+            assert all(w == n for w, n in weights)
+        else:  # every prompt but the last one observed has aged
+            assert sum(w < n for w, n in weights) >= len(weights) - 1
+        b = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=ckpt)
+        assert b.load_checkpoint(ckpt / "step-000003") and b.step == 3
+        b.run()
+        assert b.prior.state_dict() == state
+        runs[half_life] = (cfg, ckpt)
+    cfg, _ = runs[8]
+    _, plain = runs[None]  # a checkpoint of a prior without forgetting, resumed with it
+    c = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=plain)
+    assert c.load_checkpoint(plain / "step-000003") and c.prior.half_life == 8
