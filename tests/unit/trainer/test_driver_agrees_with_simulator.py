@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from rlpacer_trainer import runtime, weights
 from rlpacer_trainer.config import RunConfig
 from rlpacer_trainer.engine import EngineInfo, EngineStats, Finished, GenRequest
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("close_drivers")]
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "tiny-local.yaml"
@@ -120,21 +120,6 @@ class RecordedEngine:
 
     def generate(self, requests: Sequence[GenRequest]) -> dict[str, Finished]:
         raise AssertionError("a round is dispatched and polled, never generated at once")
-
-
-@pytest.fixture(autouse=True)
-def _close_drivers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    made: list[Any] = []
-    real = runtime.build_driver
-
-    def build(*args: Any, **kw: Any) -> Any:
-        made.append(real(*args, **kw))
-        return made[-1]
-
-    monkeypatch.setattr(runtime, "build_driver", build)
-    yield
-    for drv in made:
-        drv.close()
 
 
 PROMPTS = 64

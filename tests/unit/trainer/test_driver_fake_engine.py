@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import textwrap
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from rlpacer_trainer.controller_client import InProcessController
 from rlpacer_trainer.driver import EngineDied, length_summary
 from rlpacer_trainer.engine import EngineInfo, EngineStats, Finished, GenRequest
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("close_drivers")]
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny-local.yaml"
 
 
@@ -92,22 +92,6 @@ class ScriptedEngine:
             for f in self.poll():
                 done[f.request_id] = f
         return done
-
-
-@pytest.fixture(autouse=True)
-def _close_drivers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Each driver's reward workers stop with its test, not with the session."""
-    made: list[Any] = []
-    real = runtime.build_driver
-
-    def build(*args: Any, **kw: Any) -> Any:
-        made.append(real(*args, **kw))
-        return made[-1]
-
-    monkeypatch.setattr(runtime, "build_driver", build)
-    yield
-    for drv in made:
-        drv.close()
 
 
 def _cfg(activation: str = "Always", **kw: object) -> RunConfig:
