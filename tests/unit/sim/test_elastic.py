@@ -211,7 +211,9 @@ def test_an_early_ask_has_every_long_rounds_replicas_ready_at_its_start(
     assert long_s["early"] == long_s["large"] < long_s["elastic"] <= long_s["small"]
     assert st["early_vs_small"]["long_round_rollout_ratio"] == pytest.approx(
         long_s["large"] / long_s["small"])
-    # Short rounds are the same on every set-up, so early's wall clock is the large pool's.
+    # Asked one step ahead, the extras are never up at a short step's start: short rounds
+    # run as on the small pool, so early's wall clock is the large pool's.
+    assert st["early"]["short_rounds_on_extras"] == 0
     assert st["early"]["wall_clock_s"] == st["large"]["wall_clock_s"]
     assert st["early"]["wall_clock_s"] < st["elastic"]["wall_clock_s"]
 
@@ -255,9 +257,10 @@ def test_a_latency_beyond_the_earliest_forecast_joins_mid_round_no_later_than_el
         ej, elj = run.join_s_early[i], run.join_s[i]
         assert ej is not None and (elj is None or ej <= elj)
         assert run.rollout_s_early[i] <= run.rollout_s_elastic[i]
-    # the rounds that waited all got their replicas mid-round (none ended before them)
+    # the rounds that waited all got their replicas mid-round (none ended before them); the
+    # first one, at least
     waited = st["early"]["long_rounds_waited"]
-    assert waited == st["early"]["long_rounds_joined"] == 2
+    assert waited == st["early"]["long_rounds_joined"] >= 1
     assert waited < st["elastic"]["long_rounds_waited"] == len(longs)
     assert st["early"]["requests_moved"] > 0 == st["elastic"]["requests_moved"]
     assert (st["large"]["long_round_rollout_s"] < st["early"]["long_round_rollout_s"]
@@ -291,3 +294,29 @@ def test_the_bench_report_and_table_carry_the_early_setup() -> None:
     vs = st["early_vs_small"]
     assert f"{vs['long_round_rollout_ratio']:.3f}x" in row and f"{vs['wall_ratio']:.3f}x" in row
     assert "early/small" in table and "waited" in table
+
+
+def test_held_extras_up_at_a_short_steps_start_serve_its_round(
+    sweep: dict[float, PolicyRun],
+) -> None:
+    """150 s: asked from step 0's report, the extras are up before the first long round ends
+    and, asked again at nearly every report (each short step is shorter than the lead), held
+    on: every short round of a step that starts with them up runs on all four replicas, as the
+    driver admits them at a step boundary. Those rounds are faster than on the small pool, so
+    early beats the large pool, whose short rounds leave its extras idle; a lead of 0 holds
+    no extras through short rounds (none served, the elastic clock)."""
+    run = sweep[150.0]
+    st = _setups(run)
+    served = st["early"]["short_rounds_on_extras"]
+    shorts = [i for i, k in enumerate(run.kind) if k == "Short"]
+    assert served >= len(shorts) // 2, (served, len(shorts))
+    faster = [i for i in shorts if run.rollout_s_early[i] < run.rollout_s[i]]
+    assert len(faster) >= served - 2  # a round may tie (its longest response decides it)
+    assert all(run.rollout_s_early[i] <= run.rollout_s[i] for i in shorts)
+    assert st["early"]["short_round_s_saved"] == pytest.approx(
+        sum(run.rollout_s[i] - run.rollout_s_early[i] for i in shorts))
+    assert st["early"]["short_round_s_saved"] > 0
+    assert st["early"]["wall_clock_s"] < st["large"]["wall_clock_s"]
+    zero = _setups(sweep[0.0])
+    assert zero["early"]["short_rounds_on_extras"] == 0
+    assert zero["early"]["short_round_s_saved"] == 0.0
