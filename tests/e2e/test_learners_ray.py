@@ -171,3 +171,50 @@ def test_four_sharded_ranks_on_two_pods_take_one_learners_update(ray_local: None
             other.shutdown()
     finally:
         group.shutdown()
+
+
+@pytest.mark.parametrize("sharding", ["Replicated", "FSDP"])
+def test_a_step_streamed_to_learner_actors_takes_one_learners_update(
+        ray_local: None, sharding: str) -> None:
+    """``trainer.streamTraining`` over Ray (the driver's path): a step's parts go to the
+    ranks as they come (each sample to rank position mod ranks; sharded ranks each get every
+    part) and return at once; the finish takes one learner's update on the whole batch, with
+    every sample streamed."""
+    cfg = dataclasses.replace(CFG, sharding=sharding, kl_coef=0.05, micro_batch_tokens=256)
+    group = RayLearners(MODEL, cfg, 2, num_cpus=0.5, pinned=False)
+    single = InProcessLearners(LearnerWorker(MODEL, dataclasses.replace(
+        cfg, sharding="Replicated")))
+    try:
+        assert group.sharded == (sharding == "FSDP")
+        start = {k: v.clone() for k, v in single.model.state_dict().items()}
+        for step in range(2):
+            batch = _batch(13, seed=step)
+            assert group.stream_begin()
+            rng = random.Random(step)
+            i = 0
+            while i < len(batch):  # groups of 1-4 samples, in the batch's order
+                m = rng.randint(1, 4)
+                part = list(range(i, min(len(batch), i + m)))
+                group.stream_add([batch[j] for j in part], part)
+                i += m
+            stats = group.stream_finish(batch)
+            assert stats["streamed"] == 13.0 and stats["stream_s"] > 0, stats
+            assert "stream_refused" not in stats
+            single.train_step(batch)
+        blob_ref, _ = group.publish()
+        import ray
+
+        got_obj = ray.get(blob_ref)
+        got: dict[str, torch.Tensor] = {}
+        if isinstance(got_obj, list):  # sharded: bucket references
+            for r in got_obj:
+                got |= weights.from_bytes(ray.get(r))
+        else:
+            got = weights.from_bytes(got_obj)
+        want = single.model.state_dict()
+        moved = _norm(want, start)
+        assert moved > 1e-2
+        assert _norm(got, want) < 1e-3 * moved, (_norm(got, want), moved)
+    finally:
+        group.shutdown()
+        single.shutdown()

@@ -15,6 +15,9 @@ controller. From what the engines and learners report about themselves (the driv
 * the four learner ranks ran two on each learner host, FSDP-sharded over all four (gloo across
   hosts): each holds a quarter of the parameters and optimizer state, the engines loaded the
   gathered weights in buckets, and every rank wrote its shards of the checkpoint;
+* with ``trainer.streamTraining`` each step's groups went to the four ranks on the learner
+  hosts as they finished, and every sample of every step's update was streamed (none trained
+  whole instead);
 * the driver's process holds no learner or engine (they are on other hosts).
 """
 
@@ -58,6 +61,7 @@ def _manifest(path: Path) -> None:
     spec["tailBatching"].setdefault("longRound", {})["rolloutReplicas"] = 2
     spec["trainer"]["replicas"] = 2
     spec["trainer"]["cpuRanksPerReplica"] = 2  # 4 learner ranks, FSDP across 2 hosts
+    spec["trainer"]["streamTraining"] = True  # each part to all four ranks, as they finish
     spec["steps"] = STEPS
     spec["promptsPerStep"] = 16
     spec["checkpoint"]["everySteps"] = 2
@@ -158,6 +162,10 @@ def test_every_pod_does_its_roles_work_on_its_own_host(tmp_path: Path) -> None:
             assert e["address"] == addr[f"rollout-{e['replica']}"]
             assert e["policy_version"] == held, (r["step"], e, held)
         held = r["policy_version"]
+        # streamed: the learner ranks had every sample before the step's finish
+        assert r["stream_training"] and r["learner_samples"] > 0, r
+        assert r["learner_streamed"] == r["learner_samples"], r
+        assert "learner_stream_refused" not in r, r
     # the checkpoint: each learner rank wrote its shards, rank 0 the gathered model, the
     # driver the rest
     latest = ckpt / (ckpt / "latest").read_text().strip()

@@ -310,6 +310,11 @@ class RunConfig:
         return decimal(lp.route_quantile)
 
     @property
+    def stream_training(self) -> bool:
+        """``trainer.streamTraining``: groups trained as they finish (the driver's StepStream)."""
+        return bool(self.spec.trainer.stream_training)
+
+    @property
     def length_half_life(self) -> float | None:
         """``tailBatching.lengthPrior.halfLifeGroups``: the prior's forgetting, or None."""
         lp = self.spec.tail_batching.length_prior

@@ -99,6 +99,26 @@ class Kept:
 
 
 @dataclasses.dataclass
+class StepStream:
+    """A step's groups handed to the learner as they finish (``spec.trainer.streamTraining``):
+    each complete group, once its rewards are in, in the order the step's batch will hold it
+    (its rounds in order, each round's groups in the order they completed), with the
+    positions its samples will have there; a group DAPO's dynamic sampling drops takes none."""
+
+    done: list[tuple[int, int, list[Kept]]] = dataclasses.field(default_factory=list)
+    """Complete groups not yet handed over: (round index, prompt, kept responses)."""
+    scores: dict[Any, float] = dataclasses.field(default_factory=dict)
+    submitted: set[Any] = dataclasses.field(default_factory=set)  # reward keys sent to score
+    next_pos: int = 0  # the batch position of the next sample handed over
+    in_rollout: int = 0  # samples handed over while a round was still generating
+    batch_tokens: int = 0
+    """Padded tokens (sequences x the longest) to gather before handing a part over: the
+    learner's micro-batch budget, so that its passes are as large as the whole step's (0:
+    each group at once)."""
+    buffer: list[tuple[Sample, int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class RoundOutcome:
     kind: RoundKind
     kept: dict[int, list[Kept]]
@@ -206,6 +226,9 @@ class Driver:
         self.max_deferrals = cfg.max_deferred_rounds
         self._deferrals = 0  # in this wait (0 again once a long round runs)
         self._deferring = False  # the coming round is one of them
+        #: the step's groups streamed to the learner as they finish (spec.trainer.streamTraining)
+        self._stream: StepStream | None = None
+        self._early_scores: dict[Any, float] = {}  # scores the stream took during the round
 
     # --- the response trace -----------------------------------------------------------------
     def record_trace(self, path: Path) -> None:
@@ -246,6 +269,48 @@ class Driver:
         if f.finish_reason == "stop":
             self.scorer.submit(key, RewardCall.of(self.tok.decode(f.token_ids),
                                                   self.problems[pid]))
+            if self._stream is not None:
+                self._stream.submitted.add(key)
+
+    def _pump_stream(self, *, final: bool = False, in_rollout: bool = False) -> None:
+        """Hands the learner every complete group whose rewards are in, in batch order
+        (``final``: the rest of them, a reward never asked for counting 0 as in the step)."""
+        st = self._stream
+        if st is None:
+            return
+        if not final:
+            st.scores.update(self.scorer.take_ready())
+        while st.done:
+            rnd, p, ks = st.done[0]
+            keys = [(rnd, p, k.idx) for k in ks]
+            if not final and any(key in st.submitted and key not in st.scores for key in keys):
+                return  # the next group's rewards are not all in: the order waits for it
+            st.done.pop(0)
+            rewards = [self._shaped(st.scores.get(key, 0.0), k) for key, k in zip(
+                keys, ks, strict=True)]
+            if self.cfg.dynamic_sampling and not algos.informative_groups([rewards]):
+                continue  # dropped from the batch: no position
+            (adv,) = algos.ragged_group_advantages([rewards])
+            prompt = self.tok.prompt_ids(self.problems[p].prompt)
+            samples = [Sample(prompt, list(k.tokens), float(a))
+                       for k, a in zip(ks, adv, strict=True)]
+            st.buffer += [(x, st.next_pos + j) for j, x in enumerate(samples)]
+            st.next_pos += len(samples)
+            width = max(len(x.prompt_ids) + len(x.response_ids) for x, _ in st.buffer)
+            if len(st.buffer) * width >= st.batch_tokens:
+                self._hand_over(in_rollout=in_rollout)
+        if final:
+            self._hand_over(in_rollout=in_rollout)
+
+    def _hand_over(self, *, in_rollout: bool) -> None:
+        st = self._stream
+        if st is None or not st.buffer:
+            return
+        samples, positions = [x for x, _ in st.buffer], [pos for _, pos in st.buffer]
+        st.buffer = []
+        if in_rollout:
+            st.in_rollout += len(samples)
+        self.learner.stream_add(samples, positions)
 
     def _shaped(self, score: float, k: Kept) -> float:
         """The reward a kept response trains with: its score plus overlong shaping."""
@@ -335,6 +400,8 @@ class Driver:
                     k = Kept(p, i, f.token_ids, f.finish_reason)
                     kept.setdefault(p, []).append(k)
                     self._submit_reward((plan.index, p, i), f, p)
+                    if self._stream is not None and len(kept[p]) == plan.keep_per_prompt:
+                        self._stream.done.append((plan.index, p, kept[p]))  # complete
                 to_abort = [(q, j) for q in d.abort_prompts for j in
                             range(plan.responses_per_prompt)] + list(d.abort_responses)
                 if d.round_complete:
@@ -350,6 +417,9 @@ class Driver:
                     break
             for r in dead:
                 self._engine_died(r)
+            if self._stream is not None and not complete:
+                self._pump_stream(in_rollout=True)
+                self._early_scores.update(self._stream.scores)
         rollout_s = time.perf_counter() - t0
         self.rollout_wall += rollout_s
         res = self.planner.finish_round()
@@ -517,6 +587,11 @@ class Driver:
         self._died_served = []
         self._stats_before = stats_before = self._engine_stats()
         reward_before = self.scorer.stats
+        self._stream = None
+        self._early_scores = {}
+        if self.cfg.stream_training and self.learner.stream_begin():
+            self._stream = StepStream(
+                batch_tokens=int(self.cfg.learner_config().micro_batch_tokens))
         while True:
             rnd = self.run_round(g)
             rollout_s += rnd.rollout_s
@@ -526,6 +601,11 @@ class Driver:
             routed += rnd.routed
             overprovisioned = overprovisioned or rnd.overprovisioned
             scores, waited = self.scorer.collect()
+            scores = {**self._early_scores, **scores}  # those the stream took first
+            self._early_scores = {}
+            if self._stream is not None:
+                self._stream.scores.update(scores)
+                self._pump_stream(final=True)
             reward_s += waited
             for p, ks in rnd.kept.items():
                 for k in ks:
@@ -572,7 +652,11 @@ class Driver:
         if not next_long and not asking:
             self.release_extras()  # before the report that lets the operator scale down
         t0 = time.perf_counter()
-        stats = self.learner.train_step(samples)
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stats = self.learner.stream_finish(samples)
+        else:
+            stats = self.learner.train_step(samples)
         train_s = time.perf_counter() - t0
         sync_s = self.sync_weights()
         summary = length_summary(lengths, aborted)
@@ -621,6 +705,9 @@ class Driver:
             "retired_prompts": len(retired), "retired_total": self.planner.retired,
             "routed_prompts": routed, "routed_total": self.routed_total,
             "critical_path_tokens": path_tokens,
+            "stream_training": stream is not None,
+            "streamed_in_rollout": stream.in_rollout if stream is not None else 0,
+            "seconds_train_streamed": float(stats.get("stream_s", 0.0)),
             "tail_gate_on": self.planner.gate.active and self.planner.config.enabled,
             **reward_metrics(self.scorer.stats.minus(reward_before)),
             "policy_version": self.policy_version, "engines": served, "replicas": used,

@@ -143,6 +143,25 @@ class Shard:
             off += g.numel()
 
 
+@dataclasses.dataclass
+class _Stream:
+    """A step streamed in (:meth:`Learner.stream_add`): the passes made before the batch is
+    whole. Samples by position; the later mini-batches' behaviour log-probs and the reference
+    model's, each row as long as its sample (prompt + response, less one)."""
+
+    k: int
+    samples: dict[int, Sample] = dataclasses.field(default_factory=dict)
+    old: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    ref: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    loss_sum: float = 0.0  # the first mini-batch's, not yet divided by its count
+    kl_sum: float = 0.0
+    clipped: float = 0.0
+    tokens: float = 0.0
+    passes: int = 0
+    busy_s: float = 0.0
+    broken: str | None = None
+
+
 class Learner:
     """Owns the policy, its optimizer and (when ``kl_coef > 0``) a frozen reference copy."""
 
@@ -156,6 +175,7 @@ class Learner:
         self.fsdp = fsdp
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
         self.updates = 0  # optimizer steps taken (drives the warm-up)
+        self._stream: _Stream | None = None
         self.ref = ref
         if cfg.kl_coef > 0 and ref is None:
             import copy
@@ -283,57 +303,224 @@ class Learner:
                                    shard)
         stats = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "micro_batches": 0.0}
         for j, idx in enumerate(chunks):
-            # the loss's denominator is the whole mini-batch's (all micro-batches, all ranks)
-            count = torch.zeros((), dtype=torch.float64)
-            if idx:
-                assert packed is not None
-                count = _raw_count(packed[4][torch.tensor(idx, dtype=torch.long)],
-                                   cfg.aggregation)
-            if shard is not None:
-                count = shard.all_reduce(count)
-            denom = count.clamp_min(1.0).to(torch.float32)
-            self._set_lr(n)
+            denom = self._denominator(idx, packed, shard)
             self.opt.zero_grad(set_to_none=True)
-            loss_sum = kl_sum = clipped = tokens = 0.0
-            parts = self._even(self._micro_batches(idx, lengths), shard)
-            for mb in parts:
-                if not mb:
-                    self._dummy_pass(self.model, backward=True)
-                    continue
-                assert packed is not None and old is not None and adv is not None
-                sel = torch.tensor(mb, dtype=torch.long)
-                width = max(lengths[i] for i in mb)
-                m = packed[4][sel, : width - 1]
-                with self._autocast():  # the forward pass only; backward follows its dtypes
-                    logp = self._logprobs_grad(packed, sel)
-                dev = logp.device
-                m = m.to(dev)
-                behaviour = logp.detach() if j == 0 else old[sel, : width - 1].to(dev)
-                loss, st = algos.clipped_policy_loss(
-                    logp, behaviour, adv[sel].to(dev), m,
-                    clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                    aggregation=cfg.aggregation, denominator=denom,
-                )
-                if ref is not None:
-                    kl = algos.aggregate(algos.kl_k3(logp, ref[sel, : width - 1].to(dev)), m,
-                                         cfg.aggregation, denom)
-                    loss = loss + cfg.kl_coef * kl
-                    kl_sum += float(kl.detach())
-                loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-                loss_sum += float(loss.detach())
-                ntok = float(m.sum())
-                clipped += st["clipfrac"] * ntok
-                tokens += ntok
-            if shard is not None and not self.fsdp:
-                shard.all_reduce_grads(self.model.parameters())
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            self.opt.step()
-            self.updates += 1
-            stats["loss"] += loss_sum / k
-            stats["clipfrac"] += (clipped / tokens if tokens else 0.0) / k
-            stats["kl"] += kl_sum / k
-            stats["micro_batches"] += float(len(parts))
+            sums = self._passes(j, idx, packed, lengths, old, ref, adv, denom, shard)
+            self._update(n, shard)
+            self._add_stats(stats, sums, k)
         stats["samples"] = float(n)
+        return stats
+
+    def _denominator(self, idx: list[int], packed: Any, shard: Shard | None) -> torch.Tensor:
+        """A mini-batch's loss denominator: its whole count (all micro-batches, all ranks)."""
+        count = torch.zeros((), dtype=torch.float64)
+        if idx:
+            assert packed is not None
+            count = _raw_count(packed[4][torch.tensor(idx, dtype=torch.long)],
+                               self.cfg.aggregation)
+        if shard is not None:
+            count = shard.all_reduce(count)
+        return count.clamp_min(1.0).to(torch.float32)
+
+    def _passes(self, j: int, idx: list[int], packed: Any, lengths: list[int],
+                old: torch.Tensor | None, ref: torch.Tensor | None, adv: torch.Tensor | None,
+                denom: torch.Tensor, shard: Shard | None) -> list[float]:
+        """Mini-batch ``j``'s forward and backward passes over samples ``idx``, micro-batch
+        by micro-batch, gradients summed into the parameters'. Returns [loss, kl, clipped
+        tokens, tokens, passes]."""
+        cfg = self.cfg
+        loss_sum = kl_sum = clipped = tokens = 0.0
+        parts = self._even(self._micro_batches(idx, lengths), shard)
+        for mb in parts:
+            if not mb:
+                self._dummy_pass(self.model, backward=True)
+                continue
+            assert packed is not None and adv is not None
+            sel = torch.tensor(mb, dtype=torch.long)
+            width = max(lengths[i] for i in mb)
+            m = packed[4][sel, : width - 1]
+            with self._autocast():  # the forward pass only; backward follows its dtypes
+                logp = self._logprobs_grad(packed, sel)
+            dev = logp.device
+            m = m.to(dev)
+            if j == 0:
+                behaviour = logp.detach()
+            else:
+                assert old is not None
+                behaviour = old[sel, : width - 1].to(dev)
+            loss, st = algos.clipped_policy_loss(
+                logp, behaviour, adv[sel].to(dev), m,
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                aggregation=cfg.aggregation, denominator=denom,
+            )
+            if ref is not None:
+                kl = algos.aggregate(algos.kl_k3(logp, ref[sel, : width - 1].to(dev)), m,
+                                     cfg.aggregation, denom)
+                loss = loss + cfg.kl_coef * kl
+                kl_sum += float(kl.detach())
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+            loss_sum += float(loss.detach())
+            ntok = float(m.sum())
+            clipped += st["clipfrac"] * ntok
+            tokens += ntok
+        return [loss_sum, kl_sum, clipped, tokens, float(len(parts))]
+
+    def _update(self, n: int, shard: Shard | None) -> None:
+        """One optimizer step on the summed gradients (the ranks' summed first)."""
+        if shard is not None and not self.fsdp:
+            shard.all_reduce_grads(self.model.parameters())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self._set_lr(n)
+        self.opt.step()
+        self.updates += 1
+
+    @staticmethod
+    def _add_stats(stats: dict[str, float], sums: list[float], k: int) -> None:
+        loss_sum, kl_sum, clipped, tokens, passes = sums
+        stats["loss"] += loss_sum / k
+        stats["clipfrac"] += (clipped / tokens if tokens else 0.0) / k
+        stats["kl"] += kl_sum / k
+        stats["micro_batches"] += passes
+
+    # --- a step streamed in as its groups finish ----------------------------------------------
+    def stream_begin(self) -> bool:
+        """Starts a step whose samples come in parts (:meth:`stream_add`) while the rollout
+        runs; :meth:`stream_finish` completes it with the same update :meth:`train_step` takes
+        on the whole batch (up to float summation order). Sharded (FSDP) ranks make every
+        pass together: each must be given every part (its share of it, maybe none)."""
+        self._stream = None
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        self._stream = _Stream(k=max(1, self.cfg.mini_batches))
+        return True
+
+    def stream_add(self, samples: Sequence[Sample], positions: Sequence[int]) -> None:
+        """Samples of the step at their positions in the whole batch (this rank's; any
+        order, each once). The passes that need only the weights the step starts from are made
+        now: the first mini-batch's forward and backward (its gradients summed, not yet divided
+        by its count, which is known only when the batch is whole), and the no-grad passes for
+        the later mini-batches' behaviour log-probs and the reference model's."""
+        import time
+
+        st = self._stream
+        if st is None:
+            return
+        if len(samples) != len(positions) or len(set(positions)) != len(positions) or any(
+                pos in st.samples for pos in positions):
+            st.broken = st.broken or (f"positions {list(positions)} repeat or do not match"
+                                      f" the samples")
+        if st.broken is not None:
+            if not self.fsdp:
+                return
+            samples, positions = [], []  # a sharded rank still makes its share of the passes
+        elif not samples and not self.fsdp:
+            return
+        # sharded: the passes gather and reduce with the other ranks, as many on each
+        comm = Shard(list(positions), 0) if self.fsdp else None
+        t0 = time.perf_counter()
+        for pos, smp in zip(positions, samples, strict=True):
+            st.samples[pos] = smp
+        packed: Any = None
+        lengths: list[int] = []
+        adv = rows = ref = None
+        if samples:
+            packed = pack([x.prompt_ids for x in samples], [x.response_ids for x in samples])
+            lengths = [int(v) for v in packed[1].sum(dim=1)]
+            adv = torch.tensor([x.advantage for x in samples], dtype=torch.float32)
+            rows = torch.zeros(packed[3].shape, dtype=torch.float32)
+        first = [i for i, pos in enumerate(positions) if pos % st.k == 0]
+        later = [i for i, pos in enumerate(positions) if pos % st.k != 0]
+        self._no_grad_logprobs(self.model, later, packed, lengths, rows, comm)
+        for i in later:
+            assert rows is not None
+            st.old[positions[i]] = rows[i, : lengths[i] - 1].clone()
+        if self.ref is not None:
+            if samples:
+                rows = torch.zeros(packed[3].shape, dtype=torch.float32)
+            self._no_grad_logprobs(self.ref, list(range(len(samples))), packed, lengths, rows,
+                                   comm)
+            for i in range(len(samples)):
+                assert rows is not None
+                st.ref[positions[i]] = rows[i, : lengths[i] - 1].clone()
+            if samples:
+                ref = torch.zeros(packed[3].shape, dtype=torch.float32)
+                for i in first:
+                    ref[i, : lengths[i] - 1] = st.ref[positions[i]]
+        one = torch.ones((), dtype=torch.float32)
+        sums = self._passes(0, first, packed, lengths, None, ref, adv, one, comm)
+        st.loss_sum += sums[0]
+        st.kl_sum += sums[1]
+        st.clipped += sums[2]
+        st.tokens += sums[3]
+        st.passes += int(sums[4])
+        st.busy_s += time.perf_counter() - t0
+
+    def stream_finish(self, samples: Sequence[Sample], shard: Shard | None = None
+                      ) -> dict[str, float]:
+        """Completes the streamed step on the whole batch ``samples`` (this rank's, with
+        ``shard``), which must be what was streamed, position for position; anything else
+        (a sample missing or different, a batch smaller than the mini-batches, no stream) takes
+        the step whole instead, so the update is always :meth:`train_step`'s. The stats add
+        ``streamed`` (samples whose passes ran before this call) and ``stream_s`` (seconds
+        those passes took)."""
+        st, self._stream = self._stream, None
+        n = shard.total if shard is not None else len(samples)
+        positions = list(shard.positions) if shard is not None else list(range(len(samples)))
+        k = max(1, min(self.cfg.mini_batches, n))
+        why = None
+        if st is None:
+            why = "no step was streamed"
+        elif st.broken is not None:
+            why = st.broken
+        elif n == 0 or k != st.k:
+            why = f"{n} samples for {st.k} mini-batches"
+        elif len(positions) != len(samples) or set(st.samples) != set(positions) or any(
+                st.samples[pos] != smp for pos, smp in zip(positions, samples, strict=True)):
+            why = "the batch is not the one streamed"
+        if shard is not None:  # the ranks take the step alike, streamed or whole
+            bad = shard.all_reduce(torch.tensor(0.0 if why is None else 1.0), op="max")
+            if why is None and float(bad) > 0:
+                why = "another rank's stream was refused"
+        if why is not None:
+            self.opt.zero_grad(set_to_none=True)
+            stats = self.train_step(samples, shard)
+            stats.update(streamed=0.0, stream_s=0.0)
+            if st is not None and n > 0:
+                stats["stream_refused"] = 1.0
+            return stats
+        assert st is not None
+        self.model.train()
+        packed = pack([x.prompt_ids for x in samples], [x.response_ids for x in samples])
+        lengths = [int(v) for v in packed[1].sum(dim=1)]
+        adv = torch.tensor([x.advantage for x in samples], dtype=torch.float32)
+        chunks = [[i for i, g in enumerate(positions) if g % k == j] for j in range(k)]
+        old = torch.zeros(packed[3].shape, dtype=torch.float32)
+        for i, pos in enumerate(positions):
+            if pos in st.old:
+                old[i, : lengths[i] - 1] = st.old[pos]
+        ref = None
+        if self.ref is not None:
+            ref = torch.zeros(packed[3].shape, dtype=torch.float32)
+            for i, pos in enumerate(positions):
+                ref[i, : lengths[i] - 1] = st.ref[pos]
+        stats = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "micro_batches": 0.0}
+        # the first mini-batch: its gradients were summed as its samples came; now divided by
+        # its count, as its losses would have been
+        denom = self._denominator(chunks[0], packed, shard)
+        for prm in self.model.parameters():
+            if prm.grad is not None:
+                prm.grad.div_(denom.to(prm.grad.device))
+        d = float(denom)
+        self._update(n, shard)
+        self._add_stats(stats, [st.loss_sum / d, st.kl_sum / d, st.clipped, st.tokens,
+                                float(st.passes)], k)
+        for j in range(1, k):
+            denom = self._denominator(chunks[j], packed, shard)
+            self.opt.zero_grad(set_to_none=True)
+            sums = self._passes(j, chunks[j], packed, lengths, old, ref, adv, denom, shard)
+            self._update(n, shard)
+            self._add_stats(stats, sums, k)
+        stats.update(samples=float(n), streamed=float(len(st.samples)), stream_s=st.busy_s)
         return stats
 
     def _no_grad_logprobs(self, model: Any, idx: list[int], packed: Any, lengths: list[int],

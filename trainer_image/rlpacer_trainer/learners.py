@@ -152,6 +152,30 @@ class LearnerWorker:
                 f" loss {stats.get('loss', float('nan')):.4f}")
         return stats
 
+    # --- a step streamed in as its groups finish (Learner.stream_add) ------------------------
+    def stream_begin(self) -> bool:
+        return self.learner.stream_begin()
+
+    def stream_add(self, samples: Sequence[Sample], positions: Sequence[int]) -> None:
+        self.learner.stream_add(samples, positions)
+
+    def stream_finish(self, samples: Sequence[Sample], positions: Sequence[int] | None = None,
+                      total: int | None = None) -> dict[str, float]:
+        from rlpacer_trainer.podlog import pod_log
+
+        shard = None
+        if self._group:
+            assert positions is not None and total is not None
+            shard = Shard(list(positions), total)
+        stats = self.learner.stream_finish(samples, shard)
+        self._updates += 1
+        pod_log(f"learner rank {self.rank}: update {self._updates} on"
+                f" {len(shard.positions) if shard else len(samples)} samples"
+                f" ({int(stats.get('micro_batches', 0))} micro-batches,"
+                f" {int(stats.get('streamed', 0))} streamed in"
+                f" {stats.get('stream_s', 0.0):.2f} s), loss {stats.get('loss', float('nan')):.4f}")
+        return stats
+
     def publish(self) -> tuple[Any, str | None]:
         """The weights as the engines load them, and their fingerprint (policy version).
 
@@ -335,6 +359,8 @@ class InProcessLearners:
     def __init__(self, worker: LearnerWorker) -> None:
         self.worker = worker
         self.replicas = 1
+        self._streamer: Any = None
+        self._streamed: list[Any] = []
         if worker.sharded and worker._learner is None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
@@ -347,6 +373,27 @@ class InProcessLearners:
 
     def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
         return self.worker.train_step(samples)
+
+    def stream_begin(self) -> bool:
+        """A streamed step (:meth:`Learner.stream_add`): its parts are trained on one
+        background thread, in the order given, while the driver's rollout goes on."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._streamer is None:
+            self._streamer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
+        self._streamed = []
+        return self.worker.stream_begin()
+
+    def stream_add(self, samples: Sequence[Sample], positions: Sequence[int]) -> None:
+        assert self._streamer is not None, "stream_begin first"
+        self._streamed.append(self._streamer.submit(self.worker.stream_add, list(samples),
+                                                    list(positions)))
+
+    def stream_finish(self, samples: Sequence[Sample]) -> dict[str, float]:
+        for fut in self._streamed:
+            fut.result()  # in order; an error in a streamed part is raised here
+        self._streamed = []
+        return self.worker.stream_finish(samples)
 
     def publish(self) -> tuple[Any, str | None]:
         return self.worker.publish()
@@ -361,6 +408,8 @@ class InProcessLearners:
         return [self.worker.info()]
 
     def shutdown(self) -> None:
+        if self._streamer is not None:
+            self._streamer.shutdown(wait=True)
         self.worker.leave()
 
 
@@ -421,13 +470,50 @@ class RayLearners:
                 refs.append(actor.train_step.remote(list(samples)))
             else:
                 refs.append(actor.train_step.remote([samples[i] for i in pos], pos, n))
-        stats = cast("list[dict[str, float]]", self._ray.get(refs))
+        return self._combine(cast("list[dict[str, float]]", self._ray.get(refs)))
+
+    def stream_begin(self) -> bool:
+        """A streamed step (:meth:`Learner.stream_add`) on every rank."""
+        self._stream_refs: list[Any] = []
+        return all(self._all("stream_begin"))
+
+    def stream_add(self, samples: Sequence[Sample], positions: Sequence[int]) -> None:
+        """Samples at their batch positions, each to the rank :func:`shard_positions` gives
+        it (position mod ranks); sharded ranks each get every part (their share may be
+        empty: they make their passes together). Returns at once: each rank trains its parts
+        in the order sent while the rollout goes on."""
+        world = self.replicas
+        for rank, actor in enumerate(self.actors):
+            mine = [k for k, pos in enumerate(positions) if pos % world == rank]
+            if not mine and not self.sharded:
+                continue
+            self._stream_refs.append(actor.stream_add.remote(
+                [samples[k] for k in mine], [positions[k] for k in mine]))
+
+    def stream_finish(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """The streamed step completed on the whole batch (as :meth:`train_step`)."""
+        self._ray.get(getattr(self, "_stream_refs", []))  # an error in a part is raised here
+        self._stream_refs = []
+        n = len(samples)
+        refs = []
+        for actor, pos in zip(self.actors, shard_positions(n, self.replicas), strict=True):
+            if self.replicas == 1:
+                refs.append(actor.stream_finish.remote(list(samples)))
+            else:
+                refs.append(actor.stream_finish.remote([samples[i] for i in pos], pos, n))
+        return self._combine(cast("list[dict[str, float]]", self._ray.get(refs)))
+
+    @staticmethod
+    def _combine(stats: list[dict[str, float]]) -> dict[str, float]:
         out = dict(stats[0])
         # each rank's loss and KL are its samples' share of the batch's (normalized by the
         # whole batch's count): the batch's are their sums
         for key in ("loss", "kl"):
             out[key] = sum(s.get(key, 0.0) for s in stats)
         out["clipfrac"] = sum(s.get("clipfrac", 0.0) for s in stats) / len(stats)
+        if "streamed" in out:
+            out["streamed"] = sum(s.get("streamed", 0.0) for s in stats)
+            out["stream_s"] = max(s.get("stream_s", 0.0) for s in stats)
         return out
 
     def _all(self, method: str, *args: Any) -> list[Any]:

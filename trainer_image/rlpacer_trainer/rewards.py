@@ -254,6 +254,15 @@ class RewardPool:
             out, self._done = self._done, {}
         return out, time.monotonic() - t0
 
+    def take_ready(self) -> dict[Hashable, float]:
+        """The scores finished since the last take or collect, without waiting (a later
+        :meth:`collect` returns only the rest)."""
+        with self._cv:
+            if self._broken is not None:
+                raise RewardPoolError(self._broken)
+            out, self._done = self._done, {}
+        return out
+
     @property
     def stats(self) -> RewardStats:
         with self._cv:

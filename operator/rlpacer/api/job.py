@@ -574,6 +574,19 @@ class TrainerSpec(PodSettings):
             " the default microBatchTokens; docs/learner-fit.md)."
         ),
     )
+    stream_training: bool | None = Field(
+        default=None,
+        description=(
+            "Train each group as it finishes: while a step's rollout still generates, the"
+            " learner makes the passes that need only the weights the step starts from (the"
+            " first mini-batch's forward and backward, the later ones' no-grad passes, the"
+            " reference model's) on the groups already complete and scored, so less of the"
+            " training is left after the last response. The update is the one taken on the"
+            " whole batch (float summation order aside). Pays where the learner has its own"
+            " GPUs; on a CPU-only machine it competes with the engines for the cores. Unset:"
+            " off."
+        ),
+    )
 
     @model_validator(mode="after")
     def _ranks(self) -> TrainerSpec:
@@ -1075,6 +1088,22 @@ def read_spec(spec: dict[str, Any]) -> tuple[RLTrainingJobSpec, list[str]]:
     return model, [f"spec.{p}" for p in ignored]
 
 
+def _read_stored_job(doc: dict[str, Any], path: str | Path) -> RLTrainingJob:
+    """A stored job's manifest (a pod's config, written by the operator): fields this
+    version does not know (a newer operator's) are ignored, named in one warning; every
+    known field is validated as by :func:`parse_job` with ``stored``."""
+    import sys
+
+    try:
+        job, ignored = read_stored(RLTrainingJob, doc, drop_invalid=False)
+    except ValidationError as err:
+        raise ManifestError("invalid RLTrainingJob:\n" + format_validation_error(err)) from None
+    if ignored:
+        print(f"warning: {path}: fields this version does not know, ignored (written by a"
+              f" newer operator?): {', '.join(ignored)}", file=sys.stderr, flush=True)
+    return job
+
+
 def load_manifest(path: str | Path, *, stored: bool = False) -> RLTrainingJob:
     """Read a YAML manifest (the first RLTrainingJob document in the file); ``stored`` as
     :func:`parse_job`."""
@@ -1082,6 +1111,8 @@ def load_manifest(path: str | Path, *, stored: bool = False) -> RLTrainingJob:
     for doc in yaml.safe_load_all(text):
         if isinstance(doc, dict) and doc.get("kind") == KIND:
             try:
+                if stored:
+                    return _read_stored_job(doc, path)
                 return parse_job(doc, stored=stored)
             except ManifestError as err:
                 raise ManifestError(f"{path}: {err}") from None

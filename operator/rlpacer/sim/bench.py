@@ -196,6 +196,32 @@ SHORT_STEPS_MEAN = 8
 """Short steps whose mean seconds time an early ask (the driver's window)."""
 SETUPS = ("small", "large", "elastic", "early")
 
+#: The share of a step's per-token training work that stream training
+#: (``trainer.streamTraining``, docs/runtime.md#stream-training) can do before the rollout
+#: ends, with the learner's default 2 mini-batches, a backward pass costing twice a forward
+#: and no KL term: per sample, the first mini-batch's forward and backward (3 units, half the
+#: samples) and the second's no-grad forward (1 unit, the other half) run as its group
+#: completes; the second mini-batch's forward and backward (3 units, half) wait for the first
+#: optimizer step: (1.5 + 0.5) / 3.5.
+STREAMABLE = 4.0 / 7.0
+
+
+def stream_train_s(scn: Scenario, oc: RoundOutcome) -> float:
+    """A step's training seconds after its rollout with stream training: the learner takes
+    each group's streamable work when the group completes (in completion order, one group at
+    a time); what is still queued when the round ends, the rest of the per-token work (the
+    later mini-batches, the tokens of groups that never completed) and the fixed cost follow
+    the rollout. Rewards are taken to be in when a group completes."""
+    per_tok = scn.train_s_per_ktok / 1000.0
+    total = float(sum(oc.kept_lengths)) + scn.prompt_len * len(oc.kept_lengths)
+    free = streamed = 0.0
+    for t, resp, count in oc.group_done:
+        toks = resp + scn.prompt_len * count
+        streamed += toks
+        free = max(free, t) + STREAMABLE * per_tok * toks
+    left = max(0.0, free - oc.rollout_s)
+    return scn.train_fixed_s + per_tok * (total - STREAMABLE * streamed) + left
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -290,6 +316,10 @@ class PolicyRun:
     early_held_s: float = 0.0
     """Early: seconds the extra replicas were held (requested until released)."""
     early_moved: int = 0
+    train_s: list[float] = field(default_factory=list)
+    """Per step: the training seconds after the rollout (the small pool's schedule)."""
+    train_s_stream: list[float] = field(default_factory=list)
+    """The same with stream training (:func:`stream_train_s`)."""
     early_short_served: int = 0
     """Early: short rounds run on the held extras too (they were up at the step's start)."""
     early_short_saved_s: float = 0.0
@@ -481,7 +511,18 @@ class PolicyRun:
             "context_decisions": self.context_decisions,
             "context_counts": self.context_counts,
             **({"length_prior": self.prior} if self.prior is not None else {}),
+            "stream_training": self.stream_summary(),
         }
+
+    def stream_summary(self) -> dict[str, Any]:
+        """The small pool's run with stream training: the same schedule, each step's
+        training after the rollout cut to :func:`stream_train_s`."""
+        wall, train = float(sum(self.step_s)), float(sum(self.train_s))
+        train_stream = float(sum(self.train_s_stream))
+        return {"train_s": train, "train_s_stream": train_stream,
+                "train_cut": 1.0 - train_stream / train if train > 0 else 0.0,
+                "wall_clock_s": wall - (train - train_stream),
+                "wall_ratio": (wall - (train - train_stream)) / wall}
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -767,6 +808,8 @@ def run_policy(
         out.bubble.append(1.0 - oc.busy_fraction)
         out.rollout_s.append(oc.rollout_s)
         rest = seconds.reward + seconds.train + seconds.sync
+        out.train_s.append(seconds.train)
+        out.train_s_stream.append(stream_train_s(scn, oc))
         out.step_s.append(seconds.rollout + rest)
         out.step_s_large.append(oc_large.rollout_s + rest)
         out.step_s_elastic.append(oc_elastic.rollout_s + rest)
@@ -848,8 +891,11 @@ def run_bench(
             for pol in policies(ablations, prior)}
     summaries = {name: run.summary() for name, run in runs.items()}
     base = summaries["fixed16"]["wall_clock_s"]
+    base_stream = summaries["fixed16"]["stream_training"]["wall_clock_s"]
     for s in summaries.values():
         s["speedup_vs_fixed16"] = base / s["wall_clock_s"]
+        st = s["stream_training"]
+        st["speedup_vs_fixed16"] = base_stream / st["wall_clock_s"]  # both streamed
     report = {
         "scenario": scn.name,
         "base_scenario": base_name,
@@ -1123,6 +1169,28 @@ def format_early_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_stream_table(report: dict[str, Any]) -> str:
+    """Each policy's run with stream training (the small pool's schedule)."""
+    head = (f"{'policy':<15}{'train h':>9}{'streamed':>10}{'cut':>7}{'wall h':>9}"
+            f"{'streamed':>10}{'ratio':>8}{'vs fixed16':>12}")
+    lines = [
+        "stream training = each group's first-mini-batch passes and second-mini-batch no-grad"
+        f" pass ({STREAMABLE:.2f} of the per-token training) run as the group completes; the"
+        " rest after the rollout (train h: training after the rollout, summed; vs fixed16:"
+        " both streamed)",
+        head,
+        "-" * len(head),
+    ]
+    for name, s in report["policies"].items():
+        st = s["stream_training"]
+        lines.append(
+            f"{name:<15}{st['train_s'] / 3600:>9.2f}{st['train_s_stream'] / 3600:>10.2f}"
+            f"{st['train_cut']:>7.2f}{s['wall_clock_s'] / 3600:>9.2f}"
+            f"{st['wall_clock_s'] / 3600:>10.2f}{st['wall_ratio']:>7.3f}x"
+            f"{st['speedup_vs_fixed16']:>11.2f}x")
+    return "\n".join(lines)
+
+
 def _times(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.3f}x"
 
@@ -1255,6 +1323,9 @@ def main(args: argparse.Namespace) -> int:
     if long_round_tp is not None:
         print()
         print(format_wide_table(report))
+    if getattr(args, "stream_training", False):
+        print()
+        print(format_stream_table(report))
     print(f"(simulated in {report['bench_seconds']:.1f} s)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
@@ -1295,6 +1366,11 @@ def register(subparsers: Any) -> None:
         " (sagc_tail_prior), and as SAGC's context (sagc_tail_context, sagc_context);"
         " prints the prior's calibration; with a trace recorded by rlpacer, also the prior"
         " in the job's own training order",
+    )
+    p.add_argument(
+        "--stream-training", action="store_true",
+        help="also print each policy's run with stream training (trainer.streamTraining):"
+        " the same schedule, each group's streamable training done as it completes",
     )
     p.add_argument(
         "--prior-half-life", type=float, action="append", metavar="GROUPS",

@@ -49,6 +49,9 @@ class RoundOutcome:
     """Requests moved to engines that joined mid-round."""
     joined: int = 0
     """Engines that joined mid-round (0 when the round ended before they were ready)."""
+    group_done: tuple[tuple[float, int, int], ...] = ()
+    """Per complete group, in completion order: (seconds into the round when its last kept
+    response finished, its kept responses' tokens, their count)."""
 
 
 class _Engine:
@@ -288,6 +291,10 @@ class RoundSimulator:
         for eng in engs:
             admit(eng)
         kept: list[int] = []
+        kept_of: dict[int, list[int]] = {}  # prompt -> its kept lengths
+        group_done: list[tuple[float, int, int]] = []
+        rp = planner.current_round
+        per_group = rp.keep_per_prompt if rp is not None else 0
         preemptions = 0
         moved = joined = 0
         now = 0.0
@@ -322,6 +329,10 @@ class RoundSimulator:
                     d = planner.on_response_finished(req_prompt[rid], req_idx[rid])
                     if d.keep:
                         kept.append(req_len[rid])
+                        mine = kept_of.setdefault(req_prompt[rid], [])
+                        mine.append(req_len[rid])
+                        if len(mine) == per_group:
+                            group_done.append((now, sum(mine), len(mine)))
                     for p, j in d.abort_responses:
                         abort(by_prompt[p][j], now, touched)
                     for p in d.abort_prompts:
@@ -341,4 +352,5 @@ class RoundSimulator:
             span += now - eng.t0
         aborted = len(req_len) - len(kept)
         frac = min(1.0, busy / span) if span > 0 else 1.0
-        return RoundOutcome(now, frac, kept, aborted, preemptions, moved, joined)
+        return RoundOutcome(now, frac, kept, aborted, preemptions, moved, joined,
+                            tuple(group_done))

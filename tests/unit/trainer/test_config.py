@@ -95,3 +95,40 @@ def test_a_user_reward_must_be_importable(tmp_path: Path,
     assert RunConfig.load(p).spec.reward.type == "rlpacer_cfg_reward:score"
     p = _write(tmp_path, lambda d: d["spec"]["reward"].update(type="Regex", pattern=r"\d+,\Z"))
     assert RunConfig.load(p).spec.reward.pattern == r"\d+,\Z"
+
+
+def test_a_pods_config_from_a_newer_operator_loads_without_the_fields_it_does_not_know(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pod's config is the operator's copy of the stored job: fields a newer operator
+    knows and this trainer does not are ignored and named in one warning (the operator reads
+    stored jobs the same way); a known field's bad value still fails naming it, and a
+    manifest given to ``rlpacer run`` stays strict."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["trainer"]["aFieldFromTheFuture"] = True
+    doc["spec"]["tailBatching"]["longRound"]["anotherOne"] = {"x": 1}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cfg = RunConfig.load(path, stored=True)
+    assert cfg.spec.steps == yaml.safe_load(EXAMPLE.read_text())["spec"]["steps"]
+    err = capsys.readouterr().err
+    assert "spec.trainer.aFieldFromTheFuture" in err
+    assert "spec.tailBatching.longRound.anotherOne" in err
+    with pytest.raises(ManifestError, match="aFieldFromTheFuture"):
+        RunConfig.load(path)  # rlpacer run: strict
+    doc["spec"]["steps"] = -3
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ManifestError, match=r"spec\.steps"):
+        RunConfig.load(path, stored=True)
+
+
+def test_stream_training_is_left_out_of_a_pods_config_unless_set() -> None:
+    """``trainer.streamTraining`` is unset by default, so the operator's copy of a job that
+    does not set it carries no such field, and a trainer image older than the field reads it
+    (those images refuse fields they do not know)."""
+    from rlpacer.api.job import load_manifest
+
+    job = load_manifest(EXAMPLE)
+    assert "streamTraining" not in job.spec.to_wire()["trainer"]
+    assert RunConfig.load(EXAMPLE).stream_training is False
+    job.spec.trainer.stream_training = True
+    assert job.spec.to_wire()["trainer"]["streamTraining"] is True

@@ -822,3 +822,63 @@ def test_the_length_priors_forgetting_follows_the_spec_through_a_checkpoint(
     _, plain = runs[None]  # a checkpoint of a prior without forgetting, resumed with it
     c = runtime.build_driver(cfg, [ScriptedEngine()], checkpoint_dir=plain)
     assert c.load_checkpoint(plain / "step-000003") and c.prior.half_life == 8
+
+
+class _SlowScriptedEngine(ScriptedEngine):
+    """A scripted engine whose decode steps take a few milliseconds, so that rewards of the
+    groups that complete early are in before the round's last response; it answers every
+    prompt whose chain length is a multiple of 3 correctly (groups DAPO drops)."""
+
+    def _tokens(self, r: GenRequest) -> tuple[int, ...]:
+        n, k = (int(x) for x in tiny.decode(list(r.prompt_ids[1:])).rstrip(":").split("-"))
+        if n % 3 == 0:
+            return (*tiny.encode(task.chain(n, k)), tiny.EOS_ID)[: r.max_tokens]
+        return super()._tokens(r)
+
+    def poll(self, max_steps: int = 16) -> list[Finished]:
+        import time
+
+        time.sleep(0.004)
+        return super().poll(max_steps=1)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_stream_training_trains_groups_mid_round_and_takes_the_same_update(
+        dynamic: bool) -> None:
+    """``trainer.streamTraining``: each group goes to the learner once it is complete and
+    scored, while the round still generates; the batch the step trains on (its order and
+    positions, DAPO's dropped groups, refill rounds) is the one the whole step would take, so
+    the weights after every step equal the unstreamed run's. Same seeds, same responses."""
+    runs: dict[bool, Any] = {}
+    for stream in (False, True):
+        cfg = _cfg(steps=4)
+        cfg.job.spec.algorithm.dynamic_sampling = dynamic
+        cfg.job.spec.trainer.stream_training = stream
+        # parts go over once they fill a micro-batch: small ones here, so that several do
+        # while the rounds generate
+        cfg.job.spec.trainer.micro_batch_tokens = 256
+        drv = runtime.build_driver(cfg, [_SlowScriptedEngine(0), _SlowScriptedEngine(1)])
+        start = {k: v.clone() for k, v in drv.learner.model.state_dict().items()}
+        drv.run()
+        runs[stream] = (drv.records, drv.learner.model.state_dict())
+    (off, w_off), (on, w_on) = runs[False], runs[True]
+    for a, b in zip(off, on, strict=True):
+        for key in ("prompts", "reward", "kept", "dropped_groups", "refills", "round_kind",
+                    "learner_samples"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        assert not a["stream_training"] and a["streamed_in_rollout"] == 0
+        assert b["stream_training"]
+        # every sample of the batch was streamed (none trained whole instead)
+        assert b["learner_streamed"] == b["learner_samples"], b
+        assert "learner_stream_refused" not in b
+        assert b["learner_loss"] == pytest.approx(a["learner_loss"], rel=1e-4, abs=1e-6)
+    # groups were handed over while their rounds were still generating
+    assert sum(r["streamed_in_rollout"] for r in on) > 0
+    assert sum(r["seconds_train_streamed"] for r in on) > 0
+    if dynamic:
+        assert sum(r["dropped_groups"] for r in on) > 0  # the drops were exercised
+    # equal up to float summation order: L2 over all weights, against the run's update
+    moved = sum(float((w_off[k] - start[k]).double().pow(2).sum()) for k in start) ** 0.5
+    off_by = sum(float((w_on[k] - w_off[k]).double().pow(2).sum()) for k in start) ** 0.5
+    assert moved > 1e-3
+    assert off_by < 1e-3 * moved, (off_by, moved)
