@@ -113,7 +113,8 @@ def test_a_deleted_or_evicted_driver_resumes_as_a_new_attempt_not_counted(
 
 # --- with the real trainer ------------------------------------------------------------------
 
-STEPS = 12  # room for the driver to be frozen late (its steps take about a second)
+STEPS = 30  # room for the driver to be frozen late: a step can take a tenth of a second,
+# and two status reads of a busy API server can take longer than ten of them
 
 
 def _trainer_job(name: str, ns: str, claim: str | None) -> dict[str, Any]:
