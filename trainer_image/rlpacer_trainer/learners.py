@@ -138,19 +138,7 @@ class LearnerWorker:
     # --- training ---------------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample], positions: Sequence[int] | None = None,
                    total: int | None = None) -> dict[str, float]:
-        from rlpacer_trainer.podlog import pod_log
-
-        shard = None
-        if self._group:
-            assert positions is not None and total is not None
-            shard = Shard(list(positions), total)
-        stats = self.learner.train_step(samples, shard)
-        self._updates += 1
-        pod_log(f"learner rank {self.rank}: update {self._updates} on"
-                f" {len(shard.positions) if shard else len(samples)} samples"
-                f" ({int(stats.get('micro_batches', 0))} micro-batches),"
-                f" loss {stats.get('loss', float('nan')):.4f}")
-        return stats
+        return self._step(self.learner.train_step, samples, positions, total)
 
     # --- a step streamed in as its groups finish (Learner.stream_add) ------------------------
     def stream_begin(self) -> bool:
@@ -161,19 +149,25 @@ class LearnerWorker:
 
     def stream_finish(self, samples: Sequence[Sample], positions: Sequence[int] | None = None,
                       total: int | None = None) -> dict[str, float]:
+        return self._step(self.learner.stream_finish, samples, positions, total)
+
+    def _step(self, take: Any, samples: Sequence[Sample], positions: Sequence[int] | None,
+              total: int | None) -> dict[str, float]:
+        """One update (``take``: the learner's whole or streamed step) on this rank's part."""
         from rlpacer_trainer.podlog import pod_log
 
         shard = None
         if self._group:
             assert positions is not None and total is not None
             shard = Shard(list(positions), total)
-        stats = self.learner.stream_finish(samples, shard)
+        stats: dict[str, float] = take(samples, shard)
         self._updates += 1
+        streamed = (f", {int(stats['streamed'])} streamed in {stats.get('stream_s', 0.0):.2f} s"
+                    if "streamed" in stats else "")
         pod_log(f"learner rank {self.rank}: update {self._updates} on"
                 f" {len(shard.positions) if shard else len(samples)} samples"
-                f" ({int(stats.get('micro_batches', 0))} micro-batches,"
-                f" {int(stats.get('streamed', 0))} streamed in"
-                f" {stats.get('stream_s', 0.0):.2f} s), loss {stats.get('loss', float('nan')):.4f}")
+                f" ({int(stats.get('micro_batches', 0))} micro-batches{streamed}),"
+                f" loss {stats.get('loss', float('nan')):.4f}")
         return stats
 
     def publish(self) -> tuple[Any, str | None]:
@@ -463,13 +457,17 @@ class RayLearners:
         self._ray.get(self.ready_refs())
 
     def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        return self._update("train_step", samples)
+
+    def _update(self, method: str, samples: Sequence[Sample]) -> dict[str, float]:
+        """``method`` (the ranks' whole or streamed step) on each rank's shard of the batch."""
         n = len(samples)
         refs = []
         for actor, pos in zip(self.actors, shard_positions(n, self.replicas), strict=True):
             if self.replicas == 1:
-                refs.append(actor.train_step.remote(list(samples)))
+                refs.append(getattr(actor, method).remote(list(samples)))
             else:
-                refs.append(actor.train_step.remote([samples[i] for i in pos], pos, n))
+                refs.append(getattr(actor, method).remote([samples[i] for i in pos], pos, n))
         return self._combine(cast("list[dict[str, float]]", self._ray.get(refs)))
 
     def stream_begin(self) -> bool:
@@ -494,14 +492,7 @@ class RayLearners:
         """The streamed step completed on the whole batch (as :meth:`train_step`)."""
         self._ray.get(getattr(self, "_stream_refs", []))  # an error in a part is raised here
         self._stream_refs = []
-        n = len(samples)
-        refs = []
-        for actor, pos in zip(self.actors, shard_positions(n, self.replicas), strict=True):
-            if self.replicas == 1:
-                refs.append(actor.stream_finish.remote(list(samples)))
-            else:
-                refs.append(actor.stream_finish.remote([samples[i] for i in pos], pos, n))
-        return self._combine(cast("list[dict[str, float]]", self._ray.get(refs)))
+        return self._update("stream_finish", samples)
 
     @staticmethod
     def _combine(stats: list[dict[str, float]]) -> dict[str, float]:

@@ -17,26 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_learner_dp import _batch, _learner  # the same batches and starting learner
 
 from rlpacer_trainer import algos, tiny
 from rlpacer_trainer.learner import Learner, LearnerConfig, Sample, Shard
 
 pytestmark = pytest.mark.unit
-
-
-def _batch(n: int, seed: int) -> list[Sample]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        prompt = [tiny.BOS_ID, *tiny.encode(f"{rng.randint(10, 99)}-{rng.randint(1, 9)}:")]
-        resp = tiny.encode("".join(rng.choice("0123456789,") for _ in range(rng.randint(2, 30))))
-        out.append(Sample(prompt, resp, rng.uniform(-1.5, 1.5)))
-    return out
-
-
-def _learner(cfg: LearnerConfig) -> Learner:
-    torch.manual_seed(0)
-    return Learner(tiny.new_model(seed=1), cfg)
 
 
 def _parts(n: int, seed: int) -> list[list[int]]:
