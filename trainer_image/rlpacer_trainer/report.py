@@ -99,7 +99,24 @@ def summarize(records: Sequence[dict[str, Any]], extra: dict[str, Any]) -> dict[
             r.get("informative_groups", 0) for r in records if r["round_kind"] == "Long"),
         "retired_long_round_prompts": last.get("retired_total", 0),
         "train_seconds": sum(r["seconds_train"] for r in records),
+        **_stream_summary(records),
         **extra,
+    }
+
+
+def _stream_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """trainer.streamTraining's share (nothing when no step streamed): the samples whose
+    passes ran before the step's finish, those handed over while a round still generated, and
+    the learner's seconds on them (``train_seconds`` is then what followed the rollouts)."""
+    streamed = [r for r in records if r.get("stream_training")]
+    if not streamed:
+        return {}
+    return {
+        "stream_training_steps": len(streamed),
+        "streamed_samples": int(sum(r.get("learner_streamed", 0) for r in streamed)),
+        "trained_samples": int(sum(r.get("learner_samples", 0) for r in streamed)),
+        "streamed_in_rollout": int(sum(r.get("streamed_in_rollout", 0) for r in streamed)),
+        "train_seconds_streamed": sum(r.get("seconds_train_streamed", 0.0) for r in streamed),
     }
 
 

@@ -110,3 +110,20 @@ def test_the_report_compares_the_run_with_its_baseline(tmp_path: Path, end: floa
     assert f"| 1000 | 50.0% -> {100 * end:.1f}% |" in md
     assert f"This run trained in **0.50x** the baseline's wall clock and {words}" in md
     assert "- baseline:" not in md  # a section, not a dict on one line
+
+
+def test_the_summary_says_how_much_stream_training_streamed(tmp_path: Path) -> None:
+    """Only a run that streamed has the keys; they sum its streamed steps' records."""
+    records, _ = records_and_verdict(1.5)
+    report.write_report(tmp_path, records, {})
+    assert "streamed_samples" not in json.loads((tmp_path / "summary.json").read_text())
+    for i, r in enumerate(records):
+        r.update(stream_training=i % 2 == 0, learner_samples=64, learner_streamed=64 if i % 2
+                 == 0 else 0, streamed_in_rollout=40 if i % 2 == 0 else 0,
+                 seconds_train_streamed=0.5 if i % 2 == 0 else 0.0)
+    report.write_report(tmp_path, records, {})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["stream_training_steps"], summary["streamed_samples"],
+            summary["trained_samples"], summary["streamed_in_rollout"]) == (15, 960, 960, 600)
+    assert summary["train_seconds_streamed"] == pytest.approx(7.5)
+    assert "- streamed_in_rollout: 600" in (tmp_path / "report.md").read_text()
