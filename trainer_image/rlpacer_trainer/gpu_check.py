@@ -16,6 +16,11 @@ weight publication the engines load). One JSON line per check, then ``GPU CHECK 
   every rank, and each rank's peak CUDA memory (``max_memory_allocated``) against the fit
   estimate (:mod:`rlpacer.control.memory`, without its fixed overhead). The CPU dry run uses
   2 gloo ranks and float32.
+* ``stream_training``: the learner (bfloat16 autocast on the device, as a learner pod) takes
+  two steps streamed in parts of a few groups (``trainer.streamTraining``) and two whole,
+  from the same weights: the weights after them against each other (relative L2 to the
+  update), and the seconds the streamed step left for after the rollout (its finish) against
+  the whole step's.
 * ``weight_publish``: publish throughput (device -> CPU copy, serialization, fingerprint) for
   a larger Qwen2 (``--publish-params``, default ~0.5 B), with bytes per update.
 
@@ -25,6 +30,7 @@ weight publication the engines load). One JSON line per check, then ``GPU CHECK 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -97,6 +103,57 @@ def check_checkpoint(device: str) -> None:
     _emit(check="checkpoint", device=a.device, equal_after_next_update=a.fingerprint() ==
           b.fingerprint())
     assert a.fingerprint() == b.fingerprint()
+
+
+def check_stream_training(device: str) -> None:
+    src = str(tiny.resolve_source("builtin://tiny-chain"))
+    cfg = LearnerConfig(learning_rate=1e-3, mini_batches=2, micro_batch_tokens=4096,
+                        autocast="bfloat16")
+
+    def learner(c: LearnerConfig = cfg) -> Learner:
+        return Learner(tiny.load_model(Path(src)).to(device), c)
+
+    whole, streamed = learner(), learner()
+    fp32 = learner(dataclasses.replace(cfg, autocast="float32"))  # bfloat16's own error
+    start = {k: v.detach().float().cpu().clone() for k, v in whole.model.state_dict().items()}
+    whole_s, finish_s, stream_s = [], [], []
+    for step in range(2):
+        batch = _batch(128, 10 + step)
+        t0 = time.perf_counter()
+        whole.train_step(batch)
+        _sync(device)
+        whole_s.append(time.perf_counter() - t0)
+        fp32.train_step(batch)
+        streamed.stream_begin()
+        for i in range(0, len(batch), 16):  # groups of 16, as they would finish
+            streamed.stream_add(batch[i:i + 16], list(range(i, min(len(batch), i + 16))))
+        _sync(device)
+        t0 = time.perf_counter()
+        stats = streamed.stream_finish(batch)
+        _sync(device)
+        finish_s.append(time.perf_counter() - t0)
+        stream_s.append(stats["stream_s"])
+        assert stats["streamed"] == len(batch), stats
+    def weights(x: Learner) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float().cpu() for k, v in x.model.state_dict().items()}
+
+    def dist(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return float(sum(float((a[k] - b[k]).double().pow(2).sum()) for k in a) ** 0.5)
+
+    a, b, f = weights(whole), weights(streamed), weights(fp32)
+    update, off, noise = dist(a, start), dist(a, b), dist(a, f)
+    _emit(check="stream_training", device=device, rel_diff_to_update=round(off / update, 5),
+          bf16_vs_fp32_rel=round(noise / update, 5),
+          whole_step_s=[round(x, 3) for x in whole_s], finish_s=[round(x, 3) for x in finish_s],
+          streamed_passes_s=[round(x, 3) for x in stream_s])
+    # streaming reorders bfloat16 sums: no further from the whole step than bfloat16 itself is
+    # from float32 (twice that, with a floor)
+    assert update > 1e-3 and off <= 2 * noise + 0.01 * update, (off, noise, update)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _sharded_rank(rank: int, world: int, port: int, model: str, device: str, tokens: int,
@@ -218,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         _emit(check="device", name=torch.cuda.get_device_name(0), torch=torch.__version__)
     check_learner_bf16(args.device)
     check_checkpoint(args.device)
+    check_stream_training(args.device)
     check_sharded_learner(args.device, args.sharded_params)
     check_weight_publish(args.device, args.publish_params)
     print("GPU CHECK OK", flush=True)

@@ -22,6 +22,9 @@ def test_gpu_check_dry_run_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     # autocast really ran in bfloat16 (the gradients differ from float32), and stayed close
     assert 0 < bf16["grad_max_rel_err"] < 0.2 and bf16["grad_min_cosine"] > 0.98
     assert checks["checkpoint"]["equal_after_next_update"] is True
+    stream = checks["stream_training"]
+    assert stream["rel_diff_to_update"] <= 2 * stream["bf16_vs_fp32_rel"] + 0.01
+    assert len(stream["finish_s"]) == len(stream["whole_step_s"]) == 2
     pub = checks["weight_publish"]
     assert pub["bytes"] >= 2 * pub["params"]  # bfloat16: two bytes a parameter, plus names
     sharded = checks["sharded_learner"]
