@@ -279,7 +279,9 @@ class Driver:
         if st is None:
             return
         if not final:
-            st.scores.update(self.scorer.take_ready())
+            got = self.scorer.take_ready()
+            st.scores.update(got)
+            self._early_scores.update(got)  # the step's own use of them: run_step
         while st.done:
             rnd, p, ks = st.done[0]
             keys = [(rnd, p, k.idx) for k in ks]
@@ -301,6 +303,13 @@ class Driver:
                 self._hand_over(in_rollout=in_rollout)
         if final:
             self._hand_over(in_rollout=in_rollout)
+
+    def _stream_scores(self, got: dict[Any, float]) -> None:
+        """Scores that finished while the driver waited for a round's last ones."""
+        if self._stream is not None:
+            self._stream.scores.update(got)
+            self._early_scores.update(got)
+            self._pump_stream()
 
     def _hand_over(self, *, in_rollout: bool) -> None:
         st = self._stream
@@ -419,7 +428,6 @@ class Driver:
                 self._engine_died(r)
             if self._stream is not None and not complete:
                 self._pump_stream(in_rollout=True)
-                self._early_scores.update(self._stream.scores)
         rollout_s = time.perf_counter() - t0
         self.rollout_wall += rollout_s
         res = self.planner.finish_round()
@@ -600,7 +608,10 @@ class Driver:
             aborted += rnd.aborted
             routed += rnd.routed
             overprovisioned = overprovisioned or rnd.overprovisioned
-            scores, waited = self.scorer.collect()
+            # streaming: the groups whose rewards come in while the driver waits for the
+            # rest go to the learner then, not after
+            scores, waited = self.scorer.collect(
+                None if self._stream is None else self._stream_scores)
             scores = {**self._early_scores, **scores}  # those the stream took first
             self._early_scores = {}
             if self._stream is not None:

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from contextlib import suppress
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
@@ -243,9 +243,21 @@ class RewardPool:
             self._queue.append((cid, call))
         self._wake()
 
-    def collect(self) -> tuple[dict[Hashable, float], float]:
-        """All scores submitted since the last collect, and the seconds spent waiting."""
+    def collect(self, each: Callable[[dict[Hashable, float]], None] | None = None,
+                ) -> tuple[dict[Hashable, float], float]:
+        """All scores submitted since the last collect, and the seconds spent waiting.
+        ``each``: called (outside the pool's lock) with the scores that finish while it
+        waits, as they finish; those are not returned again."""
         t0 = time.monotonic()
+        while each is not None:
+            with self._cv:
+                if not self._keys or self._broken is not None:
+                    break
+                if not self._done:
+                    self._cv.wait(0.5)
+                got, self._done = self._done, {}
+            if got:
+                each(got)
         with self._cv:
             while self._keys and self._broken is None:
                 self._cv.wait(0.5)

@@ -206,3 +206,30 @@ def test_a_call_that_cannot_be_sent_is_an_error_not_a_dead_pool() -> None:
         pool.submit("ok", RewardCall("x", "x"))
         out, _ = pool.collect()
         assert out == {"bad": 0.0, "ok": 1.0} and pool.stats.errors == 1
+
+
+def test_collect_hands_over_scores_as_they_finish_while_it_waits(bad_module: str) -> None:
+    """``collect(each)``: the scores that finish while the driver waits for a slow one go to
+    ``each`` then (stream training trains their groups meanwhile), each once; the rest is
+    returned; ``take_ready`` before it takes what is already in without waiting."""
+    with RewardPool(bad_module, timeout_s=2.0, workers=2, failure_score=-1.0) as pool:
+        pool.submit("early", RewardCall("x", "x"))
+        t0 = time.monotonic()
+        while pool.stats.calls < 1 and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        assert pool.take_ready() == {"early": 1.0}
+        assert pool.take_ready() == {}
+        pool.submit("hang", RewardCall("hang", "x"))  # cut at 2 s
+        for i in range(6):
+            pool.submit(("y", i), RewardCall("y", "x"))
+        seen: list[tuple[float, dict[object, float]]] = []
+        out, waited = pool.collect(lambda got: seen.append((time.monotonic(), dict(got))))
+        given = [(t, k, v) for t, got in seen for k, v in got.items()]
+        assert sorted(k for _, k, _ in given if k != "hang") == [("y", i) for i in range(6)]
+        assert len(given) == 7  # each once: the six, then the hung one cut at its timeout
+        t_hang = next(t for t, k, v in given if k == "hang" and v == -1.0)
+        assert all(t < t_hang - 1.0 for t, k, _ in given if k != "hang")
+        assert out == {}  # everything was handed over as it finished
+        assert waited >= 1.5
+        pool.submit("late", RewardCall("x", "x"))
+        assert pool.collect() == ({"late": 1.0}, pytest.approx(0.0, abs=2.0))  # as before
