@@ -490,19 +490,22 @@ class Learner:
             return stats
         assert st is not None
         self.model.train()
-        packed = pack([x.prompt_ids for x in samples], [x.response_ids for x in samples])
-        lengths = [int(v) for v in packed[1].sum(dim=1)]
-        adv = torch.tensor([x.advantage for x in samples], dtype=torch.float32)
         chunks = [[i for i, g in enumerate(positions) if g % k == j] for j in range(k)]
-        old = torch.zeros(packed[3].shape, dtype=torch.float32)
-        for i, pos in enumerate(positions):
-            if pos in st.old:
-                old[i, : lengths[i] - 1] = st.old[pos]
-        ref = None
-        if self.ref is not None:
-            ref = torch.zeros(packed[3].shape, dtype=torch.float32)
+        packed: Any = None
+        lengths: list[int] = []
+        adv = old = ref = None
+        if samples:  # a rank's shard may be empty (fewer samples than ranks)
+            packed = pack([x.prompt_ids for x in samples], [x.response_ids for x in samples])
+            lengths = [int(v) for v in packed[1].sum(dim=1)]
+            adv = torch.tensor([x.advantage for x in samples], dtype=torch.float32)
+            old = torch.zeros(packed[3].shape, dtype=torch.float32)
             for i, pos in enumerate(positions):
-                ref[i, : lengths[i] - 1] = st.ref[pos]
+                if pos in st.old:
+                    old[i, : lengths[i] - 1] = st.old[pos]
+            if self.ref is not None:
+                ref = torch.zeros(packed[3].shape, dtype=torch.float32)
+                for i, pos in enumerate(positions):
+                    ref[i, : lengths[i] - 1] = st.ref[pos]
         stats = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "micro_batches": 0.0}
         # the first mini-batch: its gradients were summed as its samples came; now divided by
         # its count, as its losses would have been
