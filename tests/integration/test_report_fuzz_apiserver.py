@@ -80,12 +80,16 @@ def test_fuzzed_reports_against_the_real_api_server(
                          auth, "GET")  # type: ignore[arg-type]
     assert code == 200, plan
     g = plan["groupSize"]
-    # the job's own start settles first (Starting -> Running once its rollout pod is ready):
-    # from then on only accepted reports may change the stored status
+    # the job's own start settles first (Starting -> Running once its rollout pod is ready,
+    # and the RolloutReady condition saying so: a reconcile writes it, possibly after an
+    # accepted report recorded the ready replica): from then on only accepted reports may
+    # change the stored status
     def running() -> bool:
         st0 = status(cluster, namespace, "fz")
-        return st0.get("summary") == "Running" and (st0.get("rollout") or {}).get(
-            "readyReplicas", 0) >= 1
+        ready = [c for c in st0.get("conditions", []) if c.get("type") == "RolloutReady"]
+        return (st0.get("summary") == "Running"
+                and (st0.get("rollout") or {}).get("readyReplicas", 0) >= 1
+                and [c.get("status") for c in ready] == ["True"])
 
     wait(cluster, running, "job fz Running with its rollout replica ready", timeout=120)
     nxt: dict[str, Any] = {"step": 0, "g": g, "last": None}
