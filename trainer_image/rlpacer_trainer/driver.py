@@ -228,7 +228,6 @@ class Driver:
         self._deferring = False  # the coming round is one of them
         #: the step's groups streamed to the learner as they finish (spec.trainer.streamTraining)
         self._stream: StepStream | None = None
-        self._early_scores: dict[Any, float] = {}  # scores the stream took during the round
 
     # --- the response trace -----------------------------------------------------------------
     def record_trace(self, path: Path) -> None:
@@ -279,9 +278,7 @@ class Driver:
         if st is None:
             return
         if not final:
-            got = self.scorer.take_ready()
-            st.scores.update(got)
-            self._early_scores.update(got)  # the step's own use of them: run_step
+            st.scores.update(self.scorer.take_ready())  # run_step reads them there too
         while st.done:
             rnd, p, ks = st.done[0]
             keys = [(rnd, p, k.idx) for k in ks]
@@ -308,7 +305,6 @@ class Driver:
         """Scores that finished while the driver waited for a round's last ones."""
         if self._stream is not None:
             self._stream.scores.update(got)
-            self._early_scores.update(got)
             self._pump_stream()
 
     def _hand_over(self, *, in_rollout: bool) -> None:
@@ -596,7 +592,6 @@ class Driver:
         self._stats_before = stats_before = self._engine_stats()
         reward_before = self.scorer.stats
         self._stream = None
-        self._early_scores = {}
         if self.cfg.stream_training and self.learner.stream_begin():
             self._stream = StepStream(
                 batch_tokens=int(self.cfg.learner_config().micro_batch_tokens))
@@ -612,10 +607,9 @@ class Driver:
             # rest go to the learner then, not after
             scores, waited = self.scorer.collect(
                 None if self._stream is None else self._stream_scores)
-            scores = {**self._early_scores, **scores}  # those the stream took first
-            self._early_scores = {}
-            if self._stream is not None:
+            if self._stream is not None:  # with those the stream took first
                 self._stream.scores.update(scores)
+                scores = self._stream.scores
                 self._pump_stream(final=True)
             reward_s += waited
             for p, ks in rnd.kept.items():
