@@ -220,3 +220,33 @@ def test_an_early_scale_up_starts_the_added_engine_while_short_rounds_run(tmp_pa
     # the part of the scale-up that ran beside the short rounds (about 0 without the ask)
     hidden = long["scale_up_lead_s"] - long["seconds_capacity_wait"]
     assert hidden >= 0.25, (hidden, long)
+
+
+def test_a_wide_long_round_engine_runs_the_long_round_alone(tmp_path: Path) -> None:
+    """``tailBatching.longRound.tensorParallelSize`` (1 here: a CPU engine has no tensor
+    parallelism; the pods and the routing are those of any size): the long round's replica,
+    rollout-1, is a wide engine the driver starts at that size on its own host, and the long
+    round is routed to it alone, rollout-0's engine generating nothing in it; the short rounds
+    run on rollout-0 alone; every prompt trains once."""
+    run = run_long_round(tmp_path, "wide", steps=STEPS)
+    recs, driver_log = run.records, run.driver_log
+    addr = {n: a for n, (a, _) in run.hosts.items()}
+    print(json.dumps([{k: r[k] for k in ("step", "round_kind", "replicas", "engines")}
+                      for r in recs], indent=1))
+    assert [r["step"] for r in recs] == list(range(STEPS))
+    longs = [r for r in recs if r["round_kind"] == "Long"]
+    assert longs, [r["round_kind"] for r in recs]
+    for r in recs:
+        served = {e["replica"]: e for e in r["engines"]}
+        if r["round_kind"] == "Long":
+            assert r["replicas"] == [1], r  # routed to the wide engine alone
+            assert sorted(served) == [1], r["engines"]  # rollout-0's engine served nothing
+            wide = served[1]
+            assert wide["address"] == addr["rollout-1"] and wide["hostname"] == "rollout-1"
+            assert wide["tensor_parallel_size"] == 1 and wide["responses"] > 0, wide
+        else:
+            assert r["replicas"] == [0] and sorted(served) == [0], r
+    assert "rollout engine of replica 1 joined" in driver_log
+    assert "rollout engine of replica 1 released" in driver_log
+    every = [p for r in recs for p in r["prompts"]]
+    assert len(every) == len(set(every)), every

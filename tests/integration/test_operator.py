@@ -292,6 +292,14 @@ def test_invalid_manifests_are_rejected_with_field_messages(
             "rollout": {"replicas": 4, "gpusPerReplica": 0},
             "tailBatching": {"longRound": {"rolloutReplicas": 2}}},
         "spec.rollout.topP": {"rollout": {"topP": "0", "gpusPerReplica": 0}},
+        # wide long-round engines are the long round's extra replicas: there must be some
+        "spec.tailBatching.longRound.tensorParallelSize": {
+            "rollout": {"replicas": 2, "gpusPerReplica": 0},
+            "tailBatching": {"longRound": {"rolloutReplicas": 2, "tensorParallelSize": 1}}},
+        # and a CPU engine has no tensor parallelism
+        "spec.tailBatching.longRound.tensorParallelSize ": {
+            "rollout": {"gpusPerReplica": 0},
+            "tailBatching": {"longRound": {"rolloutReplicas": 2, "tensorParallelSize": 2}}},
         "spec.algorithm.name": {"algorithm": {"name": "PPO"}},
         "spec.algorithm.learningRate": {"algorithm": {"learningRate": 0.001}},
         "spec.algorithm.clipRatioHigh": {"algorithm": {"name": "DAPO", "clipRatioHigh": "0"}},
@@ -494,6 +502,57 @@ def test_long_round_scales_up_kwok_runs_then_scales_down(
     reasons = {e["reason"] for e in kube_events(cluster, namespace, "lr")}
     assert {"ScalingUp", "ScaledUp", "ScaledDown"} <= reasons, reasons
     print(f"long-round scale-up to Ready took {scale_up_s:.1f}s")
+
+
+def test_wide_long_round_engines_get_their_own_pods_on_gpu_nodes_then_go(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    """``tailBatching.longRound.tensorParallelSize`` 4 on a job whose rollout engines have 2
+    GPUs: a long round's two extra replicas are pods of the StatefulSet ``<job>-rollout-wide``,
+    ordinals 1 and 2 (following the rollout's 0), 4 GPUs each, scheduled onto the KWOK GPU
+    nodes beside the rollout's 2-GPU pod; the plan names all three usable (the driver routes
+    the long round to 1 and 2); the rollout StatefulSet never grows, and the wide one goes
+    back to 0 after the long round."""
+    obj = small_job("wide", namespace,
+                    rollout={"replicas": 1, "gpusPerReplica": 2, "tensorParallelSize": 2,
+                             "maxResponseTokens": 1024},
+                    tailBatching={"longRound": {"rolloutReplicas": 3,
+                                                "tensorParallelSize": 4,
+                                                "scaleUpTimeoutSeconds": 60}})
+    apply(cluster, obj)
+    wide_sts = names.wide_statefulset("wide")
+
+    def wide() -> dict[str, Any]:
+        return get(cluster, f"/apis/apps/v1/namespaces/{namespace}/statefulsets/"
+                            f"{wide_sts}") or {}
+
+    drv = Driver(operator, namespace, "wide", token(cluster, namespace, "wide"))
+    wait(cluster, lambda: (_sts(cluster, namespace, "wide").get("status") or {})
+         .get("readyReplicas") == 1, "rollout replica 0 ready", 90)
+    assert wide()["spec"]["replicas"] == 0 and wide()["spec"]["ordinals"] == {"start": 1}
+    code, plan = drv.post(report(0, drv.plan()["groupSize"], 150.0, nxt="Long"))
+    assert code == 200 and plan["rollout"]["desiredReplicas"] == 3
+    usable = wait(cluster, lambda: (p := drv.plan("usableReplicas"))["rollout"]["state"]
+                  == "Ready" and p["rollout"]["usableReplicas"], "the wide engines ready", 60)
+    assert usable == [0, 1, 2], usable
+    pods = get(cluster, f"/api/v1/namespaces/{namespace}/pods?labelSelector="
+                        f"{contract.LABEL_JOB}=wide,{contract.LABEL_ROLE}=rollout")
+    assert pods is not None
+    by_name = {p["metadata"]["name"]: p for p in pods["items"]}
+    rollout0 = f"{names.statefulset('wide', contract.Role.ROLLOUT)}-0"
+    assert sorted(by_name) == sorted([rollout0, f"{wide_sts}-1", f"{wide_sts}-2"]), by_name
+    gpus = {n: p["spec"]["containers"][0]["resources"]["limits"][contract.GPU_RESOURCE]
+            for n, p in by_name.items()}
+    assert gpus == {rollout0: "2", f"{wide_sts}-1": "4", f"{wide_sts}-2": "4"}, gpus
+    # each on a GPU node, its index the replica's (the rank its Ray node advertises)
+    for n, p in by_name.items():
+        assert p["spec"]["nodeName"].startswith("kwok-gpu-"), (n, p["spec"].get("nodeName"))
+        assert p["metadata"]["labels"]["apps.kubernetes.io/pod-index"] == n.rsplit("-", 1)[1]
+    assert _sts(cluster, namespace, "wide")["spec"]["replicas"] == 1  # never grown
+    code, plan = drv.post(report(1, drv.plan()["groupSize"], 400.0, kind="Long"))
+    assert plan["roundKind"] == "Short" and plan["rollout"]["desiredReplicas"] == 1
+    wait(cluster, lambda: wide()["spec"]["replicas"] == 0, "the wide engines scaled down")
+    assert _sts(cluster, namespace, "wide")["spec"]["replicas"] == 1
 
 
 def test_an_early_scale_up_is_ready_before_its_long_round(

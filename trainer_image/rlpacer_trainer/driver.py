@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from rlpacer.api import job as job_api
 from rlpacer.api import trace as trace_format
 from rlpacer.api.protocol import (
     LengthSummary,
@@ -172,6 +173,8 @@ class Driver:
         #: (a long round's) are released before the report that lets the operator scale down
         self.base_replicas: frozenset[int] = frozenset(self.pool)
         self.active: list[int] = sorted(self.pool)  # the replicas the current round uses
+        #: long rounds on wide engines of their own, short rounds on the rollout's
+        self.wide_long_rounds = job_api.wide_long_rounds(cfg.spec)
         #: starts the engine of replica i (on its pod); None: the engine set never changes
         self.engine_factory = engine_factory
         #: the replicas whose pods have joined the Ray cluster (their resource is offered)
@@ -793,6 +796,12 @@ class Driver:
             else:
                 self._join(missing)
         active = [r for r in sorted(self.pool) if r in usable]
+        if self.wide_long_rounds:
+            # wide long-round engines (tailBatching.longRound.tensorParallelSize): a long
+            # round runs on them alone, a short one on the rollout's (each falling back to
+            # what is live when none of its own is)
+            mine = [r for r in active if (r not in self.base_replicas) == long]
+            active = mine or active
         if not active:  # nothing the plan names is live: run on what is
             active = sorted(self.pool)
         if not active:
@@ -1003,6 +1012,7 @@ class Driver:
             out.append({"replica": info.replica, "address": info.address,
                         "hostname": info.hostname, "netns": info.netns,
                         "cores": info.threads_bind,
+                        "tensor_parallel_size": info.tensor_parallel_size,
                         "responses": self._served.get(e, 0), "tokens": tokens,
                         "busy_s": round(busy, 4), "cpu_s": round(cpu, 4),
                         "policy_version": info.policy_version})

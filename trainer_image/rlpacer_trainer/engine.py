@@ -88,6 +88,7 @@ class EngineInfo:
     netns: int  # inode of its network namespace (distinct per host)
     policy_version: str | None  # fingerprint of the weights its worker loaded last
     threads_bind: str = ""  # the cores its threads are bound to (VLLM_CPU_OMP_THREADS_BIND)
+    tensor_parallel_size: int = 1  # as its vLLM engine was configured
 
 
 class RolloutEngine(Protocol):
@@ -744,9 +745,13 @@ class VLLMEngine:
     def info(self) -> EngineInfo:
         import socket
 
+        par = getattr(getattr(getattr(self, "engine", None), "vllm_config", None),
+                      "parallel_config", None)
+        tp = int(getattr(par, "tensor_parallel_size", 0) or self.cfg.tensor_parallel_size)
         return EngineInfo(replica=self.cfg.replica, address=host_address(),
                           hostname=socket.gethostname(), pid=os.getpid(), netns=netns_inode(),
-                          policy_version=self.policy_version(), threads_bind=self.cfg.threads_bind)
+                          policy_version=self.policy_version(), threads_bind=self.cfg.threads_bind,
+                          tensor_parallel_size=tp)
 
     def stats(self) -> EngineStats:
         return dataclasses.replace(self._stats, cpu_seconds=time.process_time())

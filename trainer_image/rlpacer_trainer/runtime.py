@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, cast
 
+from rlpacer.api import job as job_api
 from rlpacer.control.tail_batching import TailBatchingPlanner
 from rlpacer_trainer import models, topology
 from rlpacer_trainer.config import RunConfig
@@ -138,14 +139,24 @@ def start_job(cfg: RunConfig) -> tuple[list[Any], RayLearners, dict[str, float]]
     return engines, learners, up
 
 
+def replica_tp_gpus(cfg: RunConfig, replica: int) -> tuple[int, int]:
+    """Tensor-parallel size and GPUs of rollout replica ``replica``'s engine: a long round's
+    extra replica (from ``rollout.replicas`` on) is a wide engine's with
+    ``tailBatching.longRound.tensorParallelSize``, every other the rollout's."""
+    spec = cfg.spec
+    if replica >= int(spec.rollout.replicas):
+        return job_api.extra_replica_tp(spec), job_api.extra_replica_gpus(spec)
+    return int(spec.rollout.tensor_parallel_size), int(spec.rollout.gpus_per_replica)
+
+
 def replica_engine_config(cfg: RunConfig, replica: int) -> EngineConfig:
     """The engine config of rollout replica ``replica`` on its own pod: on GPUs it spans
-    ``tensorParallelSize`` of them, with vLLM's worker processes."""
-    rollout = cfg.spec.rollout
+    its tensor-parallel size of them (:func:`replica_tp_gpus`), with vLLM's worker
+    processes; on a CPU it is 1 (the config says so, for the engine to report)."""
     ecfg = engine_config(cfg, replica=replica, slot=replica)
-    if int(rollout.gpus_per_replica) > 0:
-        ecfg = dataclasses.replace(ecfg, tensor_parallel_size=int(rollout.tensor_parallel_size),
-                                   single_process=False)
+    tp, gpus = replica_tp_gpus(cfg, replica)
+    if gpus > 0:
+        ecfg = dataclasses.replace(ecfg, tensor_parallel_size=tp, single_process=False)
     return ecfg
 
 
@@ -153,10 +164,9 @@ def start_engine(cfg: RunConfig, replica: int, *, pinned: bool = True,
                  wait: bool = True) -> Any:
     """The Ray engine of rollout replica ``replica``; ``pinned``: on that replica's pod (its
     ``rlpacer.io/rollout-<i>`` resource), the way a long round's added replica joins."""
-    rollout = cfg.spec.rollout
     return RayEngine(
         replica_engine_config(cfg, replica), num_cpus=cfg.engine_cpus,
-        num_gpus=int(rollout.gpus_per_replica),
+        num_gpus=replica_tp_gpus(cfg, replica)[1],
         resources={topology.pod_resource("rollout", replica): 0.01} if pinned else None,
         wait=wait)
 

@@ -160,6 +160,10 @@ LABEL_JOB = "rlpacer.io/job"
 LABEL_ROLE = "rlpacer.io/role"
 #: The attempt of a driver pod.
 LABEL_ATTEMPT = "rlpacer.io/attempt"
+#: The rollout pool of a rollout pod: :data:`POOL_WIDE` on the wide long-round engines'
+#: pods (``tailBatching.longRound.tensorParallelSize``); absent on the rollout's own.
+LABEL_POOL = "rlpacer.io/pool"
+POOL_WIDE = "wide"
 #: Annotation on every pod (template) of a job: SHA-256 (hex) of the Ray token the pod was
 #: built with. A replaced token changes it, so the StatefulSets roll their pods and the
 #: operator sees a driver that still runs with the old token.

@@ -135,6 +135,27 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "tailBatching.longRound.rolloutReplicas",
         ),
         _rule(
+            "!has(self.tailBatching) || !has(self.tailBatching.longRound)"
+            " || !has(self.tailBatching.longRound.tensorParallelSize)"
+            " || (has(self.tailBatching.longRound.rolloutReplicas)"
+            " ? self.tailBatching.longRound.rolloutReplicas : 1)"
+            " > (has(self.rollout) && has(self.rollout.replicas) ? self.rollout.replicas : 1)",
+            "tailBatching.longRound.tensorParallelSize needs"
+            " tailBatching.longRound.rolloutReplicas > rollout.replicas (the wide engines are"
+            " the long round's extra replicas)",
+            "tailBatching.longRound.tensorParallelSize",
+        ),
+        _rule(
+            "!has(self.tailBatching) || !has(self.tailBatching.longRound)"
+            " || !has(self.tailBatching.longRound.tensorParallelSize)"
+            " || self.tailBatching.longRound.tensorParallelSize == 1"
+            " || (has(self.rollout) && has(self.rollout.gpusPerReplica)"
+            " ? self.rollout.gpusPerReplica : 1) > 0",
+            "tailBatching.longRound.tensorParallelSize must be 1 when rollout.gpusPerReplica"
+            " is 0 (a CPU engine has no tensor parallelism)",
+            "tailBatching.longRound.tensorParallelSize",
+        ),
+        _rule(
             "!has(self.algorithm) || !has(self.algorithm.overlongPenalty)"
             " || !has(self.algorithm.overlongPenalty.bufferTokens)"
             " || self.algorithm.overlongPenalty.bufferTokens"

@@ -722,6 +722,21 @@ class LongRoundSpec(APIModel):
             " admitted there."
         ),
     )
+    tensor_parallel_size: int | None = Field(
+        default=None, ge=1, le=64,
+        description=(
+            "Wider engines for long rounds: each of the long round's extra replicas"
+            " (rolloutReplicas - rollout.replicas) is one engine of this tensor-parallel size"
+            " on a pod of its own with as many GPUs (StatefulSet <job>-rollout-wide, its"
+            " ordinals following the rollout's; the rollout's resources, image and"
+            " scheduling), and the driver runs the long round on them alone (the"
+            " rollout's engines wait; if none is ready in time, on the rollout's); short"
+            " rounds run on the rollout's engines only. Needs rolloutReplicas >"
+            " rollout.replicas; must be 1 when rollout.gpusPerReplica is 0 (a CPU engine"
+            " has no tensor parallelism; the pods and the routing are the same). Unset: the"
+            " extras are engines like the rollout's and a long round runs on all of them."
+        ),
+    )
     min_yield_ratio: Annotated[Decimal, DecimalRange(0, 100)] = Field(
         default="0.25",
         description=(
@@ -968,6 +983,20 @@ class RLTrainingJobSpec(APIModel):
                 "tailBatching.longRound.rolloutReplicas must be >= rollout.replicas"
                 f" ({tb.long_round.rollout_replicas} < {self.rollout.replicas})"
             )
+        wide = tb.long_round.tensor_parallel_size
+        if wide is not None:
+            if tb.long_round.rollout_replicas <= self.rollout.replicas:
+                raise ValueError(
+                    "tailBatching.longRound.tensorParallelSize needs"
+                    " tailBatching.longRound.rolloutReplicas > rollout.replicas (the wide"
+                    " engines are the long round's extra replicas;"
+                    f" {tb.long_round.rollout_replicas} <= {self.rollout.replicas}): raise"
+                    " rolloutReplicas, or remove tensorParallelSize")
+            if not self.rollout.gpus_per_replica and wide != 1:
+                raise ValueError(
+                    "tailBatching.longRound.tensorParallelSize must be 1 when"
+                    f" rollout.gpusPerReplica is 0 (a CPU engine has no tensor parallelism),"
+                    f" not {wide}")
         op = self.algorithm.overlong_penalty
         if (op is not None and op.buffer_tokens is not None
                 and op.buffer_tokens >= self.rollout.max_response_tokens):
@@ -982,6 +1011,30 @@ def algorithm_knob(a: AlgorithmSpec, name: str) -> Any:
     """One knob of ``a``: its own value if set, else its preset's."""
     v = getattr(a, name)
     return PRESETS[a.name][name] if v is None else v
+
+
+def wide_long_rounds(spec: RLTrainingJobSpec) -> bool:
+    """Whether the job's long rounds run on wide engines of their own
+    (``tailBatching.longRound.tensorParallelSize``)."""
+    tb = spec.tail_batching
+    return (tb.enabled and tb.long_round.tensor_parallel_size is not None
+            and tb.long_round.rollout_replicas > spec.rollout.replicas)
+
+
+def extra_replica_tp(spec: RLTrainingJobSpec) -> int:
+    """Tensor-parallel size of a long round's extra replica's engine."""
+    if wide_long_rounds(spec):
+        return int(spec.tail_batching.long_round.tensor_parallel_size or 1)
+    return int(spec.rollout.tensor_parallel_size)
+
+
+def extra_replica_gpus(spec: RLTrainingJobSpec) -> int:
+    """GPUs of a long round's extra replica (0 on CPU): a wide engine's tensor-parallel size,
+    else the rollout's ``gpusPerReplica``."""
+    if not spec.rollout.gpus_per_replica:
+        return 0
+    return extra_replica_tp(spec) if wide_long_rounds(spec) else int(
+        spec.rollout.gpus_per_replica)
 
 
 def effective_algorithm(spec: RLTrainingJobSpec) -> EffectiveAlgorithm:

@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlpacer.api._base import decimal, format_decimal
-from rlpacer.api.job import GroupControlMode, GroupControlSpec, RLTrainingJobSpec
+from rlpacer.api.job import (
+    GroupControlMode,
+    GroupControlSpec,
+    RLTrainingJobSpec,
+    extra_replica_gpus,
+)
 from rlpacer.api.policy import LabelSelector, PolicyAction, RLTrainingPolicy, SelectorOperator
 
 Policies = RLTrainingPolicy | Sequence[RLTrainingPolicy]
@@ -133,7 +138,8 @@ def _validate_one(spec: RLTrainingJobSpec, p: RLTrainingPolicy) -> list[Violatio
             if peak > lr.max_gpus:
                 add(
                     "spec (peak GPUs = trainer.replicas*trainer.gpusPerReplica"
-                    " + longRound.rolloutReplicas*rollout.gpusPerReplica)",
+                    " + longRound.rolloutReplicas*rollout.gpusPerReplica, each replica a"
+                    " long round adds counted at longRound.tensorParallelSize when set)",
                     peak, f"<= {lr.max_gpus} (longRounds.maxGPUs)",
                 )
     return out
@@ -148,7 +154,9 @@ def _long_round_replicas(spec: RLTrainingJobSpec) -> int:
 def peak_gpus(spec: RLTrainingJobSpec) -> int:
     """GPUs a job holds at its peak (a long round, or always when tail batching is off)."""
     trainer = spec.trainer.replicas * spec.trainer.gpus_per_replica
-    return trainer + _long_round_replicas(spec) * spec.rollout.gpus_per_replica
+    extra = _long_round_replicas(spec) - spec.rollout.replicas
+    return (trainer + spec.rollout.replicas * spec.rollout.gpus_per_replica
+            + extra * extra_replica_gpus(spec))
 
 
 # --- admission: defaults -----------------------------------------------------------------
@@ -265,8 +273,14 @@ def clamp(
     long_round_replicas: int,
     rollout_gpus_per_replica: int,
     trainer_gpus: int,
+    short_replicas: int = 0,
+    extra_gpus_per_replica: int | None = None,
 ) -> Clamp:
     """Clamp a running job's controller target, candidates and long-round replicas.
+
+    ``short_replicas`` / ``extra_gpus_per_replica``: the rollout replicas of a short round
+    and the GPUs of each replica a long round adds (a wide engine's,
+    ``tailBatching.longRound.tensorParallelSize``; default ``rollout_gpus_per_replica``).
 
     ``Enforce`` policies change the values (the strictest wins); ``Warn`` policies only add a
     note starting with ``"Warn: "``. The result keeps at least one candidate (the allowed size
@@ -307,8 +321,9 @@ def clamp(
             if lr.max_rollout_replicas is not None:
                 cap_r = min(cap_r, lr.max_rollout_replicas)
             if lr.max_gpus is not None and rollout_gpus_per_replica > 0:
-                budget = lr.max_gpus - trainer_gpus
-                cap_r = min(cap_r, math.floor(budget / rollout_gpus_per_replica))
+                budget = lr.max_gpus - trainer_gpus - short_replicas * rollout_gpus_per_replica
+                per = extra_gpus_per_replica or rollout_gpus_per_replica
+                cap_r = min(cap_r, short_replicas + math.floor(budget / per))
             cap_r = max(1, cap_r)
             if cap_r < replicas:
                 notes.append(f"{prefix}long-round rollout replicas {replicas} clamped to {cap_r}"
@@ -332,6 +347,8 @@ def clamp_job(
                              else _long_round_replicas(spec)),
         rollout_gpus_per_replica=spec.rollout.gpus_per_replica,
         trainer_gpus=spec.trainer.replicas * spec.trainer.gpus_per_replica,
+        short_replicas=spec.rollout.replicas,
+        extra_gpus_per_replica=extra_replica_gpus(spec),
     )
 
 

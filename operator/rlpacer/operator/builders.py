@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from rlpacer.api import contract, sources
+from rlpacer.api import job as job_api
 from rlpacer.api.job import API_VERSION, KIND, PodSettings, RLTrainingJobSpec
 from rlpacer.operator import names
 from rlpacer.operator.queue import Placement
@@ -428,10 +429,19 @@ def _pod_labels(inputs: BuildInputs, role: contract.Role) -> dict[str, str]:
 
 
 def statefulset(
-    inputs: BuildInputs, role: contract.Role, replicas: int, image: str, gpus: int
+    inputs: BuildInputs, role: contract.Role, replicas: int, image: str, gpus: int,
+    *, wide: bool = False,
 ) -> Obj:
-    meta = _meta(inputs, names.statefulset(inputs.name, role), role)
-    meta["labels"] = _pod_labels(inputs, role)
+    """The StatefulSet of ``role``'s pods; ``wide``: the wide long-round engines' (rollout
+    pods labelled :data:`~rlpacer.api.contract.LABEL_POOL`, ordinals from
+    ``rollout.replicas`` on, so that replica indices run on across both StatefulSets)."""
+    name = names.wide_statefulset(inputs.name) if wide else names.statefulset(inputs.name, role)
+    meta = _meta(inputs, name, role)
+    labels = _pod_labels(inputs, role)
+    selector = names.selector(inputs.name, role)
+    if wide:
+        labels[contract.LABEL_POOL] = selector[contract.LABEL_POOL] = contract.POOL_WIDE
+    meta["labels"] = dict(labels)
     service = (
         names.head_service(inputs.name)
         if role is contract.Role.HEAD
@@ -444,7 +454,7 @@ def statefulset(
         contract.Role.LEARNER: inputs.spec.trainer.replicas,
         contract.Role.ROLLOUT: inputs.spec.rollout.replicas,
     }[role]
-    return {
+    out: Obj = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": meta,
@@ -452,14 +462,16 @@ def statefulset(
             "replicas": replicas,
             "serviceName": service,
             "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": names.selector(inputs.name, role)},
+            "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": _pod_labels(inputs, role),
-                             **_annotated(_pod_annotations(inputs))},
+                "metadata": {"labels": labels, **_annotated(_pod_annotations(inputs))},
                 "spec": _pod_spec(inputs, role, image, gpus, world),
             },
         },
     }
+    if wide:  # StatefulSetStartOrdinal: GA in Kubernetes 1.31, on by default since 1.27
+        out["spec"]["ordinals"] = {"start": inputs.spec.rollout.replicas}
+    return out
 
 
 def driver_pod(inputs: BuildInputs) -> Obj:
@@ -549,21 +561,38 @@ def build_children(inputs: BuildInputs) -> list[Obj]:
                 inputs, contract.Role.LEARNER, spec.trainer.replicas, spec.trainer.image,
                 spec.trainer.gpus_per_replica,
             ),
-            statefulset(
-                inputs, contract.Role.ROLLOUT, inputs.rollout_replicas, spec.rollout.image,
-                spec.rollout.gpus_per_replica,
-            ),
+            *rollout_statefulsets(inputs),
             driver_pod(inputs),
         ]
     return out
 
 
-def pod_template_spec(inputs: BuildInputs, role: contract.Role) -> Obj:
-    """The pod spec of one role as the workloads run it (the Kueue Workload's pod sets)."""
+def rollout_statefulsets(inputs: BuildInputs) -> list[Obj]:
+    """The rollout StatefulSet at ``inputs.rollout_replicas``; with wide long-round engines
+    (``tailBatching.longRound.tensorParallelSize``) the rollout's at ``rollout.replicas`` at
+    most and the wide one at the rest (0 between long rounds)."""
+    spec = inputs.spec
+    total = inputs.rollout_replicas
+    if not job_api.wide_long_rounds(spec):
+        return [statefulset(inputs, contract.Role.ROLLOUT, total, spec.rollout.image,
+                            spec.rollout.gpus_per_replica)]
+    base = min(total, spec.rollout.replicas)
+    return [
+        statefulset(inputs, contract.Role.ROLLOUT, base, spec.rollout.image,
+                    spec.rollout.gpus_per_replica),
+        statefulset(inputs, contract.Role.ROLLOUT, max(0, total - spec.rollout.replicas),
+                    spec.rollout.image, job_api.extra_replica_gpus(spec), wide=True),
+    ]
+
+
+def pod_template_spec(inputs: BuildInputs, role: contract.Role, *, extra: bool = False) -> Obj:
+    """The pod spec of one role as the workloads run it (the Kueue Workload's pod sets);
+    ``extra``: a long round's extra rollout replica's (a wide engine's GPUs with
+    ``tailBatching.longRound.tensorParallelSize``)."""
     spec = inputs.spec
     if role is contract.Role.ROLLOUT:
-        return _pod_spec(inputs, role, spec.rollout.image, spec.rollout.gpus_per_replica,
-                         spec.rollout.replicas)
+        gpus = job_api.extra_replica_gpus(spec) if extra else spec.rollout.gpus_per_replica
+        return _pod_spec(inputs, role, spec.rollout.image, gpus, spec.rollout.replicas)
     if role is contract.Role.LEARNER:
         return _pod_spec(inputs, role, spec.trainer.image, spec.trainer.gpus_per_replica,
                          spec.trainer.replicas)
@@ -576,5 +605,6 @@ def workload_names(name: str, attempt: int) -> list[tuple[str, str, str]]:
         ("apps/v1", "statefulsets", names.statefulset(name, contract.Role.HEAD)),
         ("apps/v1", "statefulsets", names.statefulset(name, contract.Role.LEARNER)),
         ("apps/v1", "statefulsets", names.statefulset(name, contract.Role.ROLLOUT)),
+        ("apps/v1", "statefulsets", names.wide_statefulset(name)),
         ("v1", "pods", names.driver_pod(name, attempt)),
     ]

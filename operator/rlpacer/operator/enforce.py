@@ -38,7 +38,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlpacer.api.job import GroupControlMode, RLTrainingJobSpec
+from rlpacer.api.job import GroupControlMode, RLTrainingJobSpec, extra_replica_gpus
 from rlpacer.api.policy import RLTrainingPolicy
 from rlpacer.api.status import (
     MAX_POLICY_NOTES,
@@ -93,6 +93,7 @@ def limits(spec: RLTrainingJobSpec, policies: Sequence[RLTrainingPolicy]) -> Lim
             policies, target_straggler_rate=0.0, candidates=[gc.initial],
             long_round_replicas=long_r, rollout_gpus_per_replica=spec.rollout.gpus_per_replica,
             trainer_gpus=spec.trainer.replicas * spec.trainer.gpus_per_replica,
+            short_replicas=spec.rollout.replicas, extra_gpus_per_replica=extra_replica_gpus(spec),
         )
         sagc = base
         notes = tuple(

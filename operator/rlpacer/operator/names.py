@@ -63,6 +63,18 @@ def statefulset(job: str, role: contract.Role) -> str:
     return child_name(job, role.value, STATEFULSET_NAME)
 
 
+def wide_statefulset(job: str) -> str:
+    """The wide long-round engines' StatefulSet (``tailBatching.longRound.tensorParallelSize``);
+    its pods are rollout pods whose ordinals follow the rollout StatefulSet's."""
+    return child_name(job, f"{contract.Role.ROLLOUT.value}-{contract.POOL_WIDE}",
+                      STATEFULSET_NAME)
+
+
+def rollout_statefulsets(job: str) -> tuple[str, str]:
+    """The StatefulSets whose pods are rollout replicas: the rollout's and the wide one's."""
+    return statefulset(job, contract.Role.ROLLOUT), wide_statefulset(job)
+
+
 def driver_pod(job: str, attempt: int) -> str:
     return child_name(job, f"driver-{attempt}")
 

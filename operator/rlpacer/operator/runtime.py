@@ -29,11 +29,12 @@ import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rlpacer.api import contract
+from rlpacer.api import job as job_api
 from rlpacer.api.job import (
     API_VERSION,
     GROUP,
@@ -681,12 +682,14 @@ class Jobs:
                                 contract.EXIT_LEARNER_DOES_NOT_FIT) and term.get("message"):
                         message = last_error_line(str(term["message"]))
                     message = message or f"exit code {code}: {why}"
-        sts = await self.kube.get(object_path(
-            "apps/v1", "statefulsets", rt.namespace,
-            names.statefulset(rt.name, contract.Role.ROLLOUT)))
+        rollout_sts = names.rollout_statefulsets(rt.name)
         ready = 0
-        if sts is not None and _owned_by(sts, rt.uid):
-            ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
+        wide = rt.spec is not None and job_api.wide_long_rounds(rt.spec)
+        for sts_name in rollout_sts if wide else rollout_sts[:1]:
+            sts = await self.kube.get(object_path(
+                "apps/v1", "statefulsets", rt.namespace, sts_name))
+            if sts is not None and _owned_by(sts, rt.uid):
+                ready += int((sts.get("status") or {}).get("readyReplicas") or 0)
         # which rollout pods are Ready (the plan's usableReplicas): a timed-out scale-up may
         # leave a higher ordinal ready while a lower one is pending
         selector = ",".join(f"{k}={v}" for k, v in sorted(
@@ -695,7 +698,6 @@ class Jobs:
             "GET", object_path("v1", "pods", rt.namespace, None),
             params={"labelSelector": selector})
         items = listed.get("items") or []
-        rollout_sts = names.statefulset(rt.name, contract.Role.ROLLOUT)
         ordinals = tuple(scaler.ready_ordinals(items, rollout_sts))
         seen = Observed(attempt=attempt, driver_phase=phase, driver_message=message,
                         driver_exit_code=exit_code, driver_deleting=deleting,
@@ -706,7 +708,7 @@ class Jobs:
         return seen, pod
 
     async def _observe_queue(self, rt: JobRuntime, seen: Observed, rollout_items: list[Any],
-                             rollout_sts: str) -> Observed:
+                             rollout_sts: Sequence[str]) -> Observed:
         """The job's Kueue Workloads, and the pods an eviction waits for."""
         view, obj = await self.kueue.view(rt.namespace, queue.workload_name(rt.name), rt.uid)
         long_view, long_obj = queue.ABSENT, None
@@ -714,12 +716,8 @@ class Jobs:
             long_view, long_obj = await self.kueue.view(
                 rt.namespace, queue.long_round_name(rt.name), rt.uid)
         rt.workload_objs = {"job": obj, "long": long_obj}
-        present = []
-        prefix = rollout_sts + "-"
-        for p in rollout_items:
-            n = str((p.get("metadata") or {}).get("name") or "")
-            if n.startswith(prefix) and n[len(prefix):].isdigit():
-                present.append(int(n[len(prefix):]))
+        present = [i for i in (scaler.pod_ordinal(p, rollout_sts) for p in rollout_items)
+                   if i is not None]
         job_pods = None
         if view.evicted is not None and view.reserved:
             listed = await self.kube.request(
@@ -990,7 +988,8 @@ class Jobs:
             return dataclasses.replace(inputs, rollout_replicas=short), every
         if not long_view.exists:
             ask = queue.long_round_workload(
-                rt.name, rt.namespace, rt.uid, spec, pod_specs[contract.Role.ROLLOUT], extra,
+                rt.name, rt.namespace, rt.uid, spec,
+                builders.pod_template_spec(inputs, contract.Role.ROLLOUT, extra=True), extra,
                 priority, placement.get(contract.Role.ROLLOUT.value), API_VERSION, KIND)
             behind = await self._order_pool(rt, spec, ask)
             if behind is not None:

@@ -243,22 +243,31 @@ def seconds_to_deadline(rollout: RolloutStatus, spec: RLTrainingJobSpec, now: da
     return max(0.0, (_deadline(rollout, spec, now) - now).total_seconds())
 
 
-def ready_ordinals(pods: Sequence[Mapping[str, Any]], statefulset: str) -> list[int]:
-    """Ordinals of the StatefulSet's pods (``<statefulset>-<i>``) that are Ready and not
+def pod_ordinal(pod: Mapping[str, Any], statefulsets: str | Sequence[str]) -> int | None:
+    """The ordinal of a pod of one of ``statefulsets`` (``<statefulset>-<i>``), else None.
+    The rollout's replicas span two StatefulSets when long rounds have wide engines, their
+    ordinals one range (the wide one's start at ``rollout.replicas``)."""
+    name = str((pod.get("metadata") or {}).get("name") or "")
+    for sts in (statefulsets,) if isinstance(statefulsets, str) else statefulsets:
+        prefix = sts + "-"
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            return int(name[len(prefix):])
+    return None
+
+
+def ready_ordinals(pods: Sequence[Mapping[str, Any]],
+                   statefulsets: str | Sequence[str]) -> list[int]:
+    """Ordinals of the StatefulSets' pods (``<statefulset>-<i>``) that are Ready and not
     being deleted. A scale-up that timed out is scaled back from the highest ordinal down,
     so a higher replica may be ready while a lower one is still pending: [0, 2]."""
     out = set()
-    prefix = statefulset + "-"
     for pod in pods:
-        meta = pod.get("metadata") or {}
-        name = str(meta.get("name") or "")
-        if not name.startswith(prefix) or not name[len(prefix):].isdigit():
-            continue
-        if meta.get("deletionTimestamp"):
+        i = pod_ordinal(pod, statefulsets)
+        if i is None or (pod.get("metadata") or {}).get("deletionTimestamp"):
             continue
         conds = (pod.get("status") or {}).get("conditions") or []
         if any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds):
-            out.add(int(name[len(prefix):]))
+            out.add(i)
     return sorted(out)
 
 

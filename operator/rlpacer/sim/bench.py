@@ -339,6 +339,9 @@ class PolicyRun:
     wide_engines: int = 0
     wide_gpus: int = 0
     """GPUs of a wide long round (engines x TP)."""
+    wide_own_gpus: bool = False
+    """The wide engines are on GPUs of their own beside the small pool's (``--wide-replicas``,
+    as the operator runs them), not the long round's GPUs re-formed."""
     step_s_wide: list[float] = field(default_factory=list)
     rollout_s_wide: list[float] = field(default_factory=list)
     early_hold: list[bool] = field(default_factory=list)
@@ -355,7 +358,8 @@ class PolicyRun:
         n_long = sum(longs)
         small, wide = float(sum(self.step_s)), float(sum(self.step_s_wide))
         large = float(sum(self.step_s_large))
-        extra = max(0, self.wide_gpus - small_gpus) if n_long else 0
+        extra = (self.wide_gpus if self.wide_own_gpus else max(0, self.wide_gpus - small_gpus)
+                 ) if n_long else 0
 
         def over_longs(xs: list[float]) -> float:
             return float(sum(x for x, long in zip(xs, longs, strict=True) if long))
@@ -550,9 +554,11 @@ def _early_targets(vs_small: dict[str, Any]) -> dict[str, Any]:
     return {**out, "met": all(out.values())}
 
 
-def wide_layout(scn: Scenario, tp: int) -> tuple[int, int]:
+def wide_layout(scn: Scenario, tp: int, replicas: int | None = None) -> tuple[int, int]:
     """Engines and GPUs of a wide long round (``--long-round-tp``): the long round's GPUs,
-    ``max(engines, long_round_engines) x gpus_per_engine``, as engines of TP ``tp``."""
+    ``max(engines, long_round_engines) x gpus_per_engine``, as engines of TP ``tp``; with
+    ``replicas`` (``--wide-replicas``, the operator's layout), that many engines of TP
+    ``tp`` on GPUs of their own."""
     model = QWEN25_14B_H100
     if scn.profile_override is not None or scn.cost_profile != "gpu":
         raise ValueError("--long-round-tp models the gpu profile's engines (14B, TP 2 on H100;"
@@ -564,6 +570,10 @@ def wide_layout(scn: Scenario, tp: int) -> tuple[int, int]:
     if tp not in model.sizes:
         raise ValueError(f"--long-round-tp must be one of {list(model.sizes)} (one NVLink"
                          f" node), got {tp}")
+    if replicas is not None:
+        if replicas < 1:
+            raise ValueError(f"--wide-replicas must be 1 or more, got {replicas}")
+        return replicas, replicas * tp
     gpus = max(scn.engines, scn.long_round_engines) * scn.gpus_per_engine
     if gpus % tp:
         raise ValueError(f"--long-round-tp {tp} does not divide the long round's {gpus} GPUs")
@@ -671,6 +681,7 @@ def step_report(scn: Scenario, step: int, group_size: int, kind: RoundKind,
 def run_policy(
     scn: Scenario, pol: Policy, seed: int, workload: Workload | TraceWorkload | None = None,
     long_round_tp: int | None = None,
+    wide_replicas: int | None = None,
 ) -> PolicyRun:
     """Train the workload's whole dataset (every epoch) under ``pol``; one JobController
     step per round. ``long_round_tp``: also the wide set-up (module doc)."""
@@ -686,7 +697,8 @@ def run_policy(
     wide_sim: RoundSimulator | None = None
     if long_round_tp is not None:
         out.long_round_tp = long_round_tp
-        out.wide_engines, out.wide_gpus = wide_layout(scn, long_round_tp)
+        out.wide_engines, out.wide_gpus = wide_layout(scn, long_round_tp, wide_replicas)
+        out.wide_own_gpus = wide_replicas is not None
         if pol.tail:
             wide_prof: CostProfile = tp_profile(scn.cost, long_round_tp)
             wide_sim = RoundSimulator(wide_prof, out.wide_engines, scn.prompt_len,
@@ -865,7 +877,7 @@ def run_policy(
 
 def run_bench(
     scn: Scenario, seed: int = 0, ablations: bool = False, trace: Trace | None = None,
-    prior: bool = False, long_round_tp: int | None = None,
+    prior: bool = False, long_round_tp: int | None = None, wide_replicas: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, PolicyRun]]:
     """Run every policy on the same workload; returns (the JSON report, the per-step runs).
     With ``trace``, the lengths are replayed from it (rlpacer.sim.trace) on ``scn``'s
@@ -887,7 +899,7 @@ def run_bench(
             "prompt_tokens": scn.prompt_len, "median_length": scn.median_tokens,
             "cap": scn.cap,
         }
-    runs = {pol.name: run_policy(scn, pol, seed, wl, long_round_tp)
+    runs = {pol.name: run_policy(scn, pol, seed, wl, long_round_tp, wide_replicas)
             for pol in policies(ablations, prior)}
     summaries = {name: run.summary() for name, run in runs.items()}
     base = summaries["fixed16"]["wall_clock_s"]
@@ -921,20 +933,22 @@ def run_bench(
     if prior and trace is not None:
         report["length_prior_split_half"] = split_half_calibration(trace)
     if long_round_tp is not None:
-        report["wide_long_rounds"] = wide_report(scn, long_round_tp, runs)
+        report["wide_long_rounds"] = wide_report(scn, long_round_tp, runs, wide_replicas)
     return report, runs
 
 
-def wide_report(scn: Scenario, tp: int, runs: dict[str, PolicyRun]) -> dict[str, Any]:
+def wide_report(scn: Scenario, tp: int, runs: dict[str, PolicyRun],
+                replicas: int | None = None) -> dict[str, Any]:
     """The ``wide_long_rounds`` key: the layout, the two engines' costs, each policy's wide
     set-up (``PolicyRun.wide``)."""
-    engines, gpus = wide_layout(scn, tp)
+    engines, gpus = wide_layout(scn, tp, replicas)
     base, wide = scn.cost, tp_profile(scn.cost, tp)
     ctx = scn.ctx_ref
     return {
         "tp": tp,
         "engines": engines,
         "gpus": gpus,
+        "own_gpus": replicas is not None,
         "short_engines": scn.engines,
         "short_tp": scn.gpus_per_engine,
         "short_gpus": scn.engines * scn.gpus_per_engine,
@@ -1203,9 +1217,11 @@ def format_wide_table(report: dict[str, Any]) -> str:
             "  targets; with early hold")
     sub = (f"{'':<15}{'small':>9}{'large':>9}{'wide':>9}{'long':>8}{'wall':>8}{'GPU-s':>8}"
            f"{'early':>8}{'s/long':>8}")
+    where = (f"{w['engines']} engine(s) of TP {w['tp']} on {w['gpus']} GPUs of their own, the"
+             f" short rounds' {w['short_gpus']} waiting" if w.get("own_gpus") else
+             f"the long round's {w['gpus']} GPUs as {w['engines']} engine(s) of TP {w['tp']}")
     lines = [
-        f"wider engines for long rounds: the long round's {w['gpus']} GPUs as {w['engines']}"
-        f" engine(s) of TP {w['tp']} (short rounds: {w['short_engines']} of TP"
+        f"wider engines for long rounds: {where} (short rounds: {w['short_engines']} of TP"
         f" {w['short_tp']}); decode step at batch 1 {1e3 * w['step_s_batch1']['short']:.2f} ->"
         f" {1e3 * w['step_s_batch1']['wide']:.2f} ms, KV cache"
         f" {w['kv_capacity_tokens']['short']} -> {w['kv_capacity_tokens']['wide']} tokens an"
@@ -1286,9 +1302,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     long_round_tp: int | None = getattr(args, "long_round_tp", None)
+    wide_replicas: int | None = getattr(args, "wide_replicas", None)
+    if wide_replicas is not None and long_round_tp is None:
+        print("error: --wide-replicas needs --long-round-tp N (the wide engines' size)",
+              file=sys.stderr)
+        return 2
     if long_round_tp is not None:
         try:
-            wide_layout(scn, long_round_tp)
+            wide_layout(scn, long_round_tp, wide_replicas)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -1310,7 +1331,8 @@ def main(args: argparse.Namespace) -> int:
             return 2
     t0 = time.perf_counter()
     report, runs = run_bench(scn, seed=args.seed, ablations=args.ablations, trace=trace,
-                             prior=args.prior, long_round_tp=long_round_tp)
+                             prior=args.prior, long_round_tp=long_round_tp,
+                             wide_replicas=wide_replicas)
     if args.prior and trace is not None and trace.kind == "rlpacer":
         report["length_prior_recorded_order"] = [
             recorded_order_calibration(trace, h) for h in (None, *half_lives)]
@@ -1396,6 +1418,14 @@ def register(subparsers: Any) -> None:
         " replicas x GPUs per replica) as engines of tensor-parallel size N (1, 2, 4 or 8; gpu"
         " profile only), ready at the round's start; prints a fourth table and adds the JSON"
         " key wide_long_rounds (rlpacer.sim.cost.tp_profile states the cost model)",
+    )
+    p.add_argument(
+        "--wide-replicas", type=int, default=None, metavar="K",
+        help="with --long-round-tp N: the layout the operator runs"
+        " (tailBatching.longRound.tensorParallelSize N, K = longRound.rolloutReplicas -"
+        " rollout.replicas): each long round on K engines of TP N on K x N GPUs of their own,"
+        " the short rounds' engines waiting (their GPUs still held), instead of the long"
+        " round's GPUs re-formed",
     )
     p.set_defaults(func=main)
 

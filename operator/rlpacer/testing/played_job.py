@@ -52,13 +52,14 @@ PODS: dict[str, contract.Role] = {
 
 def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: int = 4,
                    max_tokens: int | None = None, lead_s: int = 0,
-                   one_deferred: bool | None = None) -> None:
+                   one_deferred: bool | None = None, wide: bool = False) -> None:
     """The tiny example job: ``prompts`` per step and twice as many raced for their places
     (the slowest half deferred), so step 1 is a long round on ``longRound.rolloutReplicas``
     = 2. ``lead_s`` > 0 (early scale-up, ``scaleUpLeadSeconds``) or ``one_deferred``: one
     prompt more than ``prompts`` raced, so each short round defers one and the long round is
     step ``prompts``; with the lead, the report after step 0 forecasts it and asks for its
-    replica then."""
+    replica then. ``wide``: the long round's replica is a wide engine of its own
+    (``longRound.tensorParallelSize`` 1, as on a CPU), which runs the long round alone."""
     if one_deferred is None:
         one_deferred = lead_s > 0
     doc = yaml.safe_load((repo_root() / EXAMPLE).read_text())
@@ -70,6 +71,8 @@ def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: in
     spec["tailBatching"]["promptOverprovision"] = (str((prompts + 1) / prompts) if one_deferred
                                                    else "2")
     spec["tailBatching"]["longRound"]["scaleUpLeadSeconds"] = lead_s
+    if wide:
+        spec["tailBatching"]["longRound"]["tensorParallelSize"] = 1
     spec["tailBatching"]["activation"] = "Always"  # race every short round (step 1 long)
     spec["algorithm"]["dynamicSampling"] = False
     spec["steps"] = steps
@@ -259,15 +262,20 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
     when it scales down; ``early``: as ``elastic`` with an early scale-up (a 60 s lead: the
     report after step 0 asks for rollout-1, the long round is step 4); ``single``: the long
     round runs on rollout-0 alone; ``timeout-gap``: the scale-up to 3 brings up only
-    rollout-2 and times out (usable [0, 2]). ``lead_s`` (``elastic`` or ``early``): that
+    rollout-2 and times out (usable [0, 2]); ``wide``: as ``elastic``, rollout-1 a wide
+    long-round engine (``longRound.tensorParallelSize``), the long round routed to it alone.
+    ``lead_s`` (``elastic`` or ``early``): that
     lead on the early mode's schedule (one prompt deferred a round), e.g. 0 for the same
     schedule without the early scale-up."""
-    if mode not in ("elastic", "early", "single", "timeout-gap"):
-        raise ValueError(f"mode {mode!r}: expected elastic, early, single or timeout-gap")
+    if mode not in ("elastic", "early", "single", "timeout-gap", "wide"):
+        raise ValueError(f"mode {mode!r}: expected elastic, early, single, timeout-gap or wide")
     tmp.mkdir(parents=True, exist_ok=True)
     lead = lead_s if lead_s is not None else (60 if mode == "early" else 0)
     write_manifest(tmp / "job.yaml", steps=steps, prompts=prompts, max_tokens=max_tokens,
-                   lead_s=lead, one_deferred=mode == "early" or lead_s is not None)
+                   lead_s=lead, one_deferred=mode == "early" or lead_s is not None,
+                   wide=mode == "wide")
+    if mode == "wide":
+        mode = "elastic"  # the same pods and operator; the job routes its rounds
     with PlayedJob(tmp) as job:
         job.start_operator("elastic" if mode == "early" else mode)
         job.start_head()

@@ -532,3 +532,56 @@ def test_every_child_kind_has_its_api_path() -> None:
                                  f"{obj['metadata']['name']}"), path
     assert object_path("networking.k8s.io/v1", plural_of("NetworkPolicy"), "team", "x") == (
         "/apis/networking.k8s.io/v1/namespaces/team/networkpolicies/x")
+
+
+def _wide(tp: int = 4, **kw: object) -> builders.BuildInputs:
+    """The example job (rollout 2 replicas x 2 GPUs, long rounds at 4) with wide long-round
+    engines of ``tp`` GPUs."""
+    base = _inputs(**kw)
+    wire = base.spec.to_wire()
+    wire["tailBatching"]["longRound"]["tensorParallelSize"] = tp
+    return builders.BuildInputs(**{**base.__dict__, "spec": parse_spec(wire)})
+
+
+@pytest.mark.parametrize("total", [2, 3, 4])
+def test_wide_long_round_engines_are_a_statefulset_of_their_own(total: int) -> None:
+    """With tailBatching.longRound.tensorParallelSize, the replicas a long round adds are
+    pods of a second StatefulSet: as many GPUs as the size, ordinals following the rollout's
+    (so replica i is rlpacer.io/rollout-i on either), selected apart from the rollout's; the
+    rollout StatefulSet keeps its short-round replicas and its GPUs."""
+    children = {c["metadata"]["name"]: c for c in builders.build_children(_wide(
+        rollout_replicas=total))}
+    rollout, wide = children["demo-rollout"], children["demo-rollout-wide"]
+    assert rollout["spec"]["replicas"] == 2 and "ordinals" not in rollout["spec"]
+    assert wide["spec"]["replicas"] == total - 2
+    assert wide["spec"]["ordinals"] == {"start": 2}
+    gpus = {n: c["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
+        contract.GPU_RESOURCE] for n, c in (("rollout", rollout), ("wide", wide))}
+    assert gpus == {"rollout": "2", "wide": "4"}
+    tpl = wide["spec"]["template"]["metadata"]["labels"]
+    assert tpl[contract.LABEL_ROLE] == "rollout" and tpl[contract.LABEL_POOL] == "wide"
+    assert wide["spec"]["selector"]["matchLabels"].items() <= tpl.items()
+    # the rollout StatefulSet's selector (immutable, older than the wide pool) matches the
+    # wide pods too; its controller adopts no pod another controller owns, and the wide
+    # StatefulSet's selector matches none of the rollout's pods
+    rollout_tpl = rollout["spec"]["template"]["metadata"]["labels"]
+    assert not wide["spec"]["selector"]["matchLabels"].items() <= rollout_tpl.items()
+    # the rank the pod's Ray node advertises comes from its ordinal, as on the rollout's pods
+    env = {e["name"]: e for e in wide["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env[contract.ENV_RANK]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        f"metadata.labels['{builders.POD_INDEX_LABEL}']")
+    assert ("apps/v1", "statefulsets", "demo-rollout-wide") in builders.workload_names("demo", 2)
+
+
+def test_without_wide_engines_there_is_one_rollout_statefulset() -> None:
+    children = {c["metadata"]["name"]: c for c in builders.build_children(_inputs())}
+    assert "demo-rollout-wide" not in children and children["demo-rollout"]["spec"][
+        "replicas"] == 3
+
+
+def test_a_long_rounds_kueue_ask_is_for_the_wide_engines_pods() -> None:
+    inputs = _wide(tp=8)
+    extra = builders.pod_template_spec(inputs, contract.Role.ROLLOUT, extra=True)
+    short = builders.pod_template_spec(inputs, contract.Role.ROLLOUT)
+    assert extra["containers"][0]["resources"]["limits"][contract.GPU_RESOURCE] == "8"
+    assert short["containers"][0]["resources"]["limits"][contract.GPU_RESOURCE] == "2"

@@ -162,6 +162,10 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "tailBatching.longRound.minYieldRatio": ("0", None),
     "tailBatching.longRound.scaleUpLeadSeconds": (90, None),
     "tailBatching.longRound.maxDeferredRounds": (2, None),
+    # a long round's extra replica: a 4-GPU engine in a StatefulSet of its own, not a 2-GPU one
+    "tailBatching.longRound.tensorParallelSize": (4, {
+        "rollout": {"gpusPerReplica": 2, "tensorParallelSize": 2},
+        "tailBatching": {"longRound": {"rolloutReplicas": 2}}}),
     "tailBatching.lengthPrior.route": (True, None),
     "tailBatching.lengthPrior.routeQuantile": ("0.9", {"tailBatching": {
         "longRound": {"rolloutReplicas": 2}, "lengthPrior": {"route": True}}}),
@@ -341,8 +345,10 @@ def _workloads(spec: Any) -> Any:
     pods = {r: builders.pod_template_spec(inputs, r) for r in contract.Role}
     extra = max(1, scaler.long_replicas(spec) - scaler.short_replicas(spec))
     return [queue.job_workload("demo", "team", "u-1", spec, pods, 100, "v", "K"),
-            queue.long_round_workload("demo", "team", "u-1", spec,
-                                      pods[contract.Role.ROLLOUT], extra, 100, None, "v", "K")]
+            queue.long_round_workload(
+                "demo", "team", "u-1", spec,
+                builders.pod_template_spec(inputs, contract.Role.ROLLOUT, extra=True), extra,
+                100, None, "v", "K")]
 
 
 def _decisions(spec: Any) -> dict[str, Any]:
@@ -425,6 +431,10 @@ def _trainer(spec: Any) -> dict[str, Any]:
             "reward_pool": _plain(pool.args),
             "reward_scores": [fn(r, a, "") for r, a in REWARD_PROBES],
             "engine": _plain(runtime.replica_engine_config(cfg, 0)),
+            # a long round's first extra replica's (a wide engine's, when asked)
+            "engine_extra": _plain(runtime.replica_engine_config(
+                cfg, int(spec.rollout.replicas))),
+            "engine_extra_gpus": runtime.replica_tp_gpus(cfg, int(spec.rollout.replicas)),
         }
     except (ConfigError, ValueError) as e:  # a rejection, with its message
         return {"rejected": str(e)}

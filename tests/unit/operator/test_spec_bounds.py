@@ -82,6 +82,12 @@ def extreme_spec(top: bool) -> RLTrainingJobSpec:
     if spec["trainer"]["gpusPerReplica"]:  # CPU ranks per pod only without GPUs
         spec["trainer"]["cpuRanksPerReplica"] = 1
     spec["checkpoint"]["volumeClaim"] = "ckpt"  # an eviction grace needs a claim
+    # wide long-round engines are the long round's extra replicas: one more than the rollout's
+    lr = spec["tailBatching"]["longRound"]
+    if top:
+        spec["rollout"]["replicas"] = lr["rolloutReplicas"] - 1
+    else:
+        lr["rolloutReplicas"] = spec["rollout"]["replicas"] + 1
     return parse_spec(spec)
 
 

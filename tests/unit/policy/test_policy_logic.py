@@ -246,3 +246,40 @@ def test_clamp_job_reads_the_spec() -> None:
     assert (out.target_straggler_rate, out.candidates, out.long_round_replicas) == (
         0.25, (4, 8), 6)
     assert clamp_job(spec, policy(**STRICT), long_round_replicas=3).long_round_replicas == 3
+
+
+def test_wide_long_round_engines_count_at_their_own_gpus() -> None:
+    """With tailBatching.longRound.tensorParallelSize, each replica a long round adds holds
+    that many GPUs: the peak and the GPU budget's clamp count them so."""
+    from rlpacer.control.policy import clamp_job
+
+    spec = job(rollout={"replicas": 2, "gpusPerReplica": 2, "tensorParallelSize": 2},
+               trainer={"replicas": 1, "gpusPerReplica": 8},
+               tailBatching={"longRound": {"rolloutReplicas": 5, "tensorParallelSize": 8}})
+    assert peak_gpus(spec) == 8 + 2 * 2 + 3 * 8
+    fields = [v.field for v in validate_job(spec, policy(longRounds={"maxGPUs": 32}))]
+    assert len(fields) == 1 and "tensorParallelSize" in fields[0], fields
+    # 32 GPUs - 8 trainer - 2 x 2 short-round replicas = 20: two 8-GPU wide replicas fit
+    assert clamp_job(spec, policy(longRounds={"maxGPUs": 32})).long_round_replicas == 4
+    narrow = job(rollout={"replicas": 2, "gpusPerReplica": 2, "tensorParallelSize": 2},
+                 trainer={"replicas": 1, "gpusPerReplica": 8},
+                 tailBatching={"longRound": {"rolloutReplicas": 20}})
+    # without wide engines the same budget is what it was: (32 - 8) // 2 = 12 replicas
+    assert clamp_job(narrow, policy(longRounds={"maxGPUs": 32})).long_round_replicas == 12
+
+
+@pytest.mark.parametrize(("over", "needle"), [
+    ({"rollout": {"replicas": 2, "gpusPerReplica": 0},
+      "tailBatching": {"longRound": {"rolloutReplicas": 2, "tensorParallelSize": 1}}},
+     "tensorParallelSize needs tailBatching.longRound.rolloutReplicas > rollout.replicas"),
+    ({"rollout": {"replicas": 1, "gpusPerReplica": 0},
+      "tailBatching": {"longRound": {"rolloutReplicas": 2, "tensorParallelSize": 2}}},
+     "tensorParallelSize must be 1 when rollout.gpusPerReplica is 0"),
+])
+def test_wide_long_round_engines_refuse_what_they_cannot_mean(over: dict[str, Any],
+                                                             needle: str) -> None:
+    from rlpacer.api.job import ManifestError
+
+    with pytest.raises(ManifestError) as err:
+        job(**over)
+    assert needle in str(err.value) and "tailBatching.longRound" in str(err.value)

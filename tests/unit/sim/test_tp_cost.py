@@ -267,3 +267,35 @@ def test_run_bench_reports_wide_only_when_asked() -> None:
     rep, _ = run_bench(scenario("default").with_steps(4), seed=0, long_round_tp=8)
     assert rep["wide_long_rounds"]["engines"] == 1
     assert rep["wide_long_rounds"]["kv_capacity_tokens"]["wide"] > 4 * 550_000
+
+
+def test_the_operators_layout_pays_for_the_wide_engines_beside_the_waiting_pool(
+        runs: dict[int | None, PolicyRun]) -> None:
+    """--wide-replicas K (tailBatching.longRound.tensorParallelSize as the operator runs it):
+    K engines of TP N on K x N GPUs of their own while the small pool's 4 wait. One TP8
+    engine decodes the long round as the re-formed layout's one TP8 engine does (same
+    seconds), but all 8 of its GPUs are extra, not 4: more GPU-seconds for the same time."""
+    wl = Workload(SCN, SCN.steps * SCN.prompts_per_step, 0)
+    own = run_policy(SCN, POL["tail8"], 0, wl, long_round_tp=8, wide_replicas=1)
+    w, reformed = _wide(own), _wide(runs[8])
+    assert (w["engines"], w["gpus"], w["extra_gpus"]) == (1, 8, 8)
+    assert own.step_s_wide == pytest.approx(runs[8].step_s_wide)
+    longs = [k == "Long" for k in own.kind]
+    long_steps = sum(s for s, lg in zip(own.step_s_wide, longs, strict=True) if lg)
+    assert w["rollout_gpu_s"] == pytest.approx(4 * sum(own.step_s_wide) + 8 * long_steps)
+    assert w["rollout_gpu_s"] - reformed["rollout_gpu_s"] == pytest.approx(4 * long_steps)
+    assert w["vs_small"]["gpu_s_ratio"] > reformed["vs_small"]["gpu_s_ratio"]
+    # two TP4 engines on 8 GPUs of their own: the re-formed layout's engines, 4 GPUs more
+    two = _wide(run_policy(SCN, POL["tail8"], 0, wl, long_round_tp=4, wide_replicas=2))
+    assert (two["engines"], two["gpus"], two["extra_gpus"]) == (2, 8, 8)
+    assert two["long_round_rollout_s"]["wide"] == pytest.approx(
+        _wide(runs[4])["long_round_rollout_s"]["wide"])
+
+
+def test_wide_replicas_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--steps", "4", "--long-round-tp", "8", "--wide-replicas", "1"]) == 0
+    assert "1 engine(s) of TP 8 on 8 GPUs of their own" in capsys.readouterr().out
+    assert main(["bench", "--steps", "4", "--wide-replicas", "1"]) == 2
+    assert "--wide-replicas needs --long-round-tp" in capsys.readouterr().err
+    assert main(["bench", "--steps", "4", "--long-round-tp", "8", "--wide-replicas", "0"]) == 2
+    assert "--wide-replicas must be 1 or more" in capsys.readouterr().err

@@ -466,8 +466,12 @@ class ElasticController(InProcessController):
 
 def _elastic(steps: int, *, base: int = 1, long_usable: list[int] | None = None,
              offered: set[int] | None = None, engine_cls: type[LoggedEngine] = LoggedEngine,
-             long_ready: int = 2) -> tuple[Any, list[tuple[object, ...]], list[LoggedEngine]]:
+             long_ready: int = 2, wide: bool = False
+             ) -> tuple[Any, list[tuple[object, ...]], list[LoggedEngine]]:
     cfg = _cfg(steps=steps)
+    if wide:  # tailBatching.longRound.tensorParallelSize (1: the example's CPU engines)
+        cfg.job.spec.tail_batching.long_round.tensor_parallel_size = 1
+        cfg.job.spec.tail_batching.long_round.rollout_replicas = base + 1
     log: list[tuple[object, ...]] = []
     made: list[LoggedEngine] = []
 
@@ -519,6 +523,27 @@ def test_long_round_joins_an_engine_that_serves_only_at_the_learners_version() -
             assert all(log[i][2] == 0 for i in shut)  # nothing in flight on it
     assert all(e.down for e in made) and 1 not in drv.pool
     assert [w for w, _ in drv.events] == ["joined", "released"] * len(made)
+
+
+def test_wide_long_round_engines_run_the_long_rounds_alone_short_rounds_skip_them() -> None:
+    """With wide long-round engines the long round goes to the replicas it added (never to
+    the rollout's own engine), short rounds to the rollout's; when no wide engine joins, the
+    long round runs on the rollout's (it never waits on nothing)."""
+    drv, log, made = _elastic(6, long_usable=[0, 1], wide=True)
+    assert drv.wide_long_rounds
+    drv.run()
+    longs = [r for r in drv.records if r["round_kind"] == "Long"]
+    assert longs and made
+    for r in drv.records:
+        served = sorted(e["replica"] for e in r["engines"])
+        want = [1] if r["round_kind"] == "Long" else [0]
+        assert r["replicas"] == want and served == want, r
+    assert len(made) == len(longs)  # one wide engine per long round, released after each
+
+    drv, log, made = _elastic(6, long_usable=[0, 1], offered={0}, wide=True)
+    drv.run()
+    assert not made and any(r["round_kind"] == "Long" and r["replicas"] == [0]
+                            for r in drv.records)
 
 
 def test_usable_replicas_with_a_gap_and_an_unjoined_pod() -> None:
