@@ -529,7 +529,7 @@ def test_wide_long_round_engines_run_the_long_rounds_alone_short_rounds_skip_the
     """With wide long-round engines the long round goes to the replicas it added (never to
     the rollout's own engine), short rounds to the rollout's; when no wide engine joins, the
     long round runs on the rollout's (it never waits on nothing)."""
-    drv, log, made = _elastic(6, long_usable=[0, 1], wide=True)
+    drv, _, made = _elastic(6, long_usable=[0, 1], wide=True)
     assert drv.wide_long_rounds
     drv.run()
     longs = [r for r in drv.records if r["round_kind"] == "Long"]
@@ -540,7 +540,7 @@ def test_wide_long_round_engines_run_the_long_rounds_alone_short_rounds_skip_the
         assert r["replicas"] == want and served == want, r
     assert len(made) == len(longs)  # one wide engine per long round, released after each
 
-    drv, log, made = _elastic(6, long_usable=[0, 1], offered={0}, wide=True)
+    drv, _, made = _elastic(6, long_usable=[0, 1], offered={0}, wide=True)
     drv.run()
     assert not made and any(r["round_kind"] == "Long" and r["replicas"] == [0]
                             for r in drv.records)
