@@ -250,3 +250,36 @@ def test_a_wide_long_round_engine_runs_the_long_round_alone(tmp_path: Path) -> N
     assert "rollout engine of replica 1 released" in driver_log
     every = [p for r in recs for p in r["prompts"]]
     assert len(every) == len(set(every)), every
+
+
+def test_a_replica_joining_mid_round_takes_unfinished_requests_with_their_tokens(
+        tmp_path: Path) -> None:
+    """``tailBatching.longRound.joinMidRound``: the long round starts at once on rollout-0
+    while the scale-up to rollout-1 pends (it waits for no capacity); rollout-1's engine
+    starts in the background on its own host, gets the learner's weights during the round,
+    and takes a share of the round's unfinished requests with the tokens rollout-0 had
+    generated, which it continues (every engine step made 0.4 s longer, the testing
+    setting that makes the tiny job's long round outlast an engine's start, as long rounds
+    do on GPUs). Every response of the round is answered once: the engines' responses add up
+    to the round's kept ones."""
+    run = run_long_round(tmp_path, "midround", steps=STEPS, prompts=8, step_sleep_s=0.4)
+    recs, driver_log = run.records, run.driver_log
+    addr = {n: a for n, (a, _) in run.hosts.items()}
+    keys = ("step", "round_kind", "replicas", "seconds_rollout", "seconds_capacity_wait",
+            "joined_mid_round", "moved_requests", "moved_tokens", "kept")
+    print(json.dumps([{k: r[k] for k in keys} for r in recs], indent=1))
+    (long,) = [r for r in recs if r["round_kind"] == "Long"]
+    assert long["seconds_capacity_wait"] < 1.0, long  # not the engine start's ~20 s
+    assert [j[0] for j in long["joined_mid_round"]] == [1], long
+    assert 0 < long["joined_mid_round"][0][1] < long["seconds_rollout"]
+    assert long["moved_requests"] > 0 and long["moved_tokens"] > 0, long
+    by = {e["replica"]: e for e in long["engines"]}
+    assert sorted(by) == [0, 1], long["engines"]
+    assert by[1]["address"] == addr["rollout-1"] and by[1]["responses"] > 0, by[1]
+    assert by[1]["policy_version"] == by[0]["policy_version"], by
+    assert sum(e["responses"] for e in long["engines"]) == long["kept"], long
+    assert "unfinished requests moved to them with their tokens" in driver_log
+    assert "rollout engine of replica 1 released" in driver_log
+    for r in recs:
+        if r["round_kind"] == "Short":
+            assert r["moved_requests"] == 0 and [e["replica"] for e in r["engines"]] == [0]

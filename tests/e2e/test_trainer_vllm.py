@@ -246,6 +246,47 @@ def test_finish_order_and_abort(engine: VLLMEngine) -> None:
     assert len(_greedy(engine, probs[:2], "after-abort")) == 2  # the engine still serves
 
 
+def test_a_request_taken_mid_generation_continues_from_its_tokens(engine: VLLMEngine) -> None:
+    """``take`` hands back each live request's tokens so far and drops it; submitted again
+    with them as its prefix, it continues from them (the engine sees prompt + prefix and
+    generates the rest within max_tokens) and finishes as prefix + continuation. Greedy, the
+    moved response is token for token the one generated whole; sampled, it keeps its prefix
+    and its length cap."""
+    import dataclasses
+
+    probs = task.make_problems(6, seed=11)
+    whole = _greedy(engine, probs, "whole")
+
+    def reqs(tag: str, temperature: float) -> list[GenRequest]:
+        return [GenRequest(f"{tag}-{i}", tuple(tiny.prompt_ids(p.prompt)), 64, temperature,
+                           1000 + i) for i, p in enumerate(probs)]
+
+    for tag, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+        first = reqs(tag, temperature)
+        engine.submit(first)
+        early = engine.poll(max_steps=3)  # prefill and two decode steps: a few tokens each
+        before = engine.stats()
+        taken = engine.take([r.request_id for r in first])
+        assert engine.pending() == 0 and engine.poll() == []
+        assert len(taken) + len(early) == len(first)
+        assert taken and all(0 < len(t) < 64 for t in taken.values()), taken
+        after = engine.stats()
+        assert after.moved_out - before.moved_out == len(taken) and after.aborted == before.aborted
+        moved = [dataclasses.replace(r, prefix=taken[r.request_id]) for r in first
+                 if r.request_id in taken]
+        done = engine.generate(moved)
+        for i, r in enumerate(first):
+            if r.request_id not in taken:
+                continue
+            out = done[r.request_id].token_ids
+            assert out[:len(taken[r.request_id])] == taken[r.request_id]
+            assert len(taken[r.request_id]) < len(out) <= 64
+            if temperature == 0.0:
+                assert out == whole[i], (i, taken[r.request_id], out, whole[i])
+    with pytest.raises(ValueError, match="leaves nothing of max_tokens"):
+        engine.submit([GenRequest("full", (1, 2), 4, prefix=(5, 6, 7, 8))])
+
+
 def _cfg(tmp_path: Path, **kw: Any) -> RunConfig:
     cfg = RunConfig.load(EXAMPLE, eval_prompts=256, **kw)
     cfg.out_dir = tmp_path

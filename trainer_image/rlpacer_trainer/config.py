@@ -315,6 +315,13 @@ class RunConfig:
         return bool(self.spec.trainer.stream_training)
 
     @property
+    def join_mid_round(self) -> bool:
+        """``tailBatching.longRound.joinMidRound``: a long round starts on what serves and
+        the extras join during it (never without tail batching: no long rounds)."""
+        return bool(self.spec.tail_batching.long_round.join_mid_round
+                    and self.tail_batching_enabled)
+
+    @property
     def length_half_life(self) -> float | None:
         """``tailBatching.lengthPrior.halfLifeGroups``: the prior's forgetting, or None."""
         lp = self.spec.tail_batching.length_prior

@@ -53,6 +53,7 @@ from rlpacer.api import trace as trace_format
 from rlpacer.api.protocol import (
     LengthSummary,
     Plan,
+    RolloutCapacity,
     RolloutState,
     RoundKind,
     StepReport,
@@ -66,6 +67,9 @@ from rlpacer_trainer.engine import EngineInfo, EngineStats, Finished, GenRequest
 from rlpacer_trainer.learner import Sample
 from rlpacer_trainer.learners import driver_rng_state, set_driver_rng_state
 from rlpacer_trainer.rewards import RewardCall, RewardPool, RewardStats
+
+#: How often a long round with ``joinMidRound`` reads the plan for replicas now usable.
+MID_ROUND_POLL_S = 1.0
 
 
 def sample_seed(seed: int, round_index: int, prompt: int, idx: int) -> int:
@@ -175,6 +179,16 @@ class Driver:
         self.active: list[int] = sorted(self.pool)  # the replicas the current round uses
         #: long rounds on wide engines of their own, short rounds on the rollout's
         self.wide_long_rounds = job_api.wide_long_rounds(cfg.spec)
+        #: tailBatching.longRound.joinMidRound: a long round starts on what serves; the
+        #: extras join during it and take a share of its unfinished requests
+        self.join_mid_round = cfg.join_mid_round
+        self._mid_round = False  # the current round takes engines that join during it
+        self._mid_usable: list[int] = []  # the replicas the plan last named usable
+        self._mid_polled = 0.0  # when the plan was last read during the round
+        self._round_t0 = 0.0
+        self._moved = 0  # the step's requests moved to an engine that joined mid-round
+        self._moved_tokens = 0  # the tokens they carried (generated before the move)
+        self._joined_mid: list[list[float]] = []  # [replica, seconds into its round]
         #: starts the engine of replica i (on its pod); None: the engine set never changes
         self.engine_factory = engine_factory
         #: the replicas whose pods have joined the Ray cluster (their resource is offered)
@@ -386,7 +400,10 @@ class Driver:
                     rid(p, i), ids, self.cfg.max_tokens, self.cfg.temperature,
                     sample_seed(self.cfg.data_seed, plan.index, p, i),
                     top_p=self.cfg.top_p), p, i))
-        t0 = time.perf_counter()
+        t0 = self._round_t0 = time.perf_counter()
+        self._mid_round = (self.join_mid_round and plan.kind is RoundKind.LONG
+                           and self.engine_factory is not None)
+        self._mid_polled = t0
         self._dispatch(reqs)
         kept: dict[int, list[Kept]] = {}
         aborted = 0
@@ -425,10 +442,13 @@ class Driver:
                     break
             for r in dead:
                 self._engine_died(r)
+            if self._mid_round and not complete and self._pending:
+                self._grow_mid_round()
             if self._stream is not None and not complete:
                 self._pump_stream(in_rollout=True)
         rollout_s = time.perf_counter() - t0
         self.rollout_wall += rollout_s
+        self._mid_round = False
         res = self.planner.finish_round()
         if self._trace is not None:
             self._write_trace(plan, prompt_tokens, rows, res.kept, t0)
@@ -493,6 +513,104 @@ class Driver:
                 self._forget(e, "died")
             for req, _, _ in reqs:
                 del self._pending[req.request_id]
+
+    def _grow_mid_round(self) -> None:
+        """During a long round with ``joinMidRound``: reads the plan for the replicas now
+        usable (at most every :data:`MID_ROUND_POLL_S`), starts their engines in the
+        background once their pods are in Ray, and lets each engine that is up (holding the
+        learner's weights, which the round generates at) take a share of the round's
+        unfinished requests (:meth:`_rebalance`)."""
+        now = time.perf_counter()
+        if now - self._mid_polled >= MID_ROUND_POLL_S:
+            self._mid_polled = now
+            try:
+                cap = self.controller.plan().rollout
+            except Exception as err:  # a blip: the round goes on with what serves
+                print(f"reading the plan mid-round failed ({err}); the round goes on",
+                      flush=True)
+                cap = None
+            if cap is not None:
+                self._mid_usable = self._usable(cap)
+                missing = [r for r in self._mid_usable
+                           if r not in self.pool and r not in self._joining]
+                if missing:
+                    self._start_in_background(missing)
+        if not self._joining:
+            return
+        before = set(self.pool)
+        self._admit_started(self._mid_usable, wait=False)
+        new = sorted(r for r in self.pool if r not in before)
+        if new:
+            t = time.perf_counter() - self._round_t0
+            self._joined_mid += [[r, round(t, 3)] for r in new]
+            wide = self.wide_long_rounds and not set(new) & self.base_replicas
+            if wide:  # the long round belongs to the wide engines: all of it goes to them
+                self.active = sorted(r for r in set(self.active) | set(new)
+                                     if r not in self.base_replicas)
+            else:
+                self.active = sorted(set(self.active) | set(new))
+            self._rebalance(new, everything=wide)
+
+    def _rebalance(self, new: Sequence[int], *, everything: bool = False) -> None:
+        """Moves unfinished requests from the engines already serving the round to the ones
+        in ``new``, as the simulator's join does (``rlpacer.sim.rollout``): each new engine
+        takes the unfinished requests over the round's engines (rounded down), each from
+        the engine then holding the most, its latest dispatched first (vLLM admits first
+        come, first served, so those are the likeliest not to have started); with
+        ``everything`` all of them (a wide long-round engine joining a long round begun on
+        the rollout's engines). Each is taken with its tokens so far
+        (:meth:`VLLMEngine.take`) and sent on with them as its prefix: the new engine
+        continues the response; nothing is generated twice or lost (a request the old
+        engine finished before the take stays its response)."""
+        by_engine: dict[int, list[str]] = {}
+        for rid_, (e, _, _) in self._pending.items():
+            by_engine.setdefault(e, []).append(rid_)
+        old = [e for e in sorted(by_engine) if e not in new and hasattr(self.pool.get(e), "take")]
+        # each new engine's quota, as the simulator's join (rlpacer.sim.rollout): the
+        # unfinished requests over the engines, rounded down; each one from the engine that
+        # then holds the most (the lowest replica of a tie), its latest dispatched first
+        quota = (len(self._pending) if everything
+                 else len(self._pending) // max(1, len(set(self.active) | set(new))))
+        moves: dict[int, list[str]] = {}
+        plan: list[tuple[str, int]] = []  # (request, its new engine)
+        for dest in new:
+            for _ in range(quota):
+                if not old:
+                    break
+                e = max(old, key=lambda x: (len(by_engine[x]), -x))
+                if not by_engine[e]:
+                    break
+                rid_ = by_engine[e].pop()
+                moves.setdefault(e, []).append(rid_)
+                plan.append((rid_, dest))
+        dest_of = dict(plan)
+        batches: dict[int, list[GenRequest]] = {}
+        for e, ids in moves.items():
+            try:
+                taken = self.pool[e].take(ids)
+            except _died_errors():
+                self._engine_died(e)
+                continue
+            for rid_ in ids:
+                if rid_ not in taken:
+                    continue  # it finished there first: its response comes from there
+                _, p, i = self._pending[rid_]
+                dest = dest_of[rid_]
+                req = dataclasses.replace(self._requests[rid_], prefix=tuple(taken[rid_]))
+                self._moved_tokens += len(taken[rid_]) - len(self._requests[rid_].prefix)
+                self._requests[rid_] = req
+                self._pending[rid_] = (dest, p, i)
+                batches.setdefault(dest, []).append(req)
+        for dest, batch in batches.items():
+            self._moved += len(batch)
+            try:
+                self.pool[dest].submit(batch)
+            except _died_errors():
+                self._engine_died(dest)  # its requests, prefixes and all, go elsewhere
+        if batches:
+            print(f"mid-round join of replica(s) {list(new)}: "
+                  f"{sum(len(b) for b in batches.values())} unfinished requests moved to them"
+                  " with their tokens", flush=True)
 
     def _poll(self, busy: Sequence[int]) -> tuple[list[Finished], list[int]]:
         """Polls the busy engines (Ray engines in parallel); also names those that died."""
@@ -591,6 +709,8 @@ class Driver:
         used = self.use_plan(plan, kind, background=deferring)
         join_s = time.perf_counter() - t_join  # engines started for this round, if any
         self._served = {}
+        self._moved = self._moved_tokens = 0
+        self._joined_mid = []
         self._died_served = []
         self._stats_before = stats_before = self._engine_stats()
         reward_before = self.scorer.stats
@@ -704,6 +824,8 @@ class Driver:
             "seconds_extra_idle": self._extra_idle_s, "rounds_until_long": forecast,
             "prepare_long_round": asking, "scale_up_lead_s": self.lead_in_use(),
             "deferred_long_round": deferring,
+            "joined_mid_round": self._joined_mid, "moved_requests": self._moved,
+            "moved_tokens": self._moved_tokens,
             "straggler_rate": next_plan.straggler_rate,
             "straggler": getattr(self.controller, "last_straggler", None),
             "tau": float(self.cfg.spec.group_control.straggler_ratio),
@@ -764,7 +886,9 @@ class Driver:
         """The rollout replicas the plan lets this round use: its ``rollout.usableReplicas``
         (the ready ones within the desired count); from an operator that does not send it,
         ``0..min(ready, desired)-1`` and the start-up replicas."""
-        cap = plan.rollout
+        return self._usable(plan.rollout)
+
+    def _usable(self, cap: RolloutCapacity) -> list[int]:
         if cap.usable_replicas is not None:
             return sorted(set(cap.usable_replicas))
         n = min(cap.ready_replicas, cap.desired_replicas)
@@ -783,15 +907,18 @@ class Driver:
         long round's place)."""
         kind = plan.round_kind if kind is None else kind
         long = kind is RoundKind.LONG
+        mid = long and self.join_mid_round  # the round starts on what serves; others join
         usable = self.usable_replicas(plan)
         self._drop_dead()
         for r in sorted(self.pool):
             if r not in usable and r not in self.base_replicas:
                 self._forget(r, "released")
-        self._admit_started(usable, wait=long)
+        self._admit_started(usable, wait=long and not mid)
         missing = [r for r in usable if r not in self.pool and r not in self._joining]
+        self._mid_usable = usable
+        self._mid_round = mid and self.engine_factory is not None
         if missing and self.engine_factory is not None:
-            if (self._asked_early or background) and not long:
+            if mid or ((self._asked_early or background) and not long):
                 self._start_in_background(missing)
             else:
                 self._join(missing)
@@ -839,9 +966,11 @@ class Driver:
         if self._join_threads is None:
             self._join_threads = ThreadPoolExecutor(max_workers=4,
                                                     thread_name_prefix="engine-start")
+        why = ("it joins the long round under way" if self._mid_round
+               else "a long round is forecast")
         for r in replicas:
-            print(f"rollout replica {r}: its engine starts in the background (a long round"
-                  f" is forecast)", flush=True)
+            print(f"rollout replica {r}: its engine starts in the background ({why})",
+                  flush=True)
             self._joining[r] = self._join_threads.submit(self._start_engine, r)
 
     def _start_engine(self, r: int) -> Any:
@@ -1114,7 +1243,9 @@ class Driver:
         t0 = time.perf_counter()
         if self._defer(plan):
             pass
-        elif not (self._asked_early and plan.round_kind is RoundKind.SHORT):
+        elif not ((self._asked_early and plan.round_kind is RoundKind.SHORT)
+                  or (self.join_mid_round and plan.round_kind is RoundKind.LONG
+                      and self.engine_factory is not None)):
             plan = self.controller.wait_ready(plan)
         self._ready_wait_s = time.perf_counter() - t0
         return plan

@@ -54,6 +54,10 @@ class GenRequest:
     temperature: float = 1.0
     seed: int | None = None
     top_p: float = 1.0  # nucleus sampling mass (spec.rollout.topP)
+    #: tokens of this response already generated (on another engine, whose request was
+    #: taken mid-generation): the engine continues from them, within ``max_tokens`` in all,
+    #: and its :class:`Finished` carries them followed by what it generated
+    prefix: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +70,18 @@ class Finished:
     finish_reason: str
 
 
+#: Testing setting: seconds each engine step is made to last longer (slow decoding, for a
+#: test that needs a round longer than an engine's start on a CPU; docs/testing.md).
+ENV_STEP_SLEEP = "RLPACER_TEST_ENGINE_STEP_SLEEP_S"
+
+
 @dataclasses.dataclass
 class EngineStats:
     busy_seconds: float = 0.0  # wall time spent inside engine steps with work queued
     steps: int = 0
     tokens: int = 0  # generated tokens, including those of aborted requests
     aborted: int = 0
+    moved_out: int = 0  # requests taken away mid-generation, continued on another engine
     #: CPU seconds the engine's process has used since it started (all its threads: on CPU
     #: the generation itself), read in that process
     cpu_seconds: float = 0.0
@@ -614,6 +624,10 @@ class VLLMEngine:
             )
         self.engine = self.llm.llm_engine
         self._live: set[str] = set()
+        self._prefix: dict[str, tuple[int, ...]] = {}  # live continued requests' prefixes
+        #: a testing setting (ENV_STEP_SLEEP): seconds added to every engine step, so that a
+        #: test on a CPU can put a round's length against an engine's start as on GPUs
+        self._step_sleep = float(os.environ.get(ENV_STEP_SLEEP, "0") or 0)
         self._stats = EngineStats()
         self._responses = 0  # finished responses, for the pod's log
         self._round = [0, 0]  # responses and tokens since the engine was last idle
@@ -628,16 +642,22 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         for r in requests:
+            if r.prefix and len(r.prefix) >= r.max_tokens:
+                raise ValueError(f"request {r.request_id}: its prefix of {len(r.prefix)} tokens"
+                                 f" leaves nothing of max_tokens {r.max_tokens}")
             params = SamplingParams(
-                max_tokens=r.max_tokens,
+                max_tokens=r.max_tokens - len(r.prefix),
                 temperature=r.temperature,
                 top_p=r.top_p,
                 seed=r.seed,
                 skip_special_tokens=False,
                 detokenize=False,
             )
-            self.engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt_ids)}, params)
+            self.engine.add_request(
+                r.request_id, {"prompt_token_ids": list(r.prompt_ids) + list(r.prefix)}, params)
             self._live.add(r.request_id)
+            if r.prefix:
+                self._prefix[r.request_id] = tuple(r.prefix)
 
     def poll(self, max_steps: int = 16) -> list[Finished]:
         """Runs engine steps until at least one response finishes (or ``max_steps``)."""
@@ -647,6 +667,8 @@ class VLLMEngine:
                 break
             t0 = time.perf_counter()
             outputs = self.engine.step()
+            if self._step_sleep > 0:
+                time.sleep(self._step_sleep)
             self._stats.busy_seconds += time.perf_counter() - t0
             self._stats.steps += 1
             for o in outputs:
@@ -660,7 +682,9 @@ class VLLMEngine:
                 self._responses += 1
                 self._round[0] += 1
                 self._round[1] += len(c.token_ids)
-                out.append(Finished(o.request_id, tuple(c.token_ids), str(c.finish_reason)))
+                out.append(Finished(o.request_id,
+                                    self._prefix.pop(o.request_id, ()) + tuple(c.token_ids),
+                                    str(c.finish_reason)))
             if out:
                 break
         self._log_if_idle()
@@ -683,13 +707,43 @@ class VLLMEngine:
             return
         # count what the aborted requests had generated (engine work that bought nothing)
         for rid in ids:
-            state = self.engine.output_processor.request_states.get(rid)
-            if state is not None:
-                self._stats.tokens += len(getattr(state.detokenizer, "output_token_ids", ()) or ())
+            self._stats.tokens += len(self._generated(rid))
+            self._prefix.pop(rid, None)
         self.engine.abort_request(ids)
         self._live.difference_update(ids)
         self._stats.aborted += len(ids)
         self._log_if_idle()
+
+    def _generated(self, rid: str) -> list[int]:
+        """The tokens live request ``rid`` (its external id) has generated on this engine so
+        far, as the engine's output processor holds them (vLLM keys its request states by an
+        internal id it derives from the external one)."""
+        proc = self.engine.output_processor
+        states = [proc.request_states.get(rid)] + [
+            proc.request_states.get(i) for i in proc.external_req_ids.get(rid, ())]
+        for state in states:
+            if state is not None:
+                return list(getattr(state.detokenizer, "output_token_ids", ()) or ())
+        return []
+
+    def take(self, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        """Takes live requests away to be continued on another engine: each one's tokens so
+        far (its prefix, if it came with one, then what this engine generated), and the
+        request is dropped here. Requests not live here (finished and returned, or never
+        here) are left out. The generated tokens count as this engine's work; the request
+        is neither a response nor an abort here."""
+        ids = [r for r in request_ids if r in self._live]
+        out: dict[str, tuple[int, ...]] = {}
+        for rid in ids:
+            gen = self._generated(rid)
+            self._stats.tokens += len(gen)
+            out[rid] = self._prefix.pop(rid, ()) + tuple(gen)
+        if ids:
+            self.engine.abort_request(ids)
+            self._live.difference_update(ids)
+            self._stats.moved_out += len(ids)
+            self._log_if_idle()
+        return out
 
     def pending(self) -> int:
         return len(self._live)
@@ -814,6 +868,10 @@ class RayEngine:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self._ray.get(self.actor.abort.remote(list(request_ids)))
+
+    def take(self, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        return cast("dict[str, tuple[int, ...]]",
+                    self._ray.get(self.actor.take.remote(list(request_ids))))
 
     def pending(self) -> int:
         return int(self._ray.get(self.actor.pending.remote()))

@@ -722,6 +722,18 @@ class LongRoundSpec(APIModel):
             " admitted there."
         ),
     )
+    join_mid_round: bool | None = Field(
+        default=None,
+        description=(
+            "A long round whose extra replicas are not all serving starts at once on the"
+            " replicas that are, instead of waiting for them (scaleUpTimeoutSeconds); each"
+            " added engine starts as its pod becomes ready and, once it holds the round's"
+            " weights, takes a share of the round's unfinished requests, the ones already"
+            " generating with their tokens so far (continued from them, not generated"
+            " again). Unset or false: the long round waits for its replicas and splits its"
+            " requests once, at its start."
+        ),
+    )
     tensor_parallel_size: int | None = Field(
         default=None, ge=1, le=64,
         description=(

@@ -23,6 +23,14 @@ forecasts it). It prints each long round's ``seconds_capacity_wait`` (the wait f
 and the added engine's start) and the lead measured (the ask to the engine serving). The long
 round's work may differ between the two (the early engine serves short rounds too, so other
 prompts may be deferred): the wait is what is compared.
+
+``--mid-round`` compares a long round that waits for its added replica (``elastic``) with one
+that starts at once and takes the replica when it joins (``midround``,
+``tailBatching.longRound.joinMidRound``): each long round's wait for capacity, its rollout, and
+their sum, the ratio midround/elastic of the sum, and the requests moved to the joining
+engine with their tokens. ``--step-sleep S`` makes every engine step S seconds longer (the
+testing setting ``RLPACER_TEST_ENGINE_STEP_SLEEP_S``), so that the tiny job's long round lasts
+longer than an engine's start, as long rounds do on GPUs.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from typing import Any
 
 MODES = ("single", "elastic")
 EARLY_MODES = ("elastic", "early")
+MID_MODES = ("elastic", "midround")
 
 
 def long_round(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -55,6 +64,8 @@ def long_round(records: list[dict[str, Any]]) -> dict[str, Any]:
         "lead_s": r.get("scale_up_lead_s"),
         "responses": sum(int(e["responses"]) for e in engines), "tokens": tokens,
         "len_max": r["len_max"], "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
+        "joined_mid_round": r.get("joined_mid_round", []),
+        "moved_requests": r.get("moved_requests", 0), "moved_tokens": r.get("moved_tokens", 0),
         "engines": [{"replica": e["replica"], "host": e["hostname"], "cores": e.get("cores"),
                      "responses": e["responses"], "tokens": e["tokens"],
                      "busy_s": e.get("busy_s"),
@@ -73,6 +84,22 @@ def compare_early(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "wait_saved_s": round(med["elastic"]["capacity_wait_s"]
                               - med["early"]["capacity_wait_s"], 3),
         "lead_measured_s": [x["lead_s"] for x in runs["early"]],
+        "median": med,
+    }
+
+
+def compare_mid(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The long round's wait for capacity and rollout, midround against elastic (medians of
+    the rounds), and the ratio of their sums."""
+    med = {m: {k: statistics.median(x[k] for x in runs[m])
+               for k in ("capacity_wait_s", "wall_s")} for m in MID_MODES}
+    total = {m: round(med[m]["capacity_wait_s"] + med[m]["wall_s"], 3) for m in MID_MODES}
+    return {
+        "wait_plus_rollout_s": total,
+        "ratio_midround_over_elastic": round(total["midround"] / total["elastic"], 3),
+        "moved_requests": [x["moved_requests"] for x in runs["midround"]],
+        "moved_tokens": [x["moved_tokens"] for x in runs["midround"]],
+        "joined_mid_round": [x["joined_mid_round"] for x in runs["midround"]],
         "median": med,
     }
 
@@ -100,7 +127,12 @@ def run(args: argparse.Namespace) -> int:
     if early and args.early < 1:
         print("error: --early: the lead must be at least 1 second", file=sys.stderr)
         return 2
-    modes = EARLY_MODES if early else MODES
+    mid = bool(getattr(args, "mid_round", False))
+    if early and mid:
+        print("error: --early and --mid-round compare different things: give one",
+              file=sys.stderr)
+        return 2
+    modes = EARLY_MODES if early else MID_MODES if mid else MODES
     steps = args.steps if args.steps is not None else (args.prompts + 1 if early else 2)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for i in range(args.rounds):
@@ -112,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                 lead = None if not early else (0 if mode == "elastic" else args.early)
                 res = run_long_round(out_dir / f"{mode}-{i}", mode, steps=steps,
                                      prompts=args.prompts, max_tokens=args.max_tokens,
-                                     lead_s=lead)
+                                     lead_s=lead, step_sleep_s=args.step_sleep)
             except PlayedJobFailed as err:
                 print(f"error: the {mode} job failed: {err}", file=sys.stderr)
                 return 1
@@ -126,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
     if early:
         print(json.dumps({"runs": runs, **compare_early(runs), "out": str(out_dir)}, indent=1))
+        return 0
+    if mid:
+        print(json.dumps({"runs": runs, **compare_mid(runs), "out": str(out_dir)}, indent=1))
         return 0
     result = {"runs": runs, **compare(runs), "out": str(out_dir)}
     print(json.dumps(result, indent=1))
@@ -151,4 +186,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--early", type=int, default=None, metavar="LEAD_S",
                    help="compare the long round's wait for capacity with the early scale-up"
                         " at this lead (seconds) against none, on the same schedule")
+    p.add_argument("--mid-round", action="store_true",
+                   help="compare a long round that waits for its added replica with one that"
+                        " starts at once and takes it mid-round (joinMidRound)")
+    p.add_argument("--step-sleep", type=float, default=0.0, metavar="S",
+                   help="make every engine step S seconds longer (slow decoding, so that a"
+                        " long round outlasts an engine's start; default 0)")
     p.set_defaults(func=run)

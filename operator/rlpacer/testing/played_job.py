@@ -52,14 +52,17 @@ PODS: dict[str, contract.Role] = {
 
 def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: int = 4,
                    max_tokens: int | None = None, lead_s: int = 0,
-                   one_deferred: bool | None = None, wide: bool = False) -> None:
+                   one_deferred: bool | None = None, wide: bool = False,
+                   mid_round: bool = False) -> None:
     """The tiny example job: ``prompts`` per step and twice as many raced for their places
     (the slowest half deferred), so step 1 is a long round on ``longRound.rolloutReplicas``
     = 2. ``lead_s`` > 0 (early scale-up, ``scaleUpLeadSeconds``) or ``one_deferred``: one
     prompt more than ``prompts`` raced, so each short round defers one and the long round is
     step ``prompts``; with the lead, the report after step 0 forecasts it and asks for its
     replica then. ``wide``: the long round's replica is a wide engine of its own
-    (``longRound.tensorParallelSize`` 1, as on a CPU), which runs the long round alone."""
+    (``longRound.tensorParallelSize`` 1, as on a CPU), which runs the long round alone.
+    ``mid_round``: ``longRound.joinMidRound`` (the long round starts at once; rollout-1's
+    engine joins during it and takes a share of its unfinished requests)."""
     if one_deferred is None:
         one_deferred = lead_s > 0
     doc = yaml.safe_load((repo_root() / EXAMPLE).read_text())
@@ -73,6 +76,8 @@ def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: in
     spec["tailBatching"]["longRound"]["scaleUpLeadSeconds"] = lead_s
     if wide:
         spec["tailBatching"]["longRound"]["tensorParallelSize"] = 1
+    if mid_round:
+        spec["tailBatching"]["longRound"]["joinMidRound"] = True
     spec["tailBatching"]["activation"] = "Always"  # race every short round (step 1 long)
     spec["algorithm"]["dynamicSampling"] = False
     spec["steps"] = steps
@@ -256,27 +261,35 @@ class LongRoundRun:
 
 
 def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts: int = 4,
-                   max_tokens: int | None = None, lead_s: int | None = None) -> LongRoundRun:
+                   max_tokens: int | None = None, lead_s: int | None = None,
+                   step_sleep_s: float = 0.0) -> LongRoundRun:
     """Runs the tiny job (:func:`write_manifest`) on played hosts to its end. ``elastic``:
     rollout-1's pod is created when the operator scales up for the long round and deleted
     when it scales down; ``early``: as ``elastic`` with an early scale-up (a 60 s lead: the
     report after step 0 asks for rollout-1, the long round is step 4); ``single``: the long
     round runs on rollout-0 alone; ``timeout-gap``: the scale-up to 3 brings up only
     rollout-2 and times out (usable [0, 2]); ``wide``: as ``elastic``, rollout-1 a wide
-    long-round engine (``longRound.tensorParallelSize``), the long round routed to it alone.
+    long-round engine (``longRound.tensorParallelSize``), the long round routed to it alone;
+    ``midround``: as ``elastic`` with ``longRound.joinMidRound`` (the long round does not wait
+    for rollout-1: its engine joins during the round).
     ``lead_s`` (``elastic`` or ``early``): that
     lead on the early mode's schedule (one prompt deferred a round), e.g. 0 for the same
-    schedule without the early scale-up."""
-    if mode not in ("elastic", "early", "single", "timeout-gap", "wide"):
-        raise ValueError(f"mode {mode!r}: expected elastic, early, single, timeout-gap or wide")
+    schedule without the early scale-up. ``step_sleep_s``: every engine step made that much
+    longer (the testing setting ``RLPACER_TEST_ENGINE_STEP_SLEEP_S``: rounds as long against
+    an engine's start as on GPUs)."""
+    if mode not in ("elastic", "early", "single", "timeout-gap", "wide", "midround"):
+        raise ValueError(f"mode {mode!r}: expected elastic, early, single, timeout-gap, wide"
+                         " or midround")
     tmp.mkdir(parents=True, exist_ok=True)
     lead = lead_s if lead_s is not None else (60 if mode == "early" else 0)
     write_manifest(tmp / "job.yaml", steps=steps, prompts=prompts, max_tokens=max_tokens,
                    lead_s=lead, one_deferred=mode == "early" or lead_s is not None,
-                   wide=mode == "wide")
-    if mode == "wide":
+                   wide=mode == "wide", mid_round=mode == "midround")
+    if mode in ("wide", "midround"):
         mode = "elastic"  # the same pods and operator; the job routes its rounds
     with PlayedJob(tmp) as job:
+        if step_sleep_s:
+            job.base_env["RLPACER_TEST_ENGINE_STEP_SLEEP_S"] = str(step_sleep_s)
         job.start_operator("elastic" if mode == "early" else mode)
         job.start_head()
         for name in ("learner-0", "rollout-0", "driver"):

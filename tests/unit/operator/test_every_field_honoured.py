@@ -162,6 +162,7 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "tailBatching.longRound.minYieldRatio": ("0", None),
     "tailBatching.longRound.scaleUpLeadSeconds": (90, None),
     "tailBatching.longRound.maxDeferredRounds": (2, None),
+    "tailBatching.longRound.joinMidRound": (True, None),
     # a long round's extra replica: a 4-GPU engine in a StatefulSet of its own, not a 2-GPU one
     "tailBatching.longRound.tensorParallelSize": (4, {
         "rollout": {"gpusPerReplica": 2, "tensorParallelSize": 2},
@@ -420,7 +421,7 @@ def _trainer(spec: Any) -> dict[str, Any]:
             "planner_epochs": cfg.planner_epochs(),
             "route_quantile": cfg.route_quantile, "length_dispatch": cfg.length_dispatch,
             "length_context": cfg.length_context, "length_half_life": cfg.length_half_life,
-            "stream_training": cfg.stream_training,
+            "stream_training": cfg.stream_training, "join_mid_round": cfg.join_mid_round,
             "scale_up_lead_s": cfg.scale_up_lead_s,
             "max_deferred_rounds": cfg.max_deferred_rounds,
             "controller": _plain(cfg.controller_config()),

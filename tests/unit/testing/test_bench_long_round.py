@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rlpacer.bench.long_round import compare, compare_early, long_round
+from rlpacer.bench.long_round import compare, compare_early, compare_mid, long_round
 
 pytestmark = pytest.mark.unit
 
@@ -60,3 +60,23 @@ def test_early_compares_the_long_rounds_wait_for_capacity() -> None:
     # records from before the field: the join is the wait
     assert long_round([recs[0], _rec(1, "Long", [_eng(0, 1, 10, 1.0)], 1.0)])[
         "capacity_wait_s"] == 7.5
+
+
+def test_mid_round_compares_the_wait_plus_the_rollout_and_counts_the_moves() -> None:
+    recs = [_rec(0, "Short", [_eng(0, 16, 400, 2.0)], 2.5),
+            {**_rec(1, "Long", [_eng(0, 120, 2800, 28.0), _eng(1, 8, 300, 11.0)], 28.9),
+             "seconds_capacity_wait": 0.001, "joined_mid_round": [[1, 17.8]],
+             "moved_requests": 9, "moved_tokens": 378}]
+    mid = long_round(recs)
+    assert (mid["moved_requests"], mid["moved_tokens"], mid["joined_mid_round"]) == (
+        9, 378, [[1, 17.8]])
+    waited = long_round([recs[0], {**recs[1], "seconds_capacity_wait": 21.0,
+                                   "seconds_rollout": 20.0, "joined_mid_round": [],
+                                   "moved_requests": 0, "moved_tokens": 0}])
+    out = compare_mid({"elastic": [waited], "midround": [mid]})
+    assert out["wait_plus_rollout_s"] == {"elastic": 41.0, "midround": 28.901}
+    assert out["ratio_midround_over_elastic"] == pytest.approx(28.901 / 41.0, abs=1e-3)
+    assert out["moved_requests"] == [9] and out["joined_mid_round"] == [[[1, 17.8]]]
+    # records from before the fields: nothing moved
+    assert long_round([recs[0], _rec(1, "Long", [_eng(0, 1, 10, 1.0)], 1.0)])[
+        "moved_requests"] == 0

@@ -180,3 +180,125 @@ def test_the_driver_and_the_simulator_run_a_recorded_round_alike(engines: int) -
             break
     assert kinds.count(RoundKind.SHORT) >= 2 and kinds[-1] is RoundKind.LONG, kinds
     assert sorted(drv._served) == list(range(engines))  # every engine served responses
+
+
+def _take(self: RecordedEngine, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """Live requests handed on with the tokens generated so far (one a step since submit)."""
+    out = {}
+    for rid in request_ids:
+        if rid in self.live:
+            t_end, n = self.live.pop(rid)
+            out[rid] = (1,) * (n - (t_end - self.clock.t))
+    return out
+
+
+def _submit_continuing(self: RecordedEngine, requests: Sequence[GenRequest]) -> None:
+    for r in requests:
+        m = _RID.match(r.request_id)
+        assert m, r.request_id
+        n = int(self.length(int(m[1]), int(m[2])))
+        self.live[r.request_id] = (self.clock.t + n - len(r.prefix), n)
+
+
+class JoiningEngine(RecordedEngine):
+    take = _take
+    submit = _submit_continuing
+
+
+@pytest.mark.parametrize(("engines", "join_at"), [(1, 40), (2, 25), (2, 200)])
+def test_a_mid_round_join_moves_as_many_requests_as_the_simulators(engines: int,
+                                                                    join_at: int) -> None:
+    """``joinMidRound``: an engine usable from ``join_at`` decode steps into a long round
+    joins at the driver's next look at the plan (after the finishes of the step its clock
+    reached); joined at that point in the simulator's round too, it takes as many unfinished
+    requests from the driver's engines as the simulator's join moves (the quota: unfinished
+    over engines, rounded down), and the round keeps the same responses and lasts the same
+    steps (the shared clock: a moved response continues at the step it reached). Joined
+    later in the round (step 200) fewer are left to move, on both sides alike."""
+    from concurrent.futures import Future
+
+    cfg = RunConfig.load(EXAMPLE, steps=4)  # type: ignore[arg-type]
+    cfg.job.spec.prompts_per_step = 12
+    cfg.job.spec.data.num_prompts = PROMPTS
+    cfg.job.spec.tail_batching.activation = TailBatchingActivation.ALWAYS
+    cfg.job.spec.tail_batching.long_round.join_mid_round = True
+    length = _recorded()
+    clock = Clock()
+
+    def factory(r: int) -> JoiningEngine:
+        return JoiningEngine(clock, length, r)
+
+    drv = runtime.build_driver(cfg, [JoiningEngine(clock, length, r) for r in range(engines)],
+                               engine_factory=factory, offered_replicas=lambda: {engines})
+
+    def start_now(replicas: Sequence[int]) -> None:  # the engine is up when asked for
+        for r in replicas:
+            fut: Future[Any] = Future()
+            fut.set_result(factory(r))
+            drv._joining[r] = fut
+
+    class Cap:  # the plan's capacity: the new replica usable from join_at on
+        def __init__(self) -> None:
+            self.rollout = None
+
+    def plan() -> Any:
+        from rlpacer.api.protocol import RolloutCapacity, RolloutState
+
+        usable = list(range(engines)) + ([engines] if clock.t >= join_at else [])
+        c = Cap()
+        c.rollout = RolloutCapacity(desired_replicas=engines + 1, ready_replicas=len(usable),
+                                    state=RolloutState.SCALING_UP, usable_replicas=usable)
+        return c
+
+    joined_at: list[int] = []
+    rebalance = drv._rebalance
+
+    def seen_rebalance(new: Sequence[int], **kw: Any) -> None:
+        joined_at.append(clock.t)  # the step at which the driver saw the engine up
+        rebalance(new, **kw)
+
+    drv._rebalance = seen_rebalance  # type: ignore[method-assign]
+    drv._start_in_background = start_now  # type: ignore[method-assign]
+    drv.controller.plan = plan  # type: ignore[method-assign]
+    import rlpacer_trainer.driver as driver_mod
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(driver_mod, "MID_ROUND_POLL_S", 0.0)
+    try:
+        for g in (4, 8, 4, 8, 4, 8, 4, 8):
+            before = copy.deepcopy(drv.planner)
+            long = drv.planner.next_round_kind is RoundKind.LONG
+            clock.t = 0
+            clock.polled.clear()
+            drv._moved = 0
+            out = drv.run_round(g)
+            steps = clock.t
+            if not long:
+                assert drv._moved == 0
+                continue
+            planner = before
+            plan_ = planner.start_round(g)
+            lengths = [[length(p, i) for i in range(plan_.responses_per_prompt)]
+                       for p in plan_.prompts]
+            # the driver sees the plan between two polls: the join comes after the finishes
+            # of the step the clock reached (>= join_at), before the next step's
+            at = joined_at[0] + 1e-6 if joined_at else float(join_at)
+            sim = RoundSimulator(STEP_CLOCK, engines, prompt_len=0, sat_batch=1)
+            oc = sim.run(planner, list(plan_.prompts), lengths, join_engines=1, join_at=at)
+            res = planner.finish_round()
+            assert {p: sorted(k.idx for k in ks) for p, ks in out.kept.items()} == \
+                {p: sorted(i) for p, i in res.kept.items()}
+            assert math.isclose(oc.rollout_s, steps, abs_tol=1e-3), (oc.rollout_s, steps)
+            assert drv._moved == oc.moved, (drv._moved, oc.moved)
+            print(f"{engines} engine(s), usable at step {join_at}, joined at {joined_at}:"
+                  f" {drv._moved} moved of a {steps}-step round")
+            if join_at < steps:
+                assert drv._moved > 0
+                assert engines in drv._served  # the joined engine answered some
+            for p, ks in out.kept.items():
+                assert all(len(k.tokens) == length(p, k.idx) for k in ks)
+            break
+        else:
+            raise AssertionError("no long round")
+    finally:
+        mp.undo()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import textwrap
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,10 +34,14 @@ class ScriptedEngine:
         self.replica = replica
         self.version: str | None = None
         self.live: dict[str, tuple[int, tuple[int, ...]]] = {}
+        #: live requests: (engine step at submit, tokens it came with: a moved prefix)
+        self.started: dict[str, tuple[int, int]] = {}
+        self.taken: dict[str, tuple[int, ...]] = {}  # what take() handed on, by request
         self.clock = 0
         self.st = EngineStats()
         self.loads = 0
         self.aborted_ids: list[str] = []
+        self.step_s = 0.0  # wall seconds an engine step takes
 
     def _tokens(self, r: GenRequest) -> tuple[int, ...]:
         text = tiny.decode(list(r.prompt_ids[1:]))
@@ -49,19 +54,36 @@ class ScriptedEngine:
     def submit(self, requests: Sequence[GenRequest]) -> None:
         for r in requests:
             toks = self._tokens(r)
-            self.live[r.request_id] = (self.clock + len(toks), toks)
+            # a moved request continues its response: the prefix must be the response's own
+            assert toks[:len(r.prefix)] == r.prefix, (r.request_id, r.prefix, toks)
+            self.live[r.request_id] = (self.clock + len(toks) - len(r.prefix), toks)
+            self.started[r.request_id] = (self.clock, len(r.prefix))
+
+    def take(self, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        """Live requests handed on: each with the tokens generated so far (one a step)."""
+        out = {}
+        for rid in request_ids:
+            if rid in self.live:
+                _, toks = self.live.pop(rid)
+                t0, had = self.started.pop(rid)
+                out[rid] = toks[:had + self.clock - t0]
+                self.st.tokens += self.clock - t0
+                self.taken[rid] = out[rid]
+        return out
 
     def poll(self, max_steps: int = 16) -> list[Finished]:
         out: list[Finished] = []
         for _ in range(max_steps):
             if not self.live or out:
                 break
+            if self.step_s:
+                time.sleep(self.step_s)
             self.clock += 1
             self.st.steps += 1
             for rid, (t, toks) in sorted(self.live.items()):
                 if t <= self.clock:
                     del self.live[rid]
-                    self.st.tokens += len(toks)
+                    self.st.tokens += len(toks) - self.started.pop(rid, (0, 0))[1]
                     out.append(Finished(rid, toks, "stop"))
         return out
 
@@ -546,6 +568,79 @@ def test_wide_long_round_engines_run_the_long_rounds_alone_short_rounds_skip_the
                             for r in drv.records)
 
 
+class MidRoundController(ElasticController):
+    """A long round's scale-up that is still pending when the round starts: its plan names
+    rollout-0 alone (ScalingUp) until the driver has read it ``ready_after`` times during the
+    round; from then on replica 1 is usable too."""
+
+    def __init__(self, *args: Any, ready_after: int = 2, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.ready_after, self.reads = ready_after, 0
+
+    def _to_plan(self, cp: ControlPlan) -> Plan:
+        plan = super()._to_plan(cp)
+        if cp.round_kind is not RoundKind.LONG:
+            self.reads = 0
+            return plan
+        self.reads += 1
+        if self.reads <= self.ready_after:
+            cap = RolloutCapacity(desired_replicas=2, ready_replicas=1,
+                                  state=RolloutState.SCALING_UP, usable_replicas=[0])
+            return plan.model_copy(update={"rollout": cap})
+        return plan
+
+
+def test_a_replica_joining_mid_round_takes_running_requests_with_their_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``joinMidRound``: the long round starts on rollout-0 while its scale-up pends (no
+    wait); replica 1 becomes usable during it, its engine starts in the background, gets the
+    learner's weights and takes a share of the round's unfinished requests, each with the
+    tokens rollout-0 had generated, and finishes them: every moved response is the one the
+    request would have given (the scripted engine checks the prefix is its own), and each
+    (prompt, index) is answered once; the step's record counts the moves."""
+    from rlpacer_trainer import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "MID_ROUND_POLL_S", 0.0)
+    cfg = _cfg(steps=6)
+    cfg.job.spec.tail_batching.long_round.join_mid_round = True
+    log: list[tuple[object, ...]] = []
+    made: list[LoggedEngine] = []
+
+    def factory(r: int) -> LoggedEngine:
+        e = LoggedEngine(r, log)
+        e.step_s = 0.002
+        made.append(e)
+        return e
+
+    base = LoggedEngine(0, log)
+    base.step_s = 0.002
+    ctl = MidRoundController(cfg, log, short=[0], long_usable=[0, 1])
+    drv = runtime.build_driver(cfg, [base], controller=ctl, engine_factory=factory,
+                               offered_replicas=lambda: {0, 1})
+    drv.join_wait_s = 0.0
+    drv.run()
+    longs = [r for r in drv.records if r["round_kind"] == "Long"]
+    assert longs and made
+    moved = [r for r in longs if r["moved_requests"] > 0]
+    assert moved, [(r["step"], r["joined_mid_round"]) for r in longs]
+    for r in moved:
+        assert r["seconds_capacity_wait"] < 0.5, r  # it never waited for the scale-up
+        assert [j[0] for j in r["joined_mid_round"]] == [1] and r["joined_mid_round"][0][1] > 0
+        served = {e["replica"]: e for e in r["engines"]}
+        assert served[1]["responses"] > 0 and served[0]["responses"] > 0, r["engines"]
+        assert r["moved_tokens"] > 0
+    # every taken request went on with its tokens: some had generated some already
+    assert any(len(t) > 0 for t in base.taken.values()), base.taken
+    assert sum(r["moved_requests"] for r in drv.records) == len(base.taken)
+    assert sum(r["moved_tokens"] for r in drv.records) == sum(map(len, base.taken.values()))
+    print([(r["step"], r["joined_mid_round"], r["moved_requests"], r["moved_tokens"])
+           for r in longs])
+    # each response answered once across both engines: no loss, no double
+    for r in drv.records:
+        assert len(r["prompts"]) == len(set(r["prompts"]))
+    assert all(r["moved_requests"] == 0 for r in drv.records if r["round_kind"] == "Short")
+
+
 def test_usable_replicas_with_a_gap_and_an_unjoined_pod() -> None:
     # the plan names 0 and 2 (1 is pending): only 2 joins; 2 also fails to join if its pod
     # is not in Ray, and the long round runs on what is there
@@ -907,3 +1002,45 @@ def test_stream_training_trains_groups_mid_round_and_takes_the_same_update(
     off_by = sum(float((w_on[k] - w_off[k]).double().pow(2).sum()) for k in start) ** 0.5
     assert moved > 1e-3
     assert off_by < 1e-3 * moved, (off_by, moved)
+
+
+def test_a_wide_engine_joining_mid_round_takes_the_whole_long_round(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``joinMidRound`` with wide long-round engines: the long round starts on rollout-0's
+    engine (no wide engine is up yet), and when the wide one joins it takes every
+    unfinished request with its tokens; rollout-0's engine gets nothing more of it."""
+    from rlpacer_trainer import driver as driver_mod
+
+    monkeypatch.setattr(driver_mod, "MID_ROUND_POLL_S", 0.0)
+    cfg = _cfg(steps=6)
+    lr = cfg.job.spec.tail_batching.long_round
+    lr.join_mid_round, lr.tensor_parallel_size, lr.rollout_replicas = True, 1, 2
+    log: list[tuple[object, ...]] = []
+    made: list[LoggedEngine] = []
+
+    def factory(r: int) -> LoggedEngine:
+        e = LoggedEngine(r, log)
+        e.step_s = 0.002
+        made.append(e)
+        return e
+
+    base = LoggedEngine(0, log)
+    base.step_s = 0.002
+    ctl = MidRoundController(cfg, log, short=[0], long_usable=[0, 1])
+    drv = runtime.build_driver(cfg, [base], controller=ctl, engine_factory=factory,
+                               offered_replicas=lambda: {0, 1})
+    drv.join_wait_s = 0.0
+    drv.run()
+    moved = [r for r in drv.records if r["moved_requests"] > 0]
+    assert moved and made
+    for r in moved:
+        # everything unfinished at the join went to the wide engine: rollout-0 had nothing
+        # left in flight, and what it answered it had finished before the join
+        assert r["moved_requests"] == len(base.taken)
+        assert base.pending() == 0
+        assert {e["replica"] for e in r["engines"]} == {0, 1}
+    # from the wide engine's first request to the long round's report, nothing to rollout-0
+    first_move = next(i for i, x in enumerate(log) if x[:2] == ("submit", 1))
+    report = log.index(("report", moved[0]["step"], "Long"))
+    assert first_move < report
+    assert not any(x[:2] == ("submit", 0) for x in log[first_move:report])
