@@ -39,6 +39,9 @@ from rlpacer.testing.cluster import (
 from rlpacer.testing.netns import pid_alive
 
 CHART = repo_root() / "charts" / "rlpacer"
+#: Environment variables given to ``up`` with this prefix reach every played pod (the testing
+#: settings of docs/testing.md, e.g. RLPACER_TEST_ENGINE_STEP_SLEEP_S).
+TESTING_ENV_PREFIX = "RLPACER_TEST_"
 RELEASE = "rlpacer"
 SYSTEM = "rlpacer-system"
 
@@ -254,9 +257,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     op = OperatorProcess(cluster, RELEASE, SYSTEM, d)
     op.report_host = hosts.gateway
     svc = f"{op.fullname}.{SYSTEM}.svc"
+    # testing settings (docs/testing.md) given to `up` reach every played pod
+    testing = {k: v for k, v in os.environ.items() if k.startswith(TESTING_ENV_PREFIX)}
     harness = PodHarness(cluster, st["namespace"], d / "pods",
                          roles=[r.value for r in contract.Role], hosts=hosts,
-                         names={svc: hosts.gateway, f"{svc}.cluster.local": hosts.gateway})
+                         names={svc: hosts.gateway, f"{svc}.cluster.local": hosts.gateway},
+                         extra_env=testing)
     try:
         op.start()
         harness.start()

@@ -265,3 +265,77 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
         down = subprocess.run([str(RLPACER), "dev-cluster", "down", "--dir", str(d)],
                               capture_output=True, text=True, timeout=300)
     assert down.returncode == 0, down.stdout + down.stderr
+
+
+def test_a_rollout_pod_deleted_mid_long_round_has_its_requests_redispatched(
+        tmp_path: Path) -> None:
+    """The real operator (`rlpacer dev-cluster`: API server, StatefulSet controller, the
+    chart's operator, every pod played on a host of its own): the tiny job scales its rollout
+    to 2 for its first long round; every engine step is made 0.4 s longer (the testing
+    setting ``RLPACER_TEST_ENGINE_STEP_SLEEP_S``, given to ``up``, which passes it to every
+    played pod) so the round lasts long enough to act in. Once rollout-1's engine has joined
+    and the round is under way, its pod is deleted (``kubectl delete --force``): the driver
+    finds the engine dead with requests unfinished and re-dispatches them to rollout-0
+    (counted, in the step's record and the log), every response of the round is counted
+    once, and the job Succeeds."""
+    d = tmp_path / "dev"
+    up = subprocess.run([str(RLPACER), "dev-cluster", "up", "--dir", str(d)],
+                        capture_output=True, text=True, timeout=400,
+                        env=dict(os.environ, RLPACER_TEST_ENGINE_STEP_SLEEP_S="0.4"))
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        kubeconfig = up.stdout.split("\n")[0].split("=", 1)[1]
+        env = dict(os.environ, KUBECONFIG=kubeconfig)
+
+        def kubectl(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([str(find_kubectl()), *args], env=env, input=input,
+                                  capture_output=True, text=True, timeout=60)
+
+        job = yaml.safe_load((repo_root() / "examples" / "tiny-cluster.yaml").read_text())
+        job["spec"]["steps"] = 4
+        until = time.monotonic() + 60
+        while True:  # a CRD just installed answers 429 while its storage initialises
+            r = kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(job))
+            if r.returncode == 0 or "initializing" not in r.stderr or time.monotonic() > until:
+                break
+            time.sleep(1)
+        assert r.returncode == 0, r.stderr
+        pod = d / "pods" / NS / "pods" / "tiny-cluster-driver-0"
+        log_path = pod / "log.txt"
+
+        def driver_log() -> str:
+            return log_path.read_text(errors="replace") if log_path.exists() else ""
+
+        until = time.monotonic() + 500
+        while "rollout engine of replica 1 joined" not in driver_log():
+            assert time.monotonic() < until, driver_log()[-3000:]
+            assert "done:" not in driver_log(), driver_log()[-3000:]
+            time.sleep(0.5)
+        time.sleep(4.0)  # the long round under way on both engines (0.4 s a decode step)
+        assert "\nstep " not in driver_log().split("rollout engine of replica 1 joined")[1]
+        r = kubectl("delete", "pod", "tiny-cluster-rollout-1", "-n", NS, "--grace-period=0",
+                    "--force")
+        assert r.returncode == 0, r.stderr
+        status = _finished(kubectl)
+        log = driver_log()
+        assert status.get("summary") == "Succeeded", f"{status}\n{log[-3000:]}"
+        recs = [json.loads(x) for x in (pod / "volumes" / "checkpoints"
+                                        / "metrics-attempt0.jsonl").read_text().splitlines()]
+    finally:
+        down = subprocess.run([str(RLPACER), "dev-cluster", "down", "--dir", str(d)],
+                              capture_output=True, text=True, timeout=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+    long = next(r for r in recs if r["round_kind"] == "Long")
+    print(json.dumps({k: long[k] for k in ("step", "replicas", "engines", "kept")}, indent=1))
+    dead = [e for e in long["engines"] if e.get("died")]
+    live = [e for e in long["engines"] if not e.get("died")]
+    assert [e["replica"] for e in dead] == [1], long["engines"]
+    assert [e["replica"] for e in live] == [0], long["engines"]
+    (gone,) = dead
+    assert gone["redispatched"] > 0, gone  # it died with requests unfinished
+    assert f"rollout replica 1: {gone['redispatched']} unfinished requests re-dispatched" in log
+    assert gone["responses"] + live[0]["responses"] == long["kept"], long
+    assert long["replicas"] == [0, 1], long
+    # the operator scaled up for the long round and back down after it
+    reasons = [a["reason"] for a in status.get("scaleActions", [])]
+    assert reasons[:2] == ["LongRound", "LongRoundDone"], reasons
