@@ -42,6 +42,28 @@ def _finished(kubectl: Callable[..., subprocess.CompletedProcess[str]],
     return status
 
 
+def _kubectl(up_stdout: str) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """kubectl against the dev cluster whose ``up`` printed ``up_stdout`` (its env line)."""
+    kubeconfig = up_stdout.split("\n")[0].split("=", 1)[1]
+    env = dict(os.environ, KUBECONFIG=kubeconfig)
+
+    def kubectl(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(find_kubectl()), *args], env=env, input=input,
+                              capture_output=True, text=True, timeout=60)
+    return kubectl
+
+
+def _apply_job(kubectl: Callable[..., subprocess.CompletedProcess[str]],
+               job: dict[str, Any]) -> None:
+    until = time.monotonic() + 60
+    while True:  # a CRD just installed answers 429 while its storage initialises
+        r = kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(job))
+        if r.returncode == 0 or "initializing" not in r.stderr or time.monotonic() > until:
+            break
+        time.sleep(1)
+    assert r.returncode == 0, r.stderr
+
+
 def test_up_apply_watch_down(tmp_path: Path) -> None:
     d = tmp_path / "dev"
     up = subprocess.run([str(RLPACER), "dev-cluster", "up", "--dir", str(d)],
@@ -52,12 +74,7 @@ def test_up_apply_watch_down(tmp_path: Path) -> None:
         env_out = subprocess.run([str(RLPACER), "dev-cluster", "env", "--dir", str(d)],
                                  capture_output=True, text=True, check=True).stdout
         assert env_out == up.stdout and env_out.startswith("export KUBECONFIG=")
-        kubeconfig = env_out.split("\n")[0].split("=", 1)[1]
-        env = dict(os.environ, KUBECONFIG=kubeconfig)
-
-        def kubectl(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([str(find_kubectl()), *args], env=env, input=input,
-                                  capture_output=True, text=True, timeout=60)
+        kubectl = _kubectl(env_out)
 
         r = kubectl("apply", "-n", NS, "-f", str(repo_root() / "examples"
                                                / "tiny-cluster-policy.yaml"))
@@ -106,12 +123,7 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
                         capture_output=True, text=True, timeout=400)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
-        kubeconfig = up.stdout.split("\n")[0].split("=", 1)[1]
-        env = dict(os.environ, KUBECONFIG=kubeconfig)
-
-        def kubectl(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([str(find_kubectl()), *args], env=env, input=input,
-                                  capture_output=True, text=True, timeout=60)
+        kubectl = _kubectl(up.stdout)
 
         def status() -> dict[str, Any]:
             r = kubectl("get", "rltj", "tiny-cluster", "-n", NS, "-o", "json")
@@ -160,13 +172,7 @@ def test_up_with_kueue_admits_the_job_and_its_long_rounds_extra_replica(tmp_path
         job["spec"]["driver"] = {"resources": {"requests": {"cpu": "100m"}}}
         job["spec"]["tailBatching"]["longRound"].update(
             {"queueName": "burst", "maxDeferredRounds": 2})
-        until = time.monotonic() + 60
-        while True:  # a CRD just installed answers 429 while its storage initialises
-            r = kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(job))
-            if r.returncode == 0 or "initializing" not in r.stderr or time.monotonic() > until:
-                break
-            time.sleep(1)
-        assert r.returncode == 0, r.stderr
+        _apply_job(kubectl, job)
         until = time.monotonic() + 400
         while (status().get("rollout") or {}).get("deferredRounds", 0) < 2:
             assert time.monotonic() < until, status()
@@ -284,22 +290,11 @@ def test_a_rollout_pod_deleted_mid_long_round_has_its_requests_redispatched(
                         env=dict(os.environ, RLPACER_TEST_ENGINE_STEP_SLEEP_S="0.4"))
     assert up.returncode == 0, up.stdout + up.stderr
     try:
-        kubeconfig = up.stdout.split("\n")[0].split("=", 1)[1]
-        env = dict(os.environ, KUBECONFIG=kubeconfig)
-
-        def kubectl(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([str(find_kubectl()), *args], env=env, input=input,
-                                  capture_output=True, text=True, timeout=60)
+        kubectl = _kubectl(up.stdout)
 
         job = yaml.safe_load((repo_root() / "examples" / "tiny-cluster.yaml").read_text())
         job["spec"]["steps"] = 4
-        until = time.monotonic() + 60
-        while True:  # a CRD just installed answers 429 while its storage initialises
-            r = kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(job))
-            if r.returncode == 0 or "initializing" not in r.stderr or time.monotonic() > until:
-                break
-            time.sleep(1)
-        assert r.returncode == 0, r.stderr
+        _apply_job(kubectl, job)
         pod = d / "pods" / NS / "pods" / "tiny-cluster-driver-0"
         log_path = pod / "log.txt"
 

@@ -30,7 +30,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rlpacer.api import contract
 from rlpacer.api.job import effective_algorithm, parse_spec
-from rlpacer.api.protocol import PLAN_FIELDS_HEADER, StepReport, plan_path, steps_path
+from rlpacer.api.protocol import (
+    PLAN_FIELDS_HEADER,
+    StepReport,
+    plan_path,
+    release_path,
+    steps_path,
+)
 from rlpacer.control.plan import JobController
 from rlpacer.operator import hosting, names, tls
 from rlpacer.testing import harness
@@ -251,6 +257,10 @@ class Driver:
     def post(self, body: dict[str, Any], tok: str | None = None) -> tuple[int, Any]:
         return http("POST", self.op.base + steps_path(self.ns, self.name),
                     self.tok if tok is None else tok, body)
+
+    def release(self, step: int, attempt: int = 0) -> tuple[int, Any]:
+        return http("POST", self.op.base + release_path(self.ns, self.name), self.tok,
+                    {"attempt": attempt, "step": step})
 
 
 def bound_claim(cluster: LocalCluster, ns: str, claim: str) -> None:
@@ -553,6 +563,40 @@ def test_wide_long_round_engines_get_their_own_pods_on_gpu_nodes_then_go(
     assert plan["roundKind"] == "Short" and plan["rollout"]["desiredReplicas"] == 1
     wait(cluster, lambda: wide()["spec"]["replicas"] == 0, "the wide engines scaled down")
     assert _sts(cluster, namespace, "wide")["spec"]["replicas"] == 1
+
+
+def test_a_long_round_releases_its_added_replicas_before_its_report(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    """``POST release`` (``tailBatching.longRound.releaseWhenFits``): while step 1's long round
+    runs, its driver gives the added replicas back; the rollout StatefulSet shrinks to 1 at
+    once (before any report), the plan says so, and the step's report then has nothing to
+    scale down (scale actions LongRound, LongRoundReleased; no LongRoundDone). Refused, with
+    nothing changed: another attempt's, or a step that is not a long round under way."""
+    apply(cluster, small_job("rel", namespace))
+    drv = Driver(operator, namespace, "rel", token(cluster, namespace, "rel"))
+    wait(cluster, lambda: (_sts(cluster, namespace, "rel").get("status") or {})
+         .get("readyReplicas") == 1, "rollout replica 0 ready", 90)
+    code, body = drv.release(0)  # step 0 is short: nothing to release
+    assert code == 422 and body["reason"] == "NotALongRound", body
+    code, plan = drv.post(report(0, drv.plan()["groupSize"], 150.0, nxt="Long"))
+    assert plan["roundKind"] == "Long" and plan["rollout"]["desiredReplicas"] == 3
+    wait(cluster, lambda: drv.plan()["rollout"]["state"] == "Ready", "long-round capacity", 60)
+    code, body = drv.release(1, attempt=7)
+    assert code == 422 and body["reason"] == "AttemptMismatch", body
+    assert _sts(cluster, namespace, "rel")["spec"]["replicas"] == 3
+    code, plan = drv.release(1)
+    assert code == 200 and plan["rollout"]["desiredReplicas"] == 1, plan
+    wait(cluster, lambda: _sts(cluster, namespace, "rel")["spec"]["replicas"] == 1,
+         "scaled back before the report")
+    assert drv.release(1)[0] == 200  # a repeat changes nothing
+    code, plan = drv.post(report(1, drv.plan()["groupSize"], 400.0, kind="Long"))
+    assert code == 200 and plan["roundKind"] == "Short" and plan["rollout"]["desiredReplicas"] == 1
+    st = status(cluster, namespace, "rel")
+    assert [a["reason"] for a in st["scaleActions"]] == ["LongRound", "LongRoundReleased"], st
+    msgs = [e["message"] for e in kube_events(cluster, namespace, "rel")
+            if e["reason"] == "ScaledDown"]
+    assert msgs and "released before the step's report" in msgs[0], msgs
 
 
 def test_an_early_scale_up_is_ready_before_its_long_round(

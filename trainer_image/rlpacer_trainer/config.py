@@ -322,6 +322,13 @@ class RunConfig:
                     and self.tail_batching_enabled)
 
     @property
+    def release_when_fits(self) -> bool:
+        """``tailBatching.longRound.releaseWhenFits``: a long round's added replicas go once
+        its unfinished requests fit on the rollout's own (never without tail batching)."""
+        return bool(self.spec.tail_batching.long_round.release_when_fits
+                    and self.tail_batching_enabled)
+
+    @property
     def length_half_life(self) -> float | None:
         """``tailBatching.lengthPrior.halfLifeGroups``: the prior's forgetting, or None."""
         lp = self.spec.tail_batching.length_prior

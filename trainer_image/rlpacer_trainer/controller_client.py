@@ -39,10 +39,12 @@ from rlpacer.api.protocol import (
     PLAN_FIELDS_HEADER,
     USABLE_REPLICAS,
     Plan,
+    ReleaseRequest,
     RolloutCapacity,
     RolloutState,
     StepReport,
     plan_path,
+    release_path,
     steps_path,
     unknown_fields,
 )
@@ -93,6 +95,7 @@ class ControllerClient(Protocol):
     def plan(self) -> Plan: ...
     def report(self, report: StepReport) -> Plan: ...
     def wait_ready(self, plan: Plan) -> Plan: ...
+    def release(self, attempt: int, step: int) -> bool: ...
 
 
 class ReportTLSError(RuntimeError):
@@ -163,6 +166,10 @@ class InProcessController:
     def wait_ready(self, plan: Plan) -> Plan:
         return plan
 
+    def release(self, attempt: int, step: int) -> bool:
+        """No operator in-process: the capacity is whatever the engines are."""
+        return False
+
     def posterior_means(self) -> dict[int, float]:
         return self.jc.posterior_means()
 
@@ -188,6 +195,7 @@ class HTTPController:
             retries, backoff_s, poll_s, timeout_s)
         #: 503s ("not persisted, retry") are retried at least this long, whatever the count.
         self.retry_window_s = retry_window_s
+        self._no_release = False  # the operator answered 404/405 to a release once
         self.last_straggler: bool | None = None
         #: Plans read with fields this version does not know (ignored).
         self.unknown_plan_fields = 0
@@ -223,11 +231,15 @@ class HTTPController:
             " report-ca.crt); a driver of another release or an operator with a new"
             " certificate is the usual cause")
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+              retries: int | None = None, retry_window_s: float | None = None
+              ) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
         delay = self.backoff_s
         start = time.monotonic()
         attempt = 0
+        max_tries = self.retries if retries is None else retries
+        window = self.retry_window_s if retry_window_s is None else retry_window_s
         while True:
             ctx = self._context()
             req = urllib.request.Request(self.base + path, data=data, method=method)
@@ -235,7 +247,7 @@ class HTTPController:
             req.add_header(PLAN_FIELDS_HEADER, USABLE_REPLICAS)  # optional fields we read
             if data is not None:
                 req.add_header("Content-Type", "application/json")
-            last = attempt >= self.retries
+            last = attempt >= max_tries
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s, context=ctx) as resp:
                     return json.loads(resp.read().decode() or "{}")  # type: ignore[no-any-return]
@@ -248,8 +260,7 @@ class HTTPController:
                 # A 503 says "not persisted, retry" (standby, API server or etcd away): it is
                 # retried for at least retry_window_s, so an outage of the control plane
                 # longer than the retry count's backoff does not fail the job.
-                if last and not (err.code == 503
-                                 and time.monotonic() - start < self.retry_window_s):
+                if last and not (err.code == 503 and time.monotonic() - start < window):
                     raise ControllerError(err.code, text) from None
                 wait = _retry_after(err.headers.get("Retry-After"))
                 if err.code == 429:  # over the job's request rate: wait as told
@@ -267,12 +278,12 @@ class HTTPController:
                     if last:
                         raise self._tls_error(reason) from None
                     log.warning("step-report endpoint: certificate does not verify (attempt"
-                                " %d of %d): %s", attempt + 1, self.retries + 1, reason)
+                                " %d of %d): %s", attempt + 1, max_tries + 1, reason)
                 elif unreachable(reason):
                     # The operator not answering (restarting after it lost its Lease, or its
                     # connection cut): like a 503, retried within retry_window_s whatever the
                     # count, so a restart during a control-plane outage fails no job.
-                    if last and time.monotonic() - start >= self.retry_window_s:
+                    if last and time.monotonic() - start >= window:
                         raise
                     log.info("step-report endpoint: no answer, retrying the same report (%s)",
                              f"{type(reason).__name__}: {reason}"[:200])
@@ -288,6 +299,30 @@ class HTTPController:
     def report(self, report: StepReport) -> Plan:
         return self._read_plan(
             self._call("POST", steps_path(self.ns, self.name), report.to_wire()))
+
+    def release(self, attempt: int, step: int) -> bool:
+        """``POST release``: the long round of ``step`` gives its added replicas back now
+        (``tailBatching.longRound.releaseWhenFits``). Best effort, tried twice at most: False
+        when the operator did not take it (one without the endpoint answers 404 or 405; the
+        step's report releases them then, as before)."""
+        if self._no_release:
+            return False
+        try:
+            self._call("POST", release_path(self.ns, self.name),
+                       ReleaseRequest(attempt=attempt, step=step).to_wire(), retries=1,
+                       retry_window_s=0.0)
+        except ControllerError as err:
+            if err.status in (404, 405):
+                self._no_release = True
+                log.info("the operator has no release endpoint (an older operator): the"
+                         " long round's replicas go at the step's report")
+            else:
+                log.warning("release of step %d's added replicas refused: %s", step, err)
+            return False
+        except Exception as err:  # unreachable, 5xx past its one retry: the report will
+            log.warning("release of step %d's added replicas not sent: %s", step, err)
+            return False
+        return True
 
     def wait_ready(self, plan: Plan) -> Plan:
         while plan.rollout.state is RolloutState.SCALING_UP:

@@ -189,6 +189,11 @@ class Driver:
         self._moved = 0  # the step's requests moved to an engine that joined mid-round
         self._moved_tokens = 0  # the tokens they carried (generated before the move)
         self._joined_mid: list[list[float]] = []  # [replica, seconds into its round]
+        #: tailBatching.longRound.releaseWhenFits: a long round's added engines go (and the
+        #: operator is told) once its unfinished requests fit on the rollout's own engines
+        self.release_when_fits = cfg.release_when_fits
+        self._start_load = 0  # requests an engine of the round began it with, at most
+        self._released_mid: list[float] = []  # [seconds into the round, replicas released]
         #: starts the engine of replica i (on its pod); None: the engine set never changes
         self.engine_factory = engine_factory
         #: the replicas whose pods have joined the Ray cluster (their resource is offered)
@@ -404,6 +409,7 @@ class Driver:
         self._mid_round = (self.join_mid_round and plan.kind is RoundKind.LONG
                            and self.engine_factory is not None)
         self._mid_polled = t0
+        self._start_load = -(-len(reqs) // max(1, len(self.active)))
         self._dispatch(reqs)
         kept: dict[int, list[Kept]] = {}
         aborted = 0
@@ -444,6 +450,9 @@ class Driver:
                 self._engine_died(r)
             if self._mid_round and not complete and self._pending:
                 self._grow_mid_round()
+            if (self.release_when_fits and plan.kind is RoundKind.LONG and not complete
+                    and self._pending):
+                self._release_if_fits()
             if self._stream is not None and not complete:
                 self._pump_stream(in_rollout=True)
         rollout_s = time.perf_counter() - t0
@@ -550,6 +559,86 @@ class Driver:
             else:
                 self.active = sorted(set(self.active) | set(new))
             self._rebalance(new, everything=wide)
+
+    def _release_if_fits(self) -> None:
+        """``releaseWhenFits``: once the long round's unfinished requests fit on the
+        rollout's own engines at the load each engine began the round with (so no engine's
+        batch grows past its start), and the next round is not another long one: the added
+        engines' unfinished requests move to the rollout's engines with their tokens, the
+        added engines are shut down, and the operator is asked to scale the rollout back now
+        (``POST release``) instead of at the step's report."""
+        extras = [r for r in sorted(self.pool) if r not in self.base_replicas]
+        base = [r for r in sorted(self.pool) if r in self.base_replicas]
+        if (not extras or not base or self._joining or self._next_round_long()
+                or len(self._pending) > self._start_load * len(base)):
+            return
+        load = {r: 0 for r in base}
+        for e, _, _ in self._pending.values():
+            if e in load:
+                load[e] += 1
+        batches: dict[int, list[GenRequest]] = {}
+        moved = 0
+        for e in extras:
+            ids = [rid_ for rid_, (x, _, _) in self._pending.items() if x == e]
+            try:
+                taken = self.pool[e].take(ids) if ids else {}
+            except _died_errors():
+                self._engine_died(e)  # its requests go to the live engines as it is
+                continue
+            for rid_ in ids:
+                if rid_ not in taken:
+                    continue
+                _, p, i = self._pending[rid_]
+                dest = min(base, key=lambda r: (load[r], r))
+                load[dest] += 1
+                req = dataclasses.replace(self._requests[rid_], prefix=tuple(taken[rid_]))
+                self._requests[rid_] = req
+                self._pending[rid_] = (dest, p, i)
+                batches.setdefault(dest, []).append(req)
+                moved += 1
+        gone = []
+        for e in extras:
+            if e not in self.pool:
+                continue
+            entry = self._gone_entry(e)
+            self._forget(e, "released")
+            self._died_served.append(entry)
+            gone.append(e)
+        self.active = base
+        for dest, batch in batches.items():
+            try:
+                self.pool[dest].submit(batch)
+            except _died_errors():
+                self._engine_died(dest)
+        t = time.perf_counter() - self._round_t0
+        self._released_mid = [round(t, 3), *gone]
+        told = self.controller.release(self.attempt, self.step)
+        print(f"step {self.step}'s long round fits on the rollout's own replicas"
+              f" ({len(self._pending)} requests unfinished): replica(s) {gone} released"
+              f" {t:.1f}s into the round, {moved} requests moved back with their tokens;"
+              f" the operator {'scales back now' if told else 'scales back at the report'}",
+              flush=True)
+
+    def _next_round_long(self) -> bool:
+        """During a long round: whether the round after it will be long too (its replicas
+        then stay). The round's prompts leave the long queue at its commit and a long round
+        defers nothing, so what follows is what the queue holds beyond them (as
+        ``TailBatchingPlanner.next_round_kind`` will say then)."""
+        cur = self.planner.current_round
+        left = self.planner.long_queue_len - (len(cur.prompts) if cur is not None else 0)
+        p0 = int(self.cfg.spec.prompts_per_step)
+        return left > 0 and (left >= p0 or self.planner.position >= self.planner.num_prompts)
+
+    def _gone_entry(self, r: int) -> dict[str, Any]:
+        """The metrics record's entry of replica r's engine, which leaves mid-step: what it
+        served of the step so far (its own report)."""
+        eng = self.pool[r]
+        info, st = eng.info(), eng.stats()
+        before = self._stats_before.get(r)
+        return {"replica": r, "address": info.address, "hostname": info.hostname,
+                "netns": info.netns, "responses": self._served.get(r, 0),
+                "tokens": st.tokens - (before.tokens if before else 0),
+                "policy_version": info.policy_version, "released": True}
 
     def _rebalance(self, new: Sequence[int], *, everything: bool = False) -> None:
         """Moves unfinished requests from the engines already serving the round to the ones
@@ -711,6 +800,7 @@ class Driver:
         self._served = {}
         self._moved = self._moved_tokens = 0
         self._joined_mid = []
+        self._released_mid = []
         self._died_served = []
         self._stats_before = stats_before = self._engine_stats()
         reward_before = self.scorer.stats
@@ -825,7 +915,7 @@ class Driver:
             "prepare_long_round": asking, "scale_up_lead_s": self.lead_in_use(),
             "deferred_long_round": deferring,
             "joined_mid_round": self._joined_mid, "moved_requests": self._moved,
-            "moved_tokens": self._moved_tokens,
+            "moved_tokens": self._moved_tokens, "released_mid_round": self._released_mid,
             "straggler_rate": next_plan.straggler_rate,
             "straggler": getattr(self.controller, "last_straggler", None),
             "tau": float(self.cfg.spec.group_control.straggler_ratio),

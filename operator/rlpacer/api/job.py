@@ -734,6 +734,19 @@ class LongRoundSpec(APIModel):
             " requests once, at its start."
         ),
     )
+    release_when_fits: bool | None = Field(
+        default=None,
+        description=(
+            "Give a long round's added replicas back as soon as its unfinished requests fit"
+            " on the rollout's own replicas at the load each began the round with (and the"
+            " next round is not another long one): the added engines' unfinished requests"
+            " move there with their tokens, the engines are shut down, and the operator"
+            " scales the rollout back at once, instead of at the step's report (after the"
+            " round's tail, the rewards, the training and the weight sync). An operator"
+            " without this (an older one) scales back at the report. Unset or false: at the"
+            " report."
+        ),
+    )
     tensor_parallel_size: int | None = Field(
         default=None, ge=1, le=64,
         description=(

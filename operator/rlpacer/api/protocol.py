@@ -46,6 +46,10 @@ def steps_path(namespace: str, name: str) -> str:
     return f"/{PROTOCOL_VERSION}/namespaces/{namespace}/rltrainingjobs/{name}/steps"
 
 
+def release_path(namespace: str, name: str) -> str:
+    return f"/{PROTOCOL_VERSION}/namespaces/{namespace}/rltrainingjobs/{name}/release"
+
+
 class WireModel(APIModel):
     """A protocol message: like :class:`APIModel` (camelCase), but a field this version does
     not know is ignored rather than refused (a newer peer's addition)."""
@@ -166,6 +170,17 @@ class StragglerRisk(WireModel):
     group_size: WireInt = Field(ge=1, description="A candidate group size G.")
     probability: WireFloat = Field(
         ge=0, le=1, description="P(the round straggles at this G), from the length prior.")
+
+
+class ReleaseRequest(WireModel):
+    """``POST release``: the driver of a long round under way gives its added rollout
+    replicas back before the step's report (``tailBatching.longRound.releaseWhenFits``:
+    the round's unfinished requests fit on the rollout's own replicas, moved there and the
+    added engines shut down). The operator scales the rollout back to ``rollout.replicas``
+    at once; the step's report then finds nothing to scale down."""
+
+    attempt: WireInt = Field(ge=0, description="The trainer's restart count (RLPACER_ATTEMPT).")
+    step: WireInt = Field(ge=0, description="The step whose long round is under way.")
 
 
 class StepReport(WireModel):

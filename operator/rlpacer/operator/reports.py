@@ -17,7 +17,7 @@ from rlpacer.api._base import decimal, field_range
 from rlpacer.api.crd import schema_violations, status_schema
 from rlpacer.api.job import RLTrainingJobSpec, TailBatchingSpec, algorithm_knob
 from rlpacer.api.policy import RLTrainingPolicy
-from rlpacer.api.protocol import Plan, RoundKind, StepReport
+from rlpacer.api.protocol import Plan, ReleaseRequest, RoundKind, StepReport
 from rlpacer.api.status import (
     ConditionType,
     Reason,
@@ -91,6 +91,34 @@ def current_plan(
         ctl = load_controller(status) or hosting.load(hosting.new_state(spec))
     stop = eviction_grace_left(spec, status, now or utcnow()) > 0
     return _plan(spec, status, ctl.plan(), stop=stop)
+
+
+def accept_release(
+    spec: RLTrainingJobSpec, status: RLTrainingJobStatus, req: ReleaseRequest, now: datetime,
+    ctl: JobController | None = None,
+) -> tuple[RLTrainingJobStatus, Accepted]:
+    """``POST release``: a long round's added replicas given back while it runs (the new
+    status, and the current plan to answer with). Only the current attempt's driver, only
+    for the step under way, and only while that step's round is long; an answer with
+    nothing to release changes nothing (a repeat is harmless). Raises
+    :class:`ReportRejected` otherwise (422: nothing changed)."""
+    if is_terminal(status.conditions):
+        raise ReportRejected("JobFinished", f"the job is {summarize(status.conditions).value}")
+    if req.attempt != status.attempt:
+        raise ReportRejected(
+            "AttemptMismatch",
+            f"attempt {req.attempt} is not the job's current attempt {status.attempt}")
+    if req.step != status.step or status.round_kind != RoundKind.LONG.value:
+        raise ReportRejected(
+            "NotALongRound",
+            f"step {req.step} is not a long round under way (the job's step {status.step} is"
+            f" {status.round_kind or 'unplanned'}): nothing to release")
+    st = status.model_copy(deep=True)
+    rollout, actions, events = scaler.release(st.rollout, spec, req.step, now)
+    st.rollout = rollout
+    record_scale_actions(st, actions)
+    return st, Accepted(plan=current_plan(spec, st, ctl, now), events=events,
+                        new=bool(actions))
 
 
 def accept_report(

@@ -146,6 +146,31 @@ def _plan_round(
     return rollout, [], []
 
 
+def release(
+    rollout: RolloutStatus, spec: RLTrainingJobSpec, step: int, now: datetime,
+) -> tuple[RolloutStatus, list[ScaleAction], list[Event]]:
+    """The driver gave a long round's added replicas back while the round runs (``POST
+    release``): desired back to the short rounds' count now, rather than at the step's
+    report; a pending scale-up ends with it. Nothing when nothing was added."""
+    target, cur = short_replicas(spec), rollout.desired_replicas
+    if cur <= target:
+        return rollout, [], []
+    update: dict[str, Any] = {"desired_replicas": target, "state": RolloutState.READY.value,
+                              "scale_up_started_at": None, "deferred_rounds": None}
+    if rollout.ready_ordinals is not None:  # the cut replicas are going: never usable again
+        kept = sorted(i for i in set(rollout.ready_ordinals) if i < target)
+        update |= {"ready_ordinals": kept,
+                   "ready_replicas": min(rollout.ready_replicas, len(kept))}
+    t = fmt_time(now)
+    action = ScaleAction(time=t, from_replicas=cur, to_replicas=target,
+                         reason="LongRoundReleased", step=step)
+    ev = Event("Normal", "ScaledDown",
+               f"step {step}'s long round fits on the rollout's own replicas: its added"
+               f" replicas released before the step's report, rollout replicas {cur} ->"
+               f" {target}")
+    return rollout.model_copy(update=update), [action], [ev]
+
+
 def observe(
     rollout: RolloutStatus, spec: RLTrainingJobSpec, ready: int, step: int, now: datetime,
     ordinals: Sequence[int] | None = None, long_cap: int | None = None,

@@ -4,7 +4,8 @@
   certificate of ``report_cert_dir``, or one generated at start: ``main.report_cert``; plain
   HTTP only with ``report_insecure_http``):
   ``GET  /v1/namespaces/{ns}/rltrainingjobs/{name}/plan`` and
-  ``POST /v1/namespaces/{ns}/rltrainingjobs/{name}/steps`` (``Authorization: Bearer``).
+  ``POST /v1/namespaces/{ns}/rltrainingjobs/{name}/steps`` (``Authorization: Bearer``), and
+  ``POST .../release`` (a long round's added replicas given back before its report).
   A POST is answered only after the new controller state is persisted in the job's status.
   Errors carry an :class:`~rlpacer.api.protocol.ErrorBody`: 401 bad/missing token (a token is
   valid for its own job only), 404 unknown job, 413 a body over :data:`MAX_REPORT_BYTES`,
@@ -58,6 +59,7 @@ from rlpacer.api.protocol import (
     PLAN_FIELDS_HEADER,
     PROTOCOL_VERSION,
     ErrorBody,
+    ReleaseRequest,
     StepReport,
     plan_for_client,
     unknown_fields,
@@ -379,6 +381,49 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
         return web.json_response(
             plan_for_client(acc.plan, request.headers.get(PLAN_FIELDS_HEADER)))
 
+    async def post_release(request: web.Request) -> web.StreamResponse:
+        rt = await within(authorize(request), jobs.settings.report_write_timeout_seconds,
+                          "return the job")
+        if isinstance(rt, web.Response):
+            return rt
+        if rt.spec is None:
+            return _error(422, "InvalidSpec", rt.spec_error or "invalid spec")
+        try:
+            raw = parse_body(await read_body(request, jobs.settings.report_body_timeout_seconds))
+            req = ReleaseRequest.model_validate(raw)
+        except BadBody as e:
+            return _error(422, "InvalidRelease", str(e))
+        except ValidationError as e:
+            return _error(422, "InvalidRelease", format_validation_error(e))
+        now = utcnow()
+
+        async def persist() -> reports.Accepted:
+            async with rt.lock:
+                return await jobs.commit(rt, lambda spec, st: reports.accept_release(
+                    spec, st, req, now, rt.peek_controller(st.controller_state)))
+
+        try:
+            acc = await within(persist(), jobs.settings.report_write_timeout_seconds,
+                               "confirm the new state")
+        except reports.ReportRejected as e:
+            return _error(422, e.reason, e.message)
+        except reports.StateUnreadable as e:
+            return _state_unreadable(rt, e)
+        except JobGone:
+            jobs.forget(rt.namespace, rt.name)
+            return _error(404, "NotFound", f"rltrainingjob {rt.namespace}/{rt.name} not found")
+        except (ApiError, ConflictLoop, OSError) as e:
+            log.warning("release for %s/%s not persisted: %s", rt.namespace, rt.name, e)
+            return _error(503, "Unavailable", f"state not persisted, retry: {e}")
+        if acc.events:
+            rt.wake.set()  # the reconciler applies the smaller rollout now
+            _spawn(jobs.post_events(rt, acc.events))
+        return web.json_response(
+            plan_for_client(acc.plan, request.headers.get(PLAN_FIELDS_HEADER)))
+
+    async def release_route(request: web.Request) -> web.StreamResponse:
+        return await timed(request, post_release, "release")
+
     async def plan_route(request: web.Request) -> web.StreamResponse:
         return await timed(request, get_plan, "plan")
 
@@ -408,6 +453,7 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
     app = web.Application(middlewares=[unavailable], client_max_size=MAX_REPORT_BYTES)
     app.router.add_get(BASE + "/plan", plan_route)
     app.router.add_post(BASE + "/steps", steps_route)
+    app.router.add_post(BASE + "/release", release_route)
     return app
 
 

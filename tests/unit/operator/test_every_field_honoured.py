@@ -163,6 +163,7 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "tailBatching.longRound.scaleUpLeadSeconds": (90, None),
     "tailBatching.longRound.maxDeferredRounds": (2, None),
     "tailBatching.longRound.joinMidRound": (True, None),
+    "tailBatching.longRound.releaseWhenFits": (True, None),
     # a long round's extra replica: a 4-GPU engine in a StatefulSet of its own, not a 2-GPU one
     "tailBatching.longRound.tensorParallelSize": (4, {
         "rollout": {"gpusPerReplica": 2, "tensorParallelSize": 2},
@@ -422,6 +423,7 @@ def _trainer(spec: Any) -> dict[str, Any]:
             "route_quantile": cfg.route_quantile, "length_dispatch": cfg.length_dispatch,
             "length_context": cfg.length_context, "length_half_life": cfg.length_half_life,
             "stream_training": cfg.stream_training, "join_mid_round": cfg.join_mid_round,
+            "release_when_fits": cfg.release_when_fits,
             "scale_up_lead_s": cfg.scale_up_lead_s,
             "max_deferred_rounds": cfg.max_deferred_rounds,
             "controller": _plain(cfg.controller_config()),

@@ -270,3 +270,42 @@ def test_an_operator_that_does_not_answer_is_retried_within_the_window_not_the_c
     assert unreachable(http.client.RemoteDisconnected("closed"))
     assert not unreachable(socket.gaierror(-2, "Name or service not known"))
     assert not unreachable(ssl.SSLCertVerificationError("bad"))
+
+
+class _Releases(JSONHandler):
+    """``POST release``: a newer operator takes it; an older one (``old``) has no such path."""
+
+    server: Any
+
+    def do_POST(self) -> None:
+        s = self.server
+        body = self.read_json()
+        s.posts.append((self.path, body))
+        if s.old:
+            return self.send_json(404, {"code": 404, "reason": "NotFound", "message": "no"})
+        if body["step"] == 2:
+            return self.send_json(422, {"code": 422, "reason": "NotALongRound",
+                                        "message": "no"})
+        self.send_json(200, {"step": body["step"], "groupSize": 8, "roundKind": "Long",
+                             "rollout": {"desiredReplicas": 1, "readyReplicas": 1,
+                                         "state": "Ready"}})
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_http_release_is_best_effort_and_an_older_operator_is_asked_once(old: bool) -> None:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Releases)
+    srv.posts, srv.old = [], old  # type: ignore[attr-defined]
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        ctl = HTTPController(f"http://127.0.0.1:{srv.server_port}", "team", "job", "tok",
+                             backoff_s=0.01)
+        assert ctl.release(3, 1) is (not old)
+        path, body = srv.posts[0]  # type: ignore[attr-defined]
+        assert path.endswith("/rltrainingjobs/job/release") and body == {"attempt": 3, "step": 1}
+        assert ctl.release(3, 2) is False  # refused (422), or the older operator again
+        # an older operator is asked once: its 404 is remembered
+        assert len(srv.posts) == (1 if old else 2)  # type: ignore[attr-defined]
+    finally:
+        srv.shutdown()
+    assert InProcessController(JobControllerConfig(), total_steps=3).release(0, 1) is False

@@ -485,6 +485,10 @@ class ElasticController(InProcessController):
         self.log.append(("report", report.step, report.round_kind.value))
         return super().report(report)
 
+    def release(self, attempt: int, step: int) -> bool:
+        self.log.append(("release", attempt, step))
+        return True
+
 
 def _elastic(steps: int, *, base: int = 1, long_usable: list[int] | None = None,
              offered: set[int] | None = None, engine_cls: type[LoggedEngine] = LoggedEngine,
@@ -590,19 +594,20 @@ class MidRoundController(ElasticController):
         return plan
 
 
-def test_a_replica_joining_mid_round_takes_running_requests_with_their_tokens(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``joinMidRound``: the long round starts on rollout-0 while its scale-up pends (no
-    wait); replica 1 becomes usable during it, its engine starts in the background, gets the
-    learner's weights and takes a share of the round's unfinished requests, each with the
-    tokens rollout-0 had generated, and finishes them: every moved response is the one the
-    request would have given (the scripted engine checks the prefix is its own), and each
-    (prompt, index) is answered once; the step's record counts the moves."""
+def _mid_round_run(monkeypatch: pytest.MonkeyPatch, *, wide: bool) -> tuple[
+        Any, LoggedEngine, list[LoggedEngine], list[tuple[object, ...]]]:
+    """A 6-step run with ``joinMidRound`` (``wide``: and a wide long-round engine) whose long
+    round's replica 1 becomes usable during the round (:class:`MidRoundController`); every
+    engine step takes 2 ms. Returns the driver, rollout-0's engine, the engines started for
+    replica 1, and the log."""
     from rlpacer_trainer import driver as driver_mod
 
     monkeypatch.setattr(driver_mod, "MID_ROUND_POLL_S", 0.0)
     cfg = _cfg(steps=6)
-    cfg.job.spec.tail_batching.long_round.join_mid_round = True
+    lr = cfg.job.spec.tail_batching.long_round
+    lr.join_mid_round = True
+    if wide:
+        lr.tensor_parallel_size, lr.rollout_replicas = 1, 2
     log: list[tuple[object, ...]] = []
     made: list[LoggedEngine] = []
 
@@ -619,6 +624,18 @@ def test_a_replica_joining_mid_round_takes_running_requests_with_their_tokens(
                                offered_replicas=lambda: {0, 1})
     drv.join_wait_s = 0.0
     drv.run()
+    return drv, base, made, log
+
+
+def test_a_replica_joining_mid_round_takes_running_requests_with_their_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``joinMidRound``: the long round starts on rollout-0 while its scale-up pends (no
+    wait); replica 1 becomes usable during it, its engine starts in the background, gets the
+    learner's weights and takes a share of the round's unfinished requests, each with the
+    tokens rollout-0 had generated, and finishes them: every moved response is the one the
+    request would have given (the scripted engine checks the prefix is its own), and each
+    (prompt, index) is answered once; the step's record counts the moves."""
+    drv, base, made, _ = _mid_round_run(monkeypatch, wide=False)
     longs = [r for r in drv.records if r["round_kind"] == "Long"]
     assert longs and made
     moved = [r for r in longs if r["moved_requests"] > 0]
@@ -1009,28 +1026,7 @@ def test_a_wide_engine_joining_mid_round_takes_the_whole_long_round(
     """``joinMidRound`` with wide long-round engines: the long round starts on rollout-0's
     engine (no wide engine is up yet), and when the wide one joins it takes every
     unfinished request with its tokens; rollout-0's engine gets nothing more of it."""
-    from rlpacer_trainer import driver as driver_mod
-
-    monkeypatch.setattr(driver_mod, "MID_ROUND_POLL_S", 0.0)
-    cfg = _cfg(steps=6)
-    lr = cfg.job.spec.tail_batching.long_round
-    lr.join_mid_round, lr.tensor_parallel_size, lr.rollout_replicas = True, 1, 2
-    log: list[tuple[object, ...]] = []
-    made: list[LoggedEngine] = []
-
-    def factory(r: int) -> LoggedEngine:
-        e = LoggedEngine(r, log)
-        e.step_s = 0.002
-        made.append(e)
-        return e
-
-    base = LoggedEngine(0, log)
-    base.step_s = 0.002
-    ctl = MidRoundController(cfg, log, short=[0], long_usable=[0, 1])
-    drv = runtime.build_driver(cfg, [base], controller=ctl, engine_factory=factory,
-                               offered_replicas=lambda: {0, 1})
-    drv.join_wait_s = 0.0
-    drv.run()
+    drv, base, made, log = _mid_round_run(monkeypatch, wide=True)
     moved = [r for r in drv.records if r["moved_requests"] > 0]
     assert moved and made
     for r in moved:
@@ -1044,3 +1040,33 @@ def test_a_wide_engine_joining_mid_round_takes_the_whole_long_round(
     report = log.index(("report", moved[0]["step"], "Long"))
     assert first_move < report
     assert not any(x[:2] == ("submit", 0) for x in log[first_move:report])
+
+
+def test_a_long_round_gives_its_added_replica_back_once_the_rest_fits() -> None:
+    """``releaseWhenFits``: a long round on rollout-0 and an added replica 1; once its
+    unfinished requests fit on rollout-0 at the load it began the round with, replica 1's go
+    there with their tokens, its engine is shut down with nothing in flight, and the operator
+    is asked to scale back (``release``) before the round ends, well before the step's
+    report; every response is answered once (the released engine's share in the record)."""
+    drv, log, made = _elastic(6, long_usable=[0, 1])
+    drv.cfg.job.spec.tail_batching.long_round.release_when_fits = True
+    drv.release_when_fits = drv.cfg.release_when_fits
+    drv.run()
+    longs = [r for r in drv.records if r["round_kind"] == "Long"]
+    assert longs and made
+    for r in longs:
+        t, *gone = r["released_mid_round"]
+        assert gone == [1] and 0 < t <= r["seconds_rollout"], r["released_mid_round"]
+        by = {e["replica"]: e for e in r["engines"]}
+        assert by[1].get("released") and by[1]["responses"] > 0, r["engines"]
+        assert by[0]["responses"] + by[1]["responses"] == r["kept"], r["engines"]
+        i_release = log.index(("release", 0, r["step"]))
+        i_report = log.index(("report", r["step"], "Long"))
+        assert i_release < i_report
+        # the engine went before the release was asked, with nothing in flight
+        shut = [i for i, x in enumerate(log) if x[:2] == ("shutdown", 1) and i < i_release]
+        assert shut and all(log[i][2] == 0 for i in shut)
+        # after the release, only rollout-0 got requests in that round
+        assert not any(x[:2] == ("submit", 1) for x in log[i_release:i_report])
+    moved_back = [rid for e in made for rid in e.taken]
+    assert moved_back  # some were unfinished there and went on with their tokens
