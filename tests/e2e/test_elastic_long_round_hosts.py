@@ -283,3 +283,30 @@ def test_a_replica_joining_mid_round_takes_unfinished_requests_with_their_tokens
     for r in recs:
         if r["round_kind"] == "Short":
             assert r["moved_requests"] == 0 and [e["replica"] for e in r["engines"]] == [0]
+
+
+def test_a_long_round_gives_its_added_replica_back_before_its_report(tmp_path: Path) -> None:
+    """``tailBatching.longRound.releaseWhenFits``: the long round runs on rollout-0 and
+    rollout-1; once its unfinished requests fit on rollout-0 at the load it began with,
+    rollout-1's go there with their tokens, its engine is shut down, and the driver asks the
+    played operator to scale back (``POST release``) before the round's end: the operator
+    scales down then (its ``scale-down``, and the pod deleted, before the step's report).
+    Every engine step is made 0.4 s longer (the testing setting) so there is a tail to act
+    in. Every response of the round is answered once."""
+    run = run_long_round(tmp_path, "release", steps=STEPS, prompts=8, step_sleep_s=0.4)
+    recs, log = run.records, run.driver_log
+    (long,) = [r for r in recs if r["round_kind"] == "Long"]
+    print(json.dumps({k: long[k] for k in ("step", "replicas", "released_mid_round",
+                                           "seconds_rollout", "engines", "kept")}, indent=1))
+    t, *gone = long["released_mid_round"]
+    assert gone == [1] and 0 < t < long["seconds_rollout"], long["released_mid_round"]
+    by = {e["replica"]: e for e in long["engines"]}
+    assert by[1].get("released") and by[1]["hostname"] == "rollout-1", by
+    assert by[1]["responses"] > 0 and by[0]["responses"] > 0, by
+    assert by[0]["responses"] + by[1]["responses"] == long["kept"], long
+    assert "the operator scales back now" in log, log[-2000:]
+    requests = [json.loads(x) for x in
+                (tmp_path / "state" / "requests.log").read_text().splitlines()]
+    i_release = next(i for i, x in enumerate(requests) if x.get("release") == long["step"])
+    i_report = next(i for i, x in enumerate(requests) if x.get("report") == long["step"])
+    assert i_release < i_report, requests[i_release - 2:i_report + 2]

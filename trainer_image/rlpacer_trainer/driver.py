@@ -559,6 +559,8 @@ class Driver:
             else:
                 self.active = sorted(set(self.active) | set(new))
             self._rebalance(new, everything=wide)
+            # the load an engine holds from here: what releaseWhenFits measures the rest by
+            self._start_load = -(-len(self._pending) // max(1, len(self.active)))
 
     def _release_if_fits(self) -> None:
         """``releaseWhenFits``: once the long round's unfinished requests fit on the
@@ -567,6 +569,8 @@ class Driver:
         engines' unfinished requests move to the rollout's engines with their tokens, the
         added engines are shut down, and the operator is asked to scale the rollout back now
         (``POST release``) instead of at the step's report."""
+        if self.wide_long_rounds:
+            return  # a wide engine is there for the round's tail: it stays to its end
         extras = [r for r in sorted(self.pool) if r not in self.base_replicas]
         base = [r for r in sorted(self.pool) if r in self.base_replicas]
         if (not extras or not base or self._joining or self._next_round_long()

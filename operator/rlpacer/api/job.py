@@ -743,8 +743,9 @@ class LongRoundSpec(APIModel):
             " move there with their tokens, the engines are shut down, and the operator"
             " scales the rollout back at once, instead of at the step's report (after the"
             " round's tail, the rewards, the training and the weight sync). An operator"
-            " without this (an older one) scales back at the report. Unset or false: at the"
-            " report."
+            " without this (an older one) scales back at the report. Not with"
+            " tensorParallelSize (wide engines are there for the round's tail). Unset or"
+            " false: at the report."
         ),
     )
     tensor_parallel_size: int | None = Field(

@@ -18,7 +18,8 @@ only rollout-2's pod, rollout-1 stays pending, then writes ``rollout-2-ready``);
 says TimedOut with 3 replicas desired and ``usableReplicas`` [0, 2], as the operator does when
 a higher ordinal is ready and a lower one pending (scaling back to 2 would remove the ready
 ordinal 2, since a StatefulSet removes its highest ordinal first).
-``requests.log`` lists what it answered.
+``POST release`` (``releaseWhenFits``) during a long round writes ``scale-down`` then, as the
+operator's scaler scales back at once. ``requests.log`` lists what it answered.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from rlpacer.api.protocol import (
     PLAN_FIELDS_HEADER,
     Plan,
+    ReleaseRequest,
     RolloutCapacity,
     RolloutState,
     RoundKind,
@@ -94,6 +96,14 @@ class Elastic:
             (self.state / "scale-down").write_text(str(r.step))
         return self.current()
 
+    def release(self, step: int) -> Plan:
+        """``POST release``: the long round's added replica given back before its report,
+        as the operator's scaler does (``scale-down`` now, ``released`` in it)."""
+        if self.long:
+            self.long = False
+            (self.state / "scale-down").write_text(f"{step} released")
+        return self.current()
+
 
 def main() -> None:
     job, address, port, state = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
@@ -118,7 +128,12 @@ def main() -> None:
 
         def do_POST(self) -> None:
             n = int(self.headers.get("Content-Length") or 0)
-            report = StepReport.model_validate(json.loads(self.rfile.read(n)))
+            raw = json.loads(self.rfile.read(n))
+            if self.path.endswith("/release"):
+                req = ReleaseRequest.model_validate(raw)
+                log.write(json.dumps({"t": time.time(), "release": req.step}) + "\n")
+                return self._answer(elastic.release(req.step))
+            report = StepReport.model_validate(raw)
             log.write(json.dumps({"t": time.time(), "report": report.step,
                                   "kind": report.round_kind.value}) + "\n")
             self._answer(elastic.report(report))

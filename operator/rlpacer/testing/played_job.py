@@ -53,7 +53,7 @@ PODS: dict[str, contract.Role] = {
 def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: int = 4,
                    max_tokens: int | None = None, lead_s: int = 0,
                    one_deferred: bool | None = None, wide: bool = False,
-                   mid_round: bool = False) -> None:
+                   mid_round: bool = False, release: bool = False) -> None:
     """The tiny example job: ``prompts`` per step and twice as many raced for their places
     (the slowest half deferred), so step 1 is a long round on ``longRound.rolloutReplicas``
     = 2. ``lead_s`` > 0 (early scale-up, ``scaleUpLeadSeconds``) or ``one_deferred``: one
@@ -62,7 +62,8 @@ def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: in
     replica then. ``wide``: the long round's replica is a wide engine of its own
     (``longRound.tensorParallelSize`` 1, as on a CPU), which runs the long round alone.
     ``mid_round``: ``longRound.joinMidRound`` (the long round starts at once; rollout-1's
-    engine joins during it and takes a share of its unfinished requests)."""
+    engine joins during it and takes a share of its unfinished requests). ``release``:
+    ``longRound.releaseWhenFits``."""
     if one_deferred is None:
         one_deferred = lead_s > 0
     doc = yaml.safe_load((repo_root() / EXAMPLE).read_text())
@@ -78,6 +79,8 @@ def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: in
         spec["tailBatching"]["longRound"]["tensorParallelSize"] = 1
     if mid_round:
         spec["tailBatching"]["longRound"]["joinMidRound"] = True
+    if release:
+        spec["tailBatching"]["longRound"]["releaseWhenFits"] = True
     spec["tailBatching"]["activation"] = "Always"  # race every short round (step 1 long)
     spec["algorithm"]["dynamicSampling"] = False
     spec["steps"] = steps
@@ -271,21 +274,23 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
     rollout-2 and times out (usable [0, 2]); ``wide``: as ``elastic``, rollout-1 a wide
     long-round engine (``longRound.tensorParallelSize``), the long round routed to it alone;
     ``midround``: as ``elastic`` with ``longRound.joinMidRound`` (the long round does not wait
-    for rollout-1: its engine joins during the round).
+    for rollout-1: its engine joins during the round); ``release``: as ``elastic`` with
+    ``longRound.releaseWhenFits`` (rollout-1 given back before the step's report).
     ``lead_s`` (``elastic`` or ``early``): that
     lead on the early mode's schedule (one prompt deferred a round), e.g. 0 for the same
     schedule without the early scale-up. ``step_sleep_s``: every engine step made that much
     longer (the testing setting ``RLPACER_TEST_ENGINE_STEP_SLEEP_S``: rounds as long against
     an engine's start as on GPUs)."""
-    if mode not in ("elastic", "early", "single", "timeout-gap", "wide", "midround"):
-        raise ValueError(f"mode {mode!r}: expected elastic, early, single, timeout-gap, wide"
-                         " or midround")
+    if mode not in ("elastic", "early", "single", "timeout-gap", "wide", "midround", "release"):
+        raise ValueError(f"mode {mode!r}: expected elastic, early, single, timeout-gap, wide,"
+                         " midround or release")
     tmp.mkdir(parents=True, exist_ok=True)
     lead = lead_s if lead_s is not None else (60 if mode == "early" else 0)
     write_manifest(tmp / "job.yaml", steps=steps, prompts=prompts, max_tokens=max_tokens,
                    lead_s=lead, one_deferred=mode == "early" or lead_s is not None,
-                   wide=mode == "wide", mid_round=mode == "midround")
-    if mode in ("wide", "midround"):
+                   wide=mode == "wide", mid_round=mode == "midround",
+                   release=mode == "release")
+    if mode in ("wide", "midround", "release"):
         mode = "elastic"  # the same pods and operator; the job routes its rounds
     with PlayedJob(tmp) as job:
         if step_sleep_s:
