@@ -609,6 +609,9 @@ class Driver:
             self._died_served.append(entry)
             gone.append(e)
         self.active = base
+        # no engine joins this round again (an operator that did not take the release
+        # still names the replicas usable)
+        self._mid_round = False
         for dest, batch in batches.items():
             try:
                 self.pool[dest].submit(batch)
