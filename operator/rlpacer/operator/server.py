@@ -412,6 +412,8 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
         except JobGone:
             jobs.forget(rt.namespace, rt.name)
             return _error(404, "NotFound", f"rltrainingjob {rt.namespace}/{rt.name} not found")
+        except ManifestError as e:  # the spec turned invalid since the check above
+            return _error(422, "InvalidSpec", str(e))
         except (ApiError, ConflictLoop, OSError) as e:
             log.warning("release for %s/%s not persisted: %s", rt.namespace, rt.name, e)
             return _error(503, "Unavailable", f"state not persisted, retry: {e}")
