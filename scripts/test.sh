@@ -24,10 +24,11 @@ fi
 # The whole suite, in two pytest processes side by side (each with its own control plane): the
 # integration tier spends most of its time waiting on its control plane and the operator (the
 # CPU ~75% idle while it runs alone on 2 cores), so it runs beside lint and the other tiers,
-# and takes one e2e module with it (test_trainer_vllm: one engine on one core, seeded, no
-# timing asserted) so that both end at about the same time. The side's output is printed
+# and takes two e2e modules with it (test_trainer_vllm: one engine on one core, seeded, no
+# timing asserted; test_dev_cluster: its own control plane and played hosts, mostly waiting)
+# so that both end at about the same time. The side's output is printed
 # when it ends (and can be followed live in the file named below).
-SIDE=(tests/integration tests/e2e/test_trainer_vllm.py)
+SIDE=(tests/integration tests/e2e/test_trainer_vllm.py tests/e2e/test_dev_cluster.py)
 suite0=$(date +%s)
 SLOG="$(mktemp -t rlpacer-side-XXXXXX.log)"
 echo "==> pytest ${SIDE[*]} (beside the rest; its log: $SLOG)"

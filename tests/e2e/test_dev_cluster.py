@@ -80,17 +80,33 @@ def test_up_apply_watch_down(tmp_path: Path) -> None:
                                                / "tiny-cluster-policy.yaml"))
         assert r.returncode == 0, r.stderr
         job = yaml.safe_load((repo_root() / "examples" / "tiny-cluster.yaml").read_text())
-        job["spec"]["steps"] = 2  # short: the point is that it trains, played for real
+        # short (the point is that it trains, played for real), with one long round of two
+        # steps' prompts (tailBatching.longRound.prompts 16 at promptsPerStep 8: 4 deferred
+        # a short round, so step 4 is long) on the rollout's own replica, every group
+        # trained (no dynamic sampling: the report's counts are the round's 16 x G, past
+        # what a step of 8 prompts could report, which the operator must take)
+        spec = job["spec"]
+        spec["steps"] = 5
+        spec["algorithm"]["dynamicSampling"] = False
+        spec["tailBatching"]["longRound"] = {"rolloutReplicas": 1, "prompts": 16}
         r = kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(job))
         assert r.returncode == 0, r.stderr
         status = _finished(kubectl)
         log = (d / "supervisor.log").read_text(errors="replace")
         assert status.get("summary") == "Succeeded", f"{status}\n{log[-3000:]}"
-        assert status.get("step") == 2
+        assert status.get("step") == 5 and status.get("longRounds") == 1, status
         # the driver pod was played on a host of its own and trained
         pods = d / "pods" / NS / "pods"
         driver_log = (pods / "tiny-cluster-driver-0" / "log.txt").read_text()
-        assert "done: 2 steps" in driver_log, driver_log[-2000:]
+        assert "done: 5 steps" in driver_log, driver_log[-2000:]
+        recs = [json.loads(x) for x in (pods / "tiny-cluster-driver-0" / "volumes"
+                                        / "checkpoints" / "metrics-attempt0.jsonl"
+                                        ).read_text().splitlines()]
+        assert [r["round_kind"] for r in recs] == ["Short"] * 4 + ["Long"], recs
+        long, short = recs[4], recs[0]
+        assert len(long["prompts"]) == 16 and long["kept"] == 16 * long["group_size"], long
+        # two steps' prompts, two steps' optimizer updates
+        assert long["learner_updates"] == 2 * short["learner_updates"] > 0, long
         for role in ("head", "learner", "rollout"):
             assert (pods / f"tiny-cluster-{role}-0" / "log.txt").exists(), role
         r = kubectl("get", "rltj", "-n", NS)

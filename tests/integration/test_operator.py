@@ -310,6 +310,9 @@ def test_invalid_manifests_are_rejected_with_field_messages(
         "spec.tailBatching.longRound.tensorParallelSize ": {
             "rollout": {"gpusPerReplica": 0},
             "tailBatching": {"longRound": {"rolloutReplicas": 2, "tensorParallelSize": 2}}},
+        # a long round runs at least a step's prompts (promptsPerStep 8)
+        "spec.tailBatching.longRound.prompts": {
+            "tailBatching": {"longRound": {"rolloutReplicas": 3, "prompts": 4}}},
         "spec.algorithm.name": {"algorithm": {"name": "PPO"}},
         "spec.algorithm.learningRate": {"algorithm": {"learningRate": 0.001}},
         "spec.algorithm.clipRatioHigh": {"algorithm": {"name": "DAPO", "clipRatioHigh": "0"}},

@@ -280,6 +280,8 @@ class RunConfig:
             activation=str(tb.activation.value).lower(),  # Adaptive|Always -> the planner's
             straggler_ratio=decimal(self.spec.group_control.straggler_ratio),
             min_yield_ratio=decimal(tb.long_round.min_yield_ratio),
+            long_round_prompts=(int(tb.long_round.prompts)
+                                if tb.long_round.prompts is not None else None),
         )
 
     @property

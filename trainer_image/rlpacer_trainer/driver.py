@@ -633,8 +633,8 @@ class Driver:
         ``TailBatchingPlanner.next_round_kind`` will say then)."""
         cur = self.planner.current_round
         left = self.planner.long_queue_len - (len(cur.prompts) if cur is not None else 0)
-        p0 = int(self.cfg.spec.prompts_per_step)
-        return left > 0 and (left >= p0 or self.planner.position >= self.planner.num_prompts)
+        return left > 0 and (left >= self.planner.config.long_prompts
+                             or self.planner.position >= self.planner.num_prompts)
 
     def _gone_entry(self, r: int) -> dict[str, Any]:
         """The metrics record's entry of replica r's engine, which leaves mid-step: what it
@@ -784,6 +784,20 @@ class Driver:
         return sum(len(v) for v in by_engine.values())
 
     # --- one step -----------------------------------------------------------------------------
+    def long_round_mini_batches(self, kind: RoundKind) -> int | None:
+        """The optimizer steps of the update after a round of ``kind`` that starts now: a long
+        round of more than promptsPerStep prompts (``tailBatching.longRound.prompts``) trains
+        in as many as its prompts would take in steps of promptsPerStep, ceil(prompts / P0)
+        x the learner's mini-batches, so a prompt gets as many updates whichever round it
+        runs in. None (the learner's own count) for every other round."""
+        if kind is not RoundKind.LONG:
+            return None
+        prompts = min(self.planner.config.long_prompts, self.planner.long_queue_len)
+        steps = math.ceil(prompts / int(self.cfg.spec.prompts_per_step))
+        if steps <= 1:
+            return None
+        return steps * int(self.cfg.learner_config().mini_batches)
+
     def run_step(self, plan: Plan) -> dict[str, Any]:
         g = plan.group_size
         p0 = int(self.cfg.spec.prompts_per_step)
@@ -812,7 +826,8 @@ class Driver:
         self._stats_before = stats_before = self._engine_stats()
         reward_before = self.scorer.stats
         self._stream = None
-        if self.cfg.stream_training and self.learner.stream_begin():
+        mini_batches = self.long_round_mini_batches(kind)
+        if self.cfg.stream_training and self.learner.stream_begin(mini_batches):
             self._stream = StepStream(
                 batch_tokens=int(self.cfg.learner_config().micro_batch_tokens))
         while True:
@@ -879,9 +894,9 @@ class Driver:
         t0 = time.perf_counter()
         stream, self._stream = self._stream, None
         if stream is not None:
-            stats = self.learner.stream_finish(samples)
+            stats = self.learner.stream_finish(samples, mini_batches)
         else:
-            stats = self.learner.train_step(samples)
+            stats = self.learner.train_step(samples, mini_batches)
         train_s = time.perf_counter() - t0
         sync_s = self.sync_weights()
         summary = length_summary(lengths, aborted)

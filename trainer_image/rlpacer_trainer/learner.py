@@ -184,9 +184,11 @@ class Learner:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
 
-    def train_step(self, samples: Sequence[Sample], shard: Shard | None = None
-                   ) -> dict[str, float]:
-        """One policy update on ``samples`` (split into ``mini_batches`` optimizer steps).
+    def train_step(self, samples: Sequence[Sample], shard: Shard | None = None,
+                   mini_batches: int | None = None) -> dict[str, float]:
+        """One policy update on ``samples`` (split into ``mini_batches`` optimizer steps:
+        the argument when given, e.g. a long round that trains several steps' prompts at
+        once, else ``cfg.mini_batches``).
 
         The behaviour log-probabilities are the learner's own, taken before the first
         optimizer step: the first mini-batch's are its forward pass's, detached (exactly
@@ -209,12 +211,12 @@ class Learner:
         """
         n = shard.total if shard is not None else len(samples)
         if n == 0:
-            return {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "samples": 0.0}
+            return {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "samples": 0.0, "updates": 0.0}
         positions = list(shard.positions) if shard is not None else list(range(len(samples)))
         if len(positions) != len(samples):
             raise ValueError(f"shard has {len(positions)} positions for {len(samples)} samples")
         self.model.train()
-        return self._train_step(samples, shard, n, positions)
+        return self._train_step(samples, shard, n, positions, self._k(mini_batches))
 
     def _autocast(self) -> Any:
         import contextlib
@@ -278,12 +280,20 @@ class Learner:
                                  pos[sel, :w].to(dev), tgt[sel, : w - 1].to(dev),
                                  self.cfg.temperature).float().cpu()
 
+    def _k(self, mini_batches: int | None) -> int:
+        """The optimizer steps asked of one update (at least 1; more than its samples are
+        not taken)."""
+        if mini_batches is None:
+            return max(1, int(self.cfg.mini_batches))
+        if isinstance(mini_batches, bool) or not isinstance(mini_batches, int):
+            raise TypeError(f"mini_batches must be an int, got {mini_batches!r}")
+        return max(1, mini_batches)
+
     def _train_step(self, samples: Sequence[Sample], shard: Shard | None, n: int,
-                    positions: list[int]) -> dict[str, float]:
-        cfg = self.cfg
+                    positions: list[int], asked: int) -> dict[str, float]:
         packed = old = ref = adv = None
         lengths: list[int] = []
-        k = max(1, min(cfg.mini_batches, n))
+        k = max(1, min(asked, n))
         # a fixed (not random) split keeps the update deterministic for resume tests
         chunks = [[i for i, g in enumerate(positions) if g % k == j] for j in range(k)]
         if samples:
@@ -308,7 +318,7 @@ class Learner:
             sums = self._passes(j, idx, packed, lengths, old, ref, adv, denom, shard)
             self._update(n, shard)
             self._add_stats(stats, sums, k)
-        stats["samples"] = float(n)
+        stats.update(samples=float(n), updates=float(k))
         return stats
 
     def _denominator(self, idx: list[int], packed: Any, shard: Shard | None) -> torch.Tensor:
@@ -383,7 +393,7 @@ class Learner:
         stats["micro_batches"] += passes
 
     # --- a step streamed in as its groups finish ----------------------------------------------
-    def stream_begin(self) -> bool:
+    def stream_begin(self, mini_batches: int | None = None) -> bool:
         """Starts a step whose samples come in parts (:meth:`stream_add`) while the rollout
         runs; :meth:`stream_finish` completes it with the same update :meth:`train_step` takes
         on the whole batch (up to float summation order). Sharded (FSDP) ranks make every
@@ -391,7 +401,7 @@ class Learner:
         self._stream = None
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
-        self._stream = _Stream(k=max(1, self.cfg.mini_batches))
+        self._stream = _Stream(k=self._k(mini_batches))
         return True
 
     def stream_add(self, samples: Sequence[Sample], positions: Sequence[int]) -> None:
@@ -455,8 +465,8 @@ class Learner:
         st.passes += int(sums[4])
         st.busy_s += time.perf_counter() - t0
 
-    def stream_finish(self, samples: Sequence[Sample], shard: Shard | None = None
-                      ) -> dict[str, float]:
+    def stream_finish(self, samples: Sequence[Sample], shard: Shard | None = None,
+                      mini_batches: int | None = None) -> dict[str, float]:
         """Completes the streamed step on the whole batch ``samples`` (this rank's, with
         ``shard``), which must be what was streamed, position for position; anything else
         (a sample missing or different, a batch smaller than the mini-batches, no stream) takes
@@ -466,7 +476,8 @@ class Learner:
         st, self._stream = self._stream, None
         n = shard.total if shard is not None else len(samples)
         positions = list(shard.positions) if shard is not None else list(range(len(samples)))
-        k = max(1, min(self.cfg.mini_batches, n))
+        asked = self._k(mini_batches)
+        k = max(1, min(asked, n))
         why = None
         if st is None:
             why = "no step was streamed"
@@ -483,7 +494,7 @@ class Learner:
                 why = "another rank's stream was refused"
         if why is not None:
             self.opt.zero_grad(set_to_none=True)
-            stats = self.train_step(samples, shard)
+            stats = self.train_step(samples, shard, asked)
             stats.update(streamed=0.0, stream_s=0.0)
             if st is not None and n > 0:
                 stats["stream_refused"] = 1.0
@@ -523,7 +534,8 @@ class Learner:
             sums = self._passes(j, chunks[j], packed, lengths, old, ref, adv, denom, shard)
             self._update(n, shard)
             self._add_stats(stats, sums, k)
-        stats.update(samples=float(n), streamed=float(len(st.samples)), stream_s=st.busy_s)
+        stats.update(samples=float(n), updates=float(k), streamed=float(len(st.samples)),
+                     stream_s=st.busy_s)
         return stats
 
     def _no_grad_logprobs(self, model: Any, idx: list[int], packed: Any, lengths: list[int],

@@ -137,22 +137,24 @@ class LearnerWorker:
 
     # --- training ---------------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample], positions: Sequence[int] | None = None,
-                   total: int | None = None) -> dict[str, float]:
-        return self._step(self.learner.train_step, samples, positions, total)
+                   total: int | None = None, mini_batches: int | None = None
+                   ) -> dict[str, float]:
+        return self._step(self.learner.train_step, samples, positions, total, mini_batches)
 
     # --- a step streamed in as its groups finish (Learner.stream_add) ------------------------
-    def stream_begin(self) -> bool:
-        return self.learner.stream_begin()
+    def stream_begin(self, mini_batches: int | None = None) -> bool:
+        return self.learner.stream_begin(mini_batches)
 
     def stream_add(self, samples: Sequence[Sample], positions: Sequence[int]) -> None:
         self.learner.stream_add(samples, positions)
 
     def stream_finish(self, samples: Sequence[Sample], positions: Sequence[int] | None = None,
-                      total: int | None = None) -> dict[str, float]:
-        return self._step(self.learner.stream_finish, samples, positions, total)
+                      total: int | None = None, mini_batches: int | None = None
+                      ) -> dict[str, float]:
+        return self._step(self.learner.stream_finish, samples, positions, total, mini_batches)
 
     def _step(self, take: Any, samples: Sequence[Sample], positions: Sequence[int] | None,
-              total: int | None) -> dict[str, float]:
+              total: int | None, mini_batches: int | None) -> dict[str, float]:
         """One update (``take``: the learner's whole or streamed step) on this rank's part."""
         from rlpacer_trainer.podlog import pod_log
 
@@ -160,7 +162,7 @@ class LearnerWorker:
         if self._group:
             assert positions is not None and total is not None
             shard = Shard(list(positions), total)
-        stats: dict[str, float] = take(samples, shard)
+        stats: dict[str, float] = take(samples, shard, mini_batches)
         self._updates += 1
         streamed = (f", {int(stats['streamed'])} streamed in {stats.get('stream_s', 0.0):.2f} s"
                     if "streamed" in stats else "")
@@ -365,10 +367,11 @@ class InProcessLearners:
     def model(self) -> Any:
         return self.worker.learner.model
 
-    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        return self.worker.train_step(samples)
+    def train_step(self, samples: Sequence[Sample], mini_batches: int | None = None
+                   ) -> dict[str, float]:
+        return self.worker.train_step(samples, mini_batches=mini_batches)
 
-    def stream_begin(self) -> bool:
+    def stream_begin(self, mini_batches: int | None = None) -> bool:
         """A streamed step (:meth:`Learner.stream_add`): its parts are trained on one
         background thread, in the order given, while the driver's rollout goes on."""
         from concurrent.futures import ThreadPoolExecutor
@@ -376,18 +379,19 @@ class InProcessLearners:
         if self._streamer is None:
             self._streamer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
         self._streamed = []
-        return self.worker.stream_begin()
+        return self.worker.stream_begin(mini_batches)
 
     def stream_add(self, samples: Sequence[Sample], positions: Sequence[int]) -> None:
         assert self._streamer is not None, "stream_begin first"
         self._streamed.append(self._streamer.submit(self.worker.stream_add, list(samples),
                                                     list(positions)))
 
-    def stream_finish(self, samples: Sequence[Sample]) -> dict[str, float]:
+    def stream_finish(self, samples: Sequence[Sample], mini_batches: int | None = None
+                      ) -> dict[str, float]:
         for fut in self._streamed:
             fut.result()  # in order; an error in a streamed part is raised here
         self._streamed = []
-        return self.worker.stream_finish(samples)
+        return self.worker.stream_finish(samples, mini_batches=mini_batches)
 
     def publish(self) -> tuple[Any, str | None]:
         return self.worker.publish()
@@ -456,24 +460,28 @@ class RayLearners:
         """Wait until every learner is up (its model loaded, the process group joined)."""
         self._ray.get(self.ready_refs())
 
-    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        return self._update("train_step", samples)
+    def train_step(self, samples: Sequence[Sample], mini_batches: int | None = None
+                   ) -> dict[str, float]:
+        return self._update("train_step", samples, mini_batches)
 
-    def _update(self, method: str, samples: Sequence[Sample]) -> dict[str, float]:
+    def _update(self, method: str, samples: Sequence[Sample], mini_batches: int | None
+                ) -> dict[str, float]:
         """``method`` (the ranks' whole or streamed step) on each rank's shard of the batch."""
         n = len(samples)
         refs = []
         for actor, pos in zip(self.actors, shard_positions(n, self.replicas), strict=True):
             if self.replicas == 1:
-                refs.append(getattr(actor, method).remote(list(samples)))
+                refs.append(getattr(actor, method).remote(list(samples),
+                                                          mini_batches=mini_batches))
             else:
-                refs.append(getattr(actor, method).remote([samples[i] for i in pos], pos, n))
+                refs.append(getattr(actor, method).remote([samples[i] for i in pos], pos, n,
+                                                          mini_batches=mini_batches))
         return self._combine(cast("list[dict[str, float]]", self._ray.get(refs)))
 
-    def stream_begin(self) -> bool:
+    def stream_begin(self, mini_batches: int | None = None) -> bool:
         """A streamed step (:meth:`Learner.stream_add`) on every rank."""
         self._stream_refs: list[Any] = []
-        return all(self._all("stream_begin"))
+        return all(self._all("stream_begin", mini_batches))
 
     def stream_add(self, samples: Sequence[Sample], positions: Sequence[int]) -> None:
         """Samples at their batch positions, each to the rank :func:`shard_positions` gives
@@ -488,11 +496,12 @@ class RayLearners:
             self._stream_refs.append(actor.stream_add.remote(
                 [samples[k] for k in mine], [positions[k] for k in mine]))
 
-    def stream_finish(self, samples: Sequence[Sample]) -> dict[str, float]:
+    def stream_finish(self, samples: Sequence[Sample], mini_batches: int | None = None
+                      ) -> dict[str, float]:
         """The streamed step completed on the whole batch (as :meth:`train_step`)."""
         self._ray.get(getattr(self, "_stream_refs", []))  # an error in a part is raised here
         self._stream_refs = []
-        return self._update("stream_finish", samples)
+        return self._update("stream_finish", samples, mini_batches)
 
     @staticmethod
     def _combine(stats: list[dict[str, float]]) -> dict[str, float]:

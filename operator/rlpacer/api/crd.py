@@ -156,6 +156,14 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "tailBatching.longRound.tensorParallelSize",
         ),
         _rule(
+            "!has(self.tailBatching) || !has(self.tailBatching.longRound)"
+            " || !has(self.tailBatching.longRound.prompts)"
+            " || self.tailBatching.longRound.prompts >= self.promptsPerStep",
+            "tailBatching.longRound.prompts must be >= promptsPerStep (a long round runs at"
+            " least a step's prompts)",
+            "tailBatching.longRound.prompts",
+        ),
+        _rule(
             "!has(self.algorithm) || !has(self.algorithm.overlongPenalty)"
             " || !has(self.algorithm.overlongPenalty.bufferTokens)"
             " || self.algorithm.overlongPenalty.bufferTokens"

@@ -763,6 +763,21 @@ class LongRoundSpec(APIModel):
             " extras are engines like the rollout's and a long round runs on all of them."
         ),
     )
+    prompts: int | None = Field(
+        default=None, ge=1, le=1_000_000,
+        description=(
+            "Prompts a long round waits for and runs at once (>= promptsPerStep): the"
+            " deferred prompts queue until this many are there, or the epoch's fresh prompts"
+            " run out (then what is queued runs). A long round lasts about as long as its"
+            " longest response, which decodes at a small batch whatever the round's size, so"
+            " a larger value runs fewer long rounds of about the same length: the same"
+            " prompts, each trained once an epoch, in less rollout time; a value at least the"
+            " epoch's deferred prompts runs one long round an epoch, at its end. The learner"
+            " trains such a round in as many optimizer updates as its prompts would take in"
+            " steps of promptsPerStep (ceil(prompts / promptsPerStep) x the algorithm's"
+            " mini-batches), so updates per prompt do not change. Unset: promptsPerStep."
+        ),
+    )
     min_yield_ratio: Annotated[Decimal, DecimalRange(0, 100)] = Field(
         default="0.25",
         description=(
@@ -1023,6 +1038,12 @@ class RLTrainingJobSpec(APIModel):
                     "tailBatching.longRound.tensorParallelSize must be 1 when"
                     f" rollout.gpusPerReplica is 0 (a CPU engine has no tensor parallelism),"
                     f" not {wide}")
+        lp = tb.long_round.prompts
+        if lp is not None and lp < self.prompts_per_step:
+            raise ValueError(
+                f"tailBatching.longRound.prompts must be >= promptsPerStep ({lp} <"
+                f" {self.prompts_per_step}): a long round runs at least a step's prompts;"
+                " raise it, or remove it (a long round of promptsPerStep prompts)")
         op = self.algorithm.overlong_penalty
         if (op is not None and op.buffer_tokens is not None
                 and op.buffer_tokens >= self.rollout.max_response_tokens):

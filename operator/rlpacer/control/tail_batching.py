@@ -10,11 +10,19 @@ Rounds (one round = one step = one policy update)::
     SHORT  launch ceil(eta * P0) fresh prompts x (G + extra) responses; keep the first G
            responses to finish per prompt (abort that prompt's others); the round is complete
            when P0 groups are complete: every other launched prompt is aborted and queued.
-    LONG   min(P0, queue) queued prompts (FIFO) x G responses, no over-provisioning,
-           everything runs to completion; those prompts leave the queue.
+    LONG   min(L, queue) queued prompts (FIFO) x G responses, no over-provisioning,
+           everything runs to completion; those prompts leave the queue. L is
+           ``long_round_prompts`` (default P0).
 
-``next_round_kind`` is LONG when the queue holds at least P0 prompts, or when the epoch's
+``next_round_kind`` is LONG when the queue holds at least L prompts, or when the epoch's
 fresh prompts are exhausted and the queue is not empty (the flush); otherwise SHORT.
+
+A long round lasts about as long as its longest response, which decodes at a small batch
+whatever the round's size, so L > P0 runs fewer long rounds of the same length each: the
+same prompts trained in less rollout time (``rlpacer bench --long-round-prompts``). The
+trainer then splits such a round's update into as many optimizer steps as L / P0 steps
+would have made (the trainer driver's ``long_round_mini_batches``), so updates per prompt
+are unchanged.
 
 Decisions taken here:
 
@@ -29,7 +37,7 @@ Decisions taken here:
   kept (it raced the abort), or after its prompt was deferred, or after the round completed,
   gets ``keep=False``. Reporting the same response twice is an error.
 * **Epoch ends flush the queue.** When an epoch's fresh prompts are exhausted, long rounds
-  of at most P0 queued prompts run until the queue is empty before the next epoch starts, so
+  of at most L queued prompts run until the queue is empty before the next epoch starts, so
   epochs never mix, no prompt id is queued twice, and every policy trains the same prompts
   (``prompts_trained`` is equal to the baseline's). At an epoch's end a short round may
   launch fewer than P0 prompts; it then keeps them all (its target is min(P0, launched)).
@@ -140,6 +148,9 @@ class TailBatchingConfig:
     round runs (the planner before yields were kept)."""
     yield_probe_every: int = 4
     """After this many due long rounds retired in a row, the next one runs to re-measure."""
+    long_round_prompts: int | None = None
+    """L: a long round waits for this many queued prompts and runs at most this many
+    (>= ``prompts_per_step``; None: ``prompts_per_step``, RollPacker's long round)."""
 
     def __post_init__(self) -> None:
         require_int("prompts_per_step", self.prompts_per_step, minimum=1)
@@ -163,6 +174,16 @@ class TailBatchingConfig:
         require_int("gate_off", self.gate_off, minimum=1)
         require_int("probe_every", self.probe_every, minimum=1)
         YieldConfig(min_ratio=self.min_yield_ratio, probe_every=self.yield_probe_every)
+        if self.long_round_prompts is not None:
+            require_int("long_round_prompts", self.long_round_prompts,
+                        minimum=self.prompts_per_step)
+
+    @property
+    def long_prompts(self) -> int:
+        """L: the prompts a long round waits for and runs at most."""
+        if self.long_round_prompts is None:
+            return self.prompts_per_step
+        return self.long_round_prompts
 
     def yield_config(self) -> YieldConfig:
         return YieldConfig(min_ratio=self.min_yield_ratio, probe_every=self.yield_probe_every)
@@ -487,8 +508,8 @@ class TailBatchingPlanner:
     @property
     def next_round_kind(self) -> RoundKind:
         """The kind of round :meth:`start_round` will plan next (SHORT once done)."""
-        p0 = self._cfg.prompts_per_step
-        if self._queue and (len(self._queue) >= p0 or self._position >= self._n):
+        if self._queue and (len(self._queue) >= self._cfg.long_prompts
+                            or self._position >= self._n):
             if self._defer and self._position < self._n:
                 return RoundKind.SHORT  # a short round in the due long round's place
             return RoundKind.LONG
@@ -514,7 +535,7 @@ class TailBatchingPlanner:
         """A forecast: how many short rounds run before the next long round (0: the next
         round is long). The queue grows by what the last full short rounds added to it
         (their mean, over the last ``FORECAST_ROUNDS``; an epoch's last, short of fresh
-        prompts, is not counted) until it holds P0 prompts, or the epoch's
+        prompts, is not counted) until it holds L prompts, or the epoch's
         fresh prompts run out (the flush) with prompts queued. None: no long round is
         foreseen (tail batching off, the job done, or nothing queued lately and none
         queued). The driver times a long round's scale-up with it; nothing here depends
@@ -524,6 +545,7 @@ class TailBatchingPlanner:
         if self.next_round_kind is RoundKind.LONG:
             return 0
         p0 = self._cfg.prompts_per_step
+        long_p = self._cfg.long_prompts
         q = len(self._queue)
         rate = (sum(self._queued_recent) / len(self._queued_recent)
                 if self._queued_recent else 0.0)
@@ -533,14 +555,14 @@ class TailBatchingPlanner:
         fresh = self._n - self._position
         full_left, partial = divmod(fresh, launched)
         if rate > 0:
-            need = max(1, math.ceil((p0 - q) / rate - 1e-9))
+            need = max(1, math.ceil((long_p - q) / rate - 1e-9))
             if need <= full_left:
                 return need
         rounds_to_end = full_left + (1 if partial else 0)
         if q + full_left * rate > 0:
             return max(1, rounds_to_end)  # the epoch's flush
         if rate > 0 and self._epoch + 1 < self._epochs:
-            return rounds_to_end + max(1, math.ceil(p0 / rate - 1e-9))  # the next epoch's
+            return rounds_to_end + max(1, math.ceil(long_p / rate - 1e-9))  # the next epoch's
         return None
 
     def epoch_order(self, epoch: int) -> list[int]:
@@ -563,7 +585,7 @@ class TailBatchingPlanner:
         p0 = cfg.prompts_per_step
         kind = self.next_round_kind
         if kind is RoundKind.LONG:
-            return kind, list(self._queue[:p0]), [], False
+            return kind, list(self._queue[: cfg.long_prompts]), [], False
         order = self._order(self._epoch)
         over = self.overprovision_next
         full = cfg.launched_prompts if over else p0
@@ -749,11 +771,11 @@ class TailBatchingPlanner:
         if self._round is not None:
             raise PlannerError("a round is in progress: retire long rounds between rounds")
         out: list[int] = []
-        p0 = self._cfg.prompts_per_step
+        long_p = self._cfg.long_prompts
         while (not self.done and self.next_round_kind is RoundKind.LONG
                and not self._yield.should_run_long()):
-            batch = self._queue[:p0]
-            del self._queue[:p0]
+            batch = self._queue[:long_p]
+            del self._queue[:long_p]
             self._retired += len(batch)
             self._yield.note_retired()
             out.extend(batch)
@@ -778,7 +800,7 @@ class TailBatchingPlanner:
         return {
             "kind": "tail_batching",
             "version": _STATE_VERSION,
-            "config": asdict(self._cfg),
+            "config": self._config_state(),
             "num_prompts": self._n,
             "seed": self._seed,
             "epochs": self._epochs,
@@ -793,6 +815,14 @@ class TailBatchingPlanner:
             "retired": self._retired,
             "queued_recent": list(self._queued_recent),
         }
+
+    def _config_state(self) -> dict[str, Any]:
+        """The config as stored: ``long_round_prompts`` only when set, so a state of a job
+        that leaves it unset stays readable by a trainer that predates it."""
+        cfg = asdict(self._cfg)
+        if cfg["long_round_prompts"] is None:
+            del cfg["long_round_prompts"]
+        return cfg
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> TailBatchingPlanner:

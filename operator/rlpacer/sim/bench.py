@@ -206,12 +206,13 @@ SETUPS = ("small", "large", "elastic", "early")
 STREAMABLE = 4.0 / 7.0
 
 
-def stream_train_s(scn: Scenario, oc: RoundOutcome) -> float:
+def stream_train_s(scn: Scenario, oc: RoundOutcome, updates: int = 1) -> float:
     """A step's training seconds after its rollout with stream training: the learner takes
     each group's streamable work when the group completes (in completion order, one group at
     a time); what is still queued when the round ends, the rest of the per-token work (the
     later mini-batches, the tokens of groups that never completed) and the fixed cost follow
-    the rollout. Rewards are taken to be in when a group completes."""
+    the rollout. Rewards are taken to be in when a group completes. ``updates``: the step's
+    update counts as that many steps' (:func:`step_updates`) in the fixed cost."""
     per_tok = scn.train_s_per_ktok / 1000.0
     total = float(sum(oc.kept_lengths)) + scn.prompt_len * len(oc.kept_lengths)
     free = streamed = 0.0
@@ -220,7 +221,16 @@ def stream_train_s(scn: Scenario, oc: RoundOutcome) -> float:
         streamed += toks
         free = max(free, t) + STREAMABLE * per_tok * toks
     left = max(0.0, free - oc.rollout_s)
-    return scn.train_fixed_s + per_tok * (total - STREAMABLE * streamed) + left
+    return scn.train_fixed_s * updates + per_tok * (total - STREAMABLE * streamed) + left
+
+
+def step_updates(scn: Scenario, rp: RoundPlan) -> int:
+    """The steps' worth of optimizer updates a round's training takes: a long round of more
+    than P0 prompts (``long_round_prompts``) as many as its prompts would in steps of P0
+    (the trainer's driver, ``long_round_mini_batches``); 1 for every other round."""
+    if rp.kind is not RoundKind.LONG:
+        return 1
+    return max(1, math.ceil(len(rp.prompts) / scn.prompts_per_step))
 
 
 @dataclass(frozen=True)
@@ -638,6 +648,7 @@ def job_run_parts(scn: Scenario, pol: Policy, seed: int,
             prompt_overprovision=scn.prompt_overprovision,
             extra_responses=scn.extra_responses,
             enabled=pol.tail,
+            long_round_prompts=scn.long_round_prompts if pol.tail else None,
         ),
         num_prompts=wl.num_prompts,
         seed=seed,
@@ -650,9 +661,11 @@ def job_run_parts(scn: Scenario, pol: Policy, seed: int,
 
 
 def step_report(scn: Scenario, step: int, group_size: int, kind: RoundKind,
-                oc: RoundOutcome, aborted: int, planner: TailBatchingPlanner) -> StepReportData:
+                oc: RoundOutcome, aborted: int, planner: TailBatchingPlanner,
+                updates: int = 1) -> StepReportData:
     """The step's report as the driver sends it: the kept lengths, the step's seconds
-    (the rollout simulated, the rest from the scenario's costs), the planner's queue."""
+    (the rollout simulated, the rest from the scenario's costs: the fixed training cost once
+    per step's worth of ``updates``), the planner's queue."""
     kept = np.asarray(oc.kept_lengths, dtype=np.float64)
     tokens = float(kept.sum()) + scn.prompt_len * len(kept)
     return StepReportData(
@@ -670,7 +683,7 @@ def step_report(scn: Scenario, step: int, group_size: int, kind: RoundKind,
         seconds=StepSecondsData(
             rollout=oc.rollout_s,
             reward=scn.reward_s,
-            train=scn.train_fixed_s + scn.train_s_per_ktok * tokens / 1000.0,
+            train=scn.train_fixed_s * updates + scn.train_s_per_ktok * tokens / 1000.0,
             sync=scn.sync_s,
         ),
         long_queue=planner.long_queue_len,
@@ -802,7 +815,9 @@ def run_policy(
                               censored=rp.responses_per_prompt - len(idxs))
             out.routed += len(res.routed)
         kept = np.asarray(oc.kept_lengths, dtype=np.float64)
-        report = step_report(scn, step, g, rp.kind, oc, res.aborted_responses, planner)
+        updates = step_updates(scn, rp)
+        report = step_report(scn, step, g, rp.kind, oc, res.aborted_responses, planner,
+                             updates)
         if pol.context and prior is not None and not planner.done:
             nxt = planner.peek_round(route=route)
             risk = prior.straggler_risk(
@@ -821,7 +836,7 @@ def run_policy(
         out.rollout_s.append(oc.rollout_s)
         rest = seconds.reward + seconds.train + seconds.sync
         out.train_s.append(seconds.train)
-        out.train_s_stream.append(stream_train_s(scn, oc))
+        out.train_s_stream.append(stream_train_s(scn, oc, updates))
         out.step_s.append(seconds.rollout + rest)
         out.step_s_large.append(oc_large.rollout_s + rest)
         out.step_s_elastic.append(oc_elastic.rollout_s + rest)
@@ -917,6 +932,7 @@ def run_bench(
         "seed": seed,
         "steps": scn.steps,
         "prompts_per_step": scn.prompts_per_step,
+        "long_round_prompts": scn.long_round_prompts or scn.prompts_per_step,
         "cost_profile": scn.cost_profile,
         "tail_tau": scn.tail_tau,
         "window": scn.window,
@@ -1298,6 +1314,7 @@ def main(args: argparse.Namespace) -> int:
         scn = scn.with_steps(args.steps)
     try:
         scn = scn.with_elastic(args.long_round_replicas, args.scale_up_s)
+        scn = scn.with_long_round_prompts(getattr(args, "long_round_prompts", None))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -1426,6 +1443,13 @@ def register(subparsers: Any) -> None:
         " rollout.replicas): each long round on K engines of TP N on K x N GPUs of their own,"
         " the short rounds' engines waiting (their GPUs still held), instead of the long"
         " round's GPUs re-formed",
+    )
+    p.add_argument(
+        "--long-round-prompts", type=int, default=None, metavar="L",
+        help="tail batching's long rounds wait for and run L queued prompts"
+        " (tailBatching.longRound.prompts, >= the scenario's prompts per step, 32); default:"
+        " prompts per step. A value at least an epoch's deferred prompts runs one long round"
+        " an epoch, at its end",
     )
     p.set_defaults(func=main)
 

@@ -17,6 +17,9 @@ RLTrainingPolicy:
   each option (a quarter, half and all of them for short rounds; long rounds on the same, or
   scaled up to all of them) is simulated with SAGC + tail batching, and against fixed G=16 on
   the same replicas: wall clock, rollout GPU-hours and GPU-hours of the whole job.
+* **The long round's size.** The advised option again with long rounds of 1, 2 and 4 steps'
+  prompts and of all an epoch defers (``tailBatching.longRound.prompts``): fewer, larger
+  long rounds (each lasts about as long as its longest response). The fastest is advised.
 
 The cost model scales the simulator's 14B roofline (``rlpacer.sim.cost``) to the model: its
 weights and KV bytes per token from the published Qwen2.5 configurations, decode on H100 80 GB
@@ -197,6 +200,26 @@ def make_plan(
     fastest = min(o["wall_clock_h"] for o in options)
     near = [o for o in options if o["wall_clock_h"] <= max_slowdown * fastest]
     best = min(near, key=lambda o: (o["job_gpu_h"], o["wall_clock_h"]))
+    # the long round's size, on the advised replicas: 1, 2, 4 steps' prompts, and every
+    # prompt of an epoch (so one long round an epoch, of what it deferred)
+    p0 = scn.prompts_per_step
+    sizes = sorted({min(k * p0, wl.num_prompts) for k in (1, 2, 4)} | {max(p0, wl.num_prompts)})
+    short, long = best["rollout_replicas"], best["long_round_replicas"]
+    base_wall = best["fixed16_wall_clock_h"] * 3600
+    long_rounds = []
+    for size in sizes:
+        run = run_policy(
+            replace(scn, engines=short, long_round_engines=long, tail_tau=tau or scn.tail_tau,
+                    long_round_prompts=size),
+            Policy("sagc_tail", GroupControlMode.SAGC, None, True), seed, wl)
+        kind = "elastic" if long > short else "small"
+        wall = run.setups()[kind]["wall_clock_s"]
+        long_rounds.append({
+            "prompts": size, "long_rounds": run.kind.count("Long"),
+            "wall_clock_h": wall / 3600, "speedup_vs_fixed16": base_wall / wall,
+            "step_s_p95": float(sorted(run.step_s)[int(0.95 * (len(run.step_s) - 1))]),
+        })
+    size_best = min(long_rounds, key=lambda o: (o["wall_clock_h"], o["prompts"]))
     return {
         "trace": trace.name, "model": model.name, "tp": tp, "nodes": nodes,
         "gpus_per_node": gpus_per_node, "trainer_gpus": trainer_gpus,
@@ -211,6 +234,7 @@ def make_plan(
         "policy_tau_feasible": (None if policy_tau is None else _feasible_at(plain, policy_tau,
                                                                              delta)),
         "options": options, "advised": best,
+        "long_round_sizes": long_rounds, "advised_long_round": size_best,
         "cost_profile": prof.source,
     }
 
@@ -281,19 +305,27 @@ def format_plan(p: dict[str, Any]) -> str:
         )
     lines.append(f"(advised: the fewest job GPU-hours within {p['max_slowdown']:g}x the fastest"
                  " option's wall clock; job GPU-hours count the trainer's GPUs all run)")
-    a = p["advised"]
+    a, lr = p["advised"], p["advised_long_round"]
+    lines += ["", f"long-round size on the advised replicas ({a['rollout_replicas']},"
+              f" {a['long_round_replicas']} for long rounds; tailBatching.longRound.prompts):",
+              f"{'prompts':>9}{'long rounds':>13}{'wall':>9}{'vs fixed16':>12}{'p95 step':>10}"]
+    for o in p["long_round_sizes"]:
+        mark = "  <- advised" if o is lr else ""
+        lines.append(f"{o['prompts']:>9}{o['long_rounds']:>13}{o['wall_clock_h']:>8.2f}h"
+                     f"{o['speedup_vs_fixed16']:>11.2f}x{o['step_s_p95']:>9.0f}s{mark}")
     peak = p["trainer_gpus"] + a["long_round_replicas"] * p["tp"]
+    size = (f", prompts: {lr['prompts']}" if lr["prompts"] != p["prompts_per_step"] else "")
     lines += ["", "job (RLTrainingJob spec):",
               f"  rollout: {{replicas: {a['rollout_replicas']}, gpusPerReplica: {p['tp']},"
               f" tensorParallelSize: {p['tp']}}}",
               f"  tailBatching: {{enabled: true, longRound: {{rolloutReplicas:"
-              f" {a['long_round_replicas']}}}}}"]
+              f" {a['long_round_replicas']}{size}}}}}"]
     if tau is not None:
         lines.append(f"  groupControl: {{mode: SAGC, stragglerRatio: \"{tau:g}\","
                      f" targetStragglerRate: \"{p['delta']:g}\"}}")
     lines += ["namespace policy (RLTrainingPolicy spec):",
               f"  stragglerSLO: {{maxTargetStragglerRate: \"{p['delta']:g}\"}}",
-              f"  stepTimeSLO: {{maxSeconds: {math.ceil(1.5 * a['step_s_p95'])}}}"
+              f"  stepTimeSLO: {{maxSeconds: {math.ceil(1.5 * lr['step_s_p95'])}}}"
               "   # 1.5x the simulated p95 step",
               f"  longRounds: {{maxRolloutReplicas: {a['long_round_replicas']}, maxGPUs: {peak}}}"]
     return "\n".join(lines)

@@ -81,7 +81,7 @@ from typing import Any
 
 from rlpacer.api.trace import Trace, TraceError
 from rlpacer.control.tail_batching import RoundKind, TailBatchingPlanner
-from rlpacer.sim.bench import job_run_parts, policies, step_report
+from rlpacer.sim.bench import job_run_parts, policies, step_report, step_updates
 from rlpacer.sim.rollout import RoundSimulator
 from rlpacer.sim.trace import TraceWorkload, load_trace, trace_scenario
 from rlpacer.sim.workload import SCENARIOS, Scenario, Workload, scenario
@@ -217,7 +217,8 @@ def build_schedule(
             rollout_large = oc_large.rollout_s
             lr = _LongRound(saved, list(rp.prompts), lengths, kept_sorted)
         res = planner.finish_round()
-        report = step_report(scn, step, g, rp.kind, oc, res.aborted_responses, planner)
+        report = step_report(scn, step, g, rp.kind, oc, res.aborted_responses, planner,
+                             step_updates(scn, rp))
         plan = jc.observe(report)
         rest = report.seconds.reward + report.seconds.train + report.seconds.sync
         steps.append(Step(long_round, oc.rollout_s, rest, rollout_large, lr))

@@ -150,11 +150,21 @@ class Scenario:
     """Tail batching's eta."""
     extra_responses: int = 1
     """Tail batching's responses launched beyond G per prompt in a short round."""
+    long_round_prompts: int | None = None
+    """Tail batching's L, ``tailBatching.longRound.prompts``: a long round waits for and runs
+    this many queued prompts (None: ``prompts_per_step``)."""
     profile_override: CostProfile | None = None
     """A cost profile to use instead of ``cost_profile``'s (``rlpacer plan``: a model's)."""
 
     def with_steps(self, steps: int) -> Scenario:
         return replace(self, steps=steps)
+
+    def with_long_round_prompts(self, prompts: int | None) -> Scenario:
+        """This scenario with long rounds of ``prompts`` prompts (>= ``prompts_per_step``)."""
+        if prompts is not None and prompts < self.prompts_per_step:
+            raise ValueError(f"long-round prompts must be >= prompts per step"
+                             f" ({self.prompts_per_step}), got {prompts}")
+        return replace(self, long_round_prompts=prompts)
 
     def with_elastic(
         self, long_round_engines: int | None = None, scale_up_s: float | None = None

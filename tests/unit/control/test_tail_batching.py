@@ -93,6 +93,8 @@ def train_all(
         ({"prompt_overprovision": float("inf")}, "prompt_overprovision"),
         ({"extra_responses": -1}, "extra_responses"),
         ({"enabled": 1}, "enabled"),
+        ({"prompts_per_step": 8, "long_round_prompts": 7}, "long_round_prompts"),
+        ({"long_round_prompts": 64.0}, "long_round_prompts"),
     ],
 )
 def test_bad_config(kwargs: dict[str, Any], field: str) -> None:
@@ -193,6 +195,75 @@ def test_long_round_exactly_when_the_queue_reaches_p0() -> None:
     assert kinds == [RoundKind.SHORT] * 4 + [RoundKind.LONG] + [RoundKind.SHORT] * 4 + [
         RoundKind.LONG
     ]
+
+
+def test_long_rounds_of_l_prompts_wait_for_l_and_take_l() -> None:
+    # P0=4, eta=1.25, L=12: each full short round defers exactly 1, so the queue reaches 12
+    # after 12 short rounds, and the long round takes all 12 (FIFO), trained once each
+    cfg = TailBatchingConfig(prompts_per_step=4, prompt_overprovision=1.25, extra_responses=1,
+                             long_round_prompts=12)
+    assert cfg.long_prompts == 12
+    planner = TailBatchingPlanner(cfg, num_prompts=200, seed=1)
+    rng = random.Random(0)
+    kinds, forecasts = [], []
+    for _ in range(26):
+        forecasts.append(planner.rounds_until_long())
+        queue = planner.long_queue
+        plan = planner.start_round(3)
+        kinds.append(plan.kind)
+        if plan.kind is RoundKind.LONG:
+            assert plan.prompts == queue[:12] and plan.target_prompts == 12
+        feed_round(planner, rng)
+    assert kinds == ([RoundKind.SHORT] * 12 + [RoundKind.LONG]) * 2
+    # the forecast counts down to the long round at L, not at P0 (after a first round's rate)
+    assert forecasts[1:13] == list(range(11, -1, -1))
+    assert planner.long_rounds == 2 and planner.long_queue_len == 0
+
+
+def test_long_rounds_of_l_prompts_flush_at_the_epoch_end_and_train_every_prompt_once() -> None:
+    # L beyond what an epoch defers: one long round an epoch, at its end, with every deferred
+    # prompt; every prompt of every epoch still trained exactly once
+    cfg = TailBatchingConfig(prompts_per_step=4, prompt_overprovision=1.5, extra_responses=1,
+                             long_round_prompts=1000)
+    planner = TailBatchingPlanner(cfg, num_prompts=60, seed=2, epochs=3)
+    trained, kinds = train_all(planner, 3, seed=5, abort_prob=0.2)
+    assert set(trained) == {(e, p) for e in range(3) for p in range(60)}
+    assert set(trained.values()) == {1}
+    assert kinds.count(RoundKind.LONG) == planner.long_rounds == 3
+    small = TailBatchingPlanner(TailBatchingConfig(prompts_per_step=4, prompt_overprovision=1.5,
+                                                   extra_responses=1), 60, seed=2, epochs=3)
+    _, small_kinds = train_all(small, 3, seed=5, abort_prob=0.2)
+    assert small_kinds.count(RoundKind.LONG) > 3 * 2  # the default runs several an epoch
+
+
+def test_state_keeps_long_round_prompts_only_when_set() -> None:
+    plain = TailBatchingPlanner(TailBatchingConfig(prompts_per_step=4), 20)
+    assert "long_round_prompts" not in plain.state_dict()["config"]  # older trainers read it
+    assert TailBatchingPlanner.from_state_dict(plain.state_dict()).config.long_prompts == 4
+    big = TailBatchingPlanner(TailBatchingConfig(prompts_per_step=4, long_round_prompts=9), 20)
+    state = json.loads(json.dumps(big.state_dict()))
+    assert state["config"]["long_round_prompts"] == 9
+    assert TailBatchingPlanner.from_state_dict(state).config.long_prompts == 9
+
+
+def test_retiring_a_long_round_of_l_prompts_takes_l() -> None:
+    cfg = TailBatchingConfig(prompts_per_step=2, prompt_overprovision=2.0, extra_responses=1,
+                             long_round_prompts=4, min_yield_ratio=0.5)
+    planner = TailBatchingPlanner(cfg, num_prompts=40, seed=0)
+    rng = random.Random(3)
+    def shorts_until_long() -> None:
+        while planner.next_round_kind is not RoundKind.LONG:
+            run_round(planner, 2, rng)
+            planner.observe_yield(RoundKind.SHORT, 2, 10.0)
+
+    shorts_until_long()
+    assert planner.long_queue_len == 4  # 2 deferred a round: due at L = 4, not at P0 = 2
+    run_round(planner, 2, rng)  # the first long round always runs (it measures the yield)
+    planner.observe_yield(RoundKind.LONG, 0, 100.0)  # it taught nothing
+    shorts_until_long()
+    queue = planner.long_queue
+    assert planner.retire_due_long_rounds() == queue and len(queue) == 4
+    assert planner.retired == 4 and planner.long_queue_len == 0
 
 
 def test_long_round_runs_everything_to_completion() -> None:

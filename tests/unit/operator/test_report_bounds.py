@@ -13,12 +13,12 @@ from test_reports import NS, SPEC, Env, add_job, admitted, open_env, report, run
 
 from rlpacer.api.crd import schema_violations, status_schema
 from rlpacer.api.job import parse_spec
-from rlpacer.api.protocol import StepReport, steps_path
+from rlpacer.api.protocol import LengthSummary, RoundKind, StepReport, steps_path
 from rlpacer.api.status import RLTrainingJobStatus
 from rlpacer.control.plan import ReportRejected
 from rlpacer.operator import hosting
 from rlpacer.operator.kube import ApiError
-from rlpacer.operator.reports import accept_report
+from rlpacer.operator.reports import accept_report, check_report
 
 pytestmark = pytest.mark.unit
 
@@ -186,3 +186,36 @@ def test_api_server_refusing_the_status_is_422_not_503() -> None:
             await close()
 
     run(body)
+
+
+def _long_report(spec: dict[str, Any], count: int, queue: int) -> StepReport:
+    return StepReport(attempt=0, step=0, group_size=4, round_kind=RoundKind.LONG,
+                      lengths=LengthSummary(max=90, median=30.0, p90=80.0, count=count),
+                      long_queue=queue)
+
+
+def test_long_rounds_of_more_prompts_are_within_the_bounds_and_no_further() -> None:
+    """tailBatching.longRound.prompts L: a long round reports L x G kept responses, and the
+    queue before it holds up to L plus what the short rounds add (one held long round's
+    short rounds, and routed prompts, included); one more is refused naming the field."""
+    base = {**SPEC, "promptsPerStep": 4}  # eta 1.25: 5 launched, 1 deferred a round
+    check_report(parse_spec(base), _long_report(base, 16, 5))
+    with pytest.raises(ReportRejected, match=r"exceeds 16 \(groupSize 4 x spec.promptsPerStep"):
+        check_report(parse_spec(base), _long_report(base, 48, 5))
+    big = {**base, "tailBatching": {"longRound": {"rolloutReplicas": 3, "prompts": 12,
+                                                  "maxDeferredRounds": 2},
+                                    "lengthPrior": {"route": True}}}
+    spec = parse_spec(big)
+    check_report(spec, _long_report(big, 48, 12 + 3 * 2))
+    with pytest.raises(ReportRejected) as err:
+        check_report(spec, _long_report(big, 49, 0))
+    assert "exceeds 48 (groupSize 4 x spec.tailBatching.longRound.prompts 12)" in str(err.value)
+    with pytest.raises(ReportRejected, match="longQueue 19 exceeds 18"):
+        check_report(spec, _long_report(big, 48, 19))
+
+
+def test_long_round_prompts_below_a_step_are_refused_naming_the_field() -> None:
+    bad = {**SPEC, "tailBatching": {"longRound": {"rolloutReplicas": 3, "prompts": 3}}}
+    with pytest.raises(Exception, match=r"tailBatching.longRound.prompts must be >="
+                                        r" promptsPerStep \(3 < 4\)"):
+        parse_spec(bad)

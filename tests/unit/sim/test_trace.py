@@ -288,3 +288,31 @@ def test_cli_prints_the_prior_in_the_jobs_order_at_each_half_life(
         assert main(["bench", *argv]) == 2
         assert message in capsys.readouterr().err, argv
 
+
+
+def test_long_rounds_of_an_epochs_deferred_prompts_reach_3x_on_the_dapo_trace() -> None:
+    """#35's target on the DAPO trace (200 fixed-16 steps' prompts, 12 epochs): long rounds of
+    RollPacker's size (P0 = 32 prompts) leave SAGC + tail batching at 2.37x fixed G=16; long
+    rounds of 128 prompts (``tailBatching.longRound.prompts``; more than an epoch defers, so one
+    long round an epoch) run a quarter as many long rounds, each about as long, and reach 3.0x
+    for the same prompts (the fixed cost of each step's worth of updates still paid)."""
+    trace = load_trace(DAPO)
+    scn = scenario("default")
+    base, _ = run_bench(scn, seed=0, trace=trace)
+    big, _ = run_bench(scn.with_long_round_prompts(128), seed=0, trace=trace)
+    b, g = base["policies"]["sagc_tail"], big["policies"]["sagc_tail"]
+    assert big["long_round_prompts"] == 128 and base["long_round_prompts"] == 32
+    assert b["prompts_trained"] == g["prompts_trained"] == big["policies"]["fixed16"][
+        "prompts_trained"]
+    assert g["long_rounds"] == 12 and b["long_rounds"] == 48
+    assert b["speedup_vs_fixed16"] < 2.6
+    assert g["speedup_vs_fixed16"] >= 3.0, g["speedup_vs_fixed16"]
+    # policies without tail batching have no long rounds: the field changes nothing there
+    assert big["policies"]["fixed16"]["wall_clock_s"] == base["policies"]["fixed16"][
+        "wall_clock_s"]
+
+
+def test_cli_refuses_long_rounds_smaller_than_a_step(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--long-round-prompts", "16"]) == 2
+    assert "long-round prompts must be >= prompts per step (32), got 16" in (
+        capsys.readouterr().err)

@@ -1070,3 +1070,37 @@ def test_a_long_round_gives_its_added_replica_back_once_the_rest_fits() -> None:
         assert not any(x[:2] == ("submit", 1) for x in log[i_release:i_report])
     moved_back = [rid for e in made for rid in e.taken]
     assert moved_back  # some were unfinished there and went on with their tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_long_rounds_of_more_prompts_run_them_at_once_in_as_many_updates(stream: bool) -> None:
+    """``tailBatching.longRound.prompts`` 8 at promptsPerStep 4: the deferred prompts queue
+    until 8 are there and one long round generates all 8 groups, trained in twice the
+    learner's mini-batches (as two steps of 4 would be); short rounds keep the learner's
+    own count. Without the field the long rounds hold 4 prompts."""
+    runs = {}
+    for lp in (None, 8):
+        cfg = _cfg(steps=14, fixed_group_size=4)
+        cfg.job.spec.algorithm.dynamic_sampling = False  # every group trains: counts exact
+        cfg.job.spec.trainer.stream_training = stream
+        cfg.job.spec.tail_batching.long_round.prompts = lp
+        drv = runtime.build_driver(cfg, [TailEngine()])
+        drv.run()
+        runs[lp] = drv.records
+    k = int(_cfg().learner_config().mini_batches)
+    longs = [r for r in runs[8] if r["round_kind"] == "Long"]
+    assert longs, [(r["step"], r["long_queue"]) for r in runs[8]]
+    for r in longs:
+        assert len(r["prompts"]) == 8 and r["kept"] == 8 * 4, r
+        assert r["learner_updates"] == 2 * k, r
+        if stream:
+            assert r["learner_streamed"] == r["learner_samples"] == 32, r
+    for r in runs[8]:
+        if r["round_kind"] == "Short":
+            assert r["learner_updates"] == k and r["long_queue"] <= 8, r
+    # the queue waited past P0 for L (a long round at 4 queued prompts is the default's)
+    assert any(r["long_queue"] >= 4 and r["next_round_kind"] == "Short" for r in runs[8])
+    base_longs = [r for r in runs[None] if r["round_kind"] == "Long"]
+    assert base_longs and all(len(r["prompts"]) == 4 and r["learner_updates"] == k
+                              for r in base_longs)
+    assert len(base_longs) > len(longs)

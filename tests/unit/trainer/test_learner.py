@@ -107,7 +107,7 @@ class _ReferenceLearner(Learner):
     """The update as it was computed before the old-log-prob pass was trimmed: one no-grad
     forward over the whole batch for every mini-batch's behaviour log-probs."""
 
-    def _train_step(self, samples, shard, n, positions):  # type: ignore[no-untyped-def]
+    def _train_step(self, samples, shard, n, positions, asked):  # type: ignore[no-untyped-def]
         from rlpacer_trainer import algos
 
         cfg = self.cfg
@@ -118,7 +118,7 @@ class _ReferenceLearner(Learner):
             old = sequence_logprobs(self.model, ids, attn, pos, tgt, cfg.temperature)
             ref = (sequence_logprobs(self.ref, ids, attn, pos, tgt, cfg.temperature)
                    if self.ref is not None else None)
-        k = max(1, min(cfg.mini_batches, n))
+        k = max(1, min(asked, n))
         for j in range(k):
             sel = torch.tensor([i for i, g in enumerate(positions) if g % k == j])
             width = int(attn[sel].sum(dim=1).max())

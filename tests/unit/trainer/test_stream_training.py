@@ -216,3 +216,35 @@ def test_sharded_fsdp_ranks_streaming_equal_one_learner_on_the_batch(tmp_path: P
     off = sum(float((got[k] - want[k]).double().pow(2).sum()) for k in want) ** 0.5
     assert update > 1e-2
     assert off < 1e-3 * update, (off, update)
+
+
+def test_an_update_asked_for_more_mini_batches_takes_them_streamed_or_whole() -> None:
+    """A long round of several steps' prompts (tailBatching.longRound.prompts) is trained in
+    ``mini_batches`` optimizer steps given per update: the same update a learner configured
+    with that many takes, streamed or whole; a stream begun for another count is trained
+    whole at the count the finish asks for."""
+    cfg = LearnerConfig(learning_rate=1e-3, mini_batches=2, warmup_updates=3)
+    wide = LearnerConfig(learning_rate=1e-3, mini_batches=6, warmup_updates=3)
+    batch = _batch(13, seed=7)
+    ref = _learner(wide)
+    ref_stats = ref.train_step(batch)
+    asked = _learner(cfg)
+    stats = asked.train_step(batch, mini_batches=6)
+    assert ref.updates == asked.updates == 6 and stats["updates"] == ref_stats["updates"] == 6
+    assert _close(ref, asked) < 1e-6
+    streamed = _learner(cfg)
+    assert streamed.stream_begin(6)
+    for part in _parts(len(batch), seed=7):
+        streamed.stream_add([batch[i] for i in part], part)
+    st = streamed.stream_finish(batch, mini_batches=6)
+    assert st["streamed"] == len(batch) and st["updates"] == 6 and streamed.updates == 6
+    assert _close(ref, streamed) < 1e-5
+    other = _learner(cfg)
+    assert other.stream_begin()  # the configured 2
+    other.stream_add(batch, list(range(len(batch))))
+    st = other.stream_finish(batch, mini_batches=6)
+    assert st["stream_refused"] == 1.0 and st["updates"] == 6 and _close(ref, other) < 1e-6
+    plain = _learner(cfg)
+    assert plain.train_step(batch)["updates"] == 2 and _close(ref, plain) > 1e-4
+    with pytest.raises(TypeError, match="mini_batches"):
+        plain.train_step(batch, mini_batches=2.5)  # type: ignore[arg-type]
