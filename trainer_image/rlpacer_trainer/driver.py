@@ -580,26 +580,16 @@ class Driver:
         for e, _, _ in self._pending.values():
             if e in load:
                 load[e] += 1
-        batches: dict[int, list[GenRequest]] = {}
-        moved = 0
-        for e in extras:
-            ids = [rid_ for rid_, (x, _, _) in self._pending.items() if x == e]
-            try:
-                taken = self.pool[e].take(ids) if ids else {}
-            except _died_errors():
-                self._engine_died(e)  # its requests go to the live engines as it is
-                continue
-            for rid_ in ids:
-                if rid_ not in taken:
-                    continue
-                _, p, i = self._pending[rid_]
-                dest = min(base, key=lambda r: (load[r], r))
-                load[dest] += 1
-                req = dataclasses.replace(self._requests[rid_], prefix=tuple(taken[rid_]))
-                self._requests[rid_] = req
-                self._pending[rid_] = (dest, p, i)
-                batches.setdefault(dest, []).append(req)
-                moved += 1
+
+        def least_loaded(_: str) -> int:
+            dest = min(base, key=lambda r: (load[r], r))
+            load[dest] += 1
+            return dest
+
+        batches, _ = self._take_moves(
+            {e: [rid_ for rid_, (x, _, _) in self._pending.items() if x == e] for e in extras},
+            least_loaded)
+        moved = sum(len(b) for b in batches.values())
         gone = []
         for e in extras:
             if e not in self.pool:
@@ -612,11 +602,7 @@ class Driver:
         # no engine joins this round again (an operator that did not take the release
         # still names the replicas usable)
         self._mid_round = False
-        for dest, batch in batches.items():
-            try:
-                self.pool[dest].submit(batch)
-            except _died_errors():
-                self._engine_died(dest)
+        self._submit_moved(batches)
         t = time.perf_counter() - self._round_t0
         self._released_mid = [round(t, 3), *gone]
         told = self.controller.release(self.attempt, self.step)
@@ -679,11 +665,30 @@ class Driver:
                 rid_ = by_engine[e].pop()
                 moves.setdefault(e, []).append(rid_)
                 plan.append((rid_, dest))
-        dest_of = dict(plan)
+        batches, tokens = self._take_moves(moves, dict(plan).__getitem__)
+        self._moved += sum(len(b) for b in batches.values())
+        self._moved_tokens += tokens
+        self._submit_moved(batches)
+        if batches:
+            print(f"mid-round join of replica(s) {list(new)}: "
+                  f"{sum(len(b) for b in batches.values())} unfinished requests moved to them"
+                  " with their tokens", flush=True)
+
+    def _take_moves(self, moves: dict[int, list[str]], dest_for: Callable[[str], int]
+                    ) -> tuple[dict[int, list[GenRequest]], int]:
+        """Takes the unfinished requests ``moves`` (engine -> request ids) from their
+        engines with their tokens so far (:meth:`VLLMEngine.take`) and readies each, its
+        tokens as its prefix, for ``dest_for(request)`` (called once per request taken, in
+        order): the destination engine continues the response, nothing generated twice. A
+        request its engine finished before the take stays that engine's response; an engine
+        that dies on the take is handled as any engine death (its requests go to the live
+        engines as they are). Returns the requests to submit by engine
+        (:meth:`_submit_moved`) and the tokens they carry beyond their earlier prefixes."""
         batches: dict[int, list[GenRequest]] = {}
+        tokens = 0
         for e, ids in moves.items():
             try:
-                taken = self.pool[e].take(ids)
+                taken = self.pool[e].take(ids) if ids else {}
             except _died_errors():
                 self._engine_died(e)
                 continue
@@ -691,22 +696,23 @@ class Driver:
                 if rid_ not in taken:
                     continue  # it finished there first: its response comes from there
                 _, p, i = self._pending[rid_]
-                dest = dest_of[rid_]
+                dest = dest_for(rid_)
+                tokens += len(taken[rid_]) - len(self._requests[rid_].prefix)
                 req = dataclasses.replace(self._requests[rid_], prefix=tuple(taken[rid_]))
-                self._moved_tokens += len(taken[rid_]) - len(self._requests[rid_].prefix)
                 self._requests[rid_] = req
                 self._pending[rid_] = (dest, p, i)
                 batches.setdefault(dest, []).append(req)
+        return batches, tokens
+
+    def _submit_moved(self, batches: dict[int, list[GenRequest]]) -> None:
+        """Submits requests readied by :meth:`_take_moves` to their new engines; an engine
+        that dies on the submit is handled as any engine death (its requests, prefixes and
+        all, go elsewhere)."""
         for dest, batch in batches.items():
-            self._moved += len(batch)
             try:
                 self.pool[dest].submit(batch)
             except _died_errors():
-                self._engine_died(dest)  # its requests, prefixes and all, go elsewhere
-        if batches:
-            print(f"mid-round join of replica(s) {list(new)}: "
-                  f"{sum(len(b) for b in batches.values())} unfinished requests moved to them"
-                  " with their tokens", flush=True)
+                self._engine_died(dest)
 
     def _poll(self, busy: Sequence[int]) -> tuple[list[Finished], list[int]]:
         """Polls the busy engines (Ray engines in parallel); also names those that died."""

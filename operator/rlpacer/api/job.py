@@ -968,7 +968,12 @@ class RLTrainingJobSpec(APIModel):
     trainer: TrainerSpec = Field(
         default_factory=TrainerSpec, description="Trainer (Ray head, driver, learners)."
     )
-    steps: int = Field(ge=1, le=MAX_STEPS, description="Policy updates to run (one per round).")
+    steps: int = Field(
+        ge=1, le=MAX_STEPS,
+        description=(
+            "Steps to run: one per round, each ending in its policy update (a long round of"
+            " more than promptsPerStep prompts, tailBatching.longRound.prompts, is one step"
+            " whose update takes as many optimizer steps as its prompts' steps would)."))
     prompts_per_step: int = Field(ge=1, le=1_000_000, description="P0: prompts trained per step.")
     group_control: GroupControlSpec = Field(
         default_factory=GroupControlSpec,

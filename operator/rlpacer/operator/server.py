@@ -304,6 +304,40 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
         return web.json_response(
             plan_for_client(plan, request.headers.get(PLAN_FIELDS_HEADER)))
 
+    async def committed(rt: Any, persist: Callable[[], Awaitable[reports.Accepted]],
+                        what: str) -> reports.Accepted | web.Response:
+        """``persist()`` (a report's or a release's commit) within the write timeout, or the
+        answer its failure gets, the same for both: bounded, the lock's wait included (a
+        pass's write may hold it), so an answer, 503 at worst, comes well before this replica
+        would give up a Lease it cannot renew and close the connection unanswered."""
+        try:
+            return await within(persist(), jobs.settings.report_write_timeout_seconds,
+                                "confirm the new state")
+        except reports.ReportRejected as e:
+            return _error(422, e.reason, e.message)
+        except reports.JobSuspended as e:
+            return _error(409, e.reason, e.message)
+        except reports.StateUnreadable as e:
+            return _state_unreadable(rt, e)
+        except JobGone:
+            jobs.forget(rt.namespace, rt.name)
+            return _error(404, "NotFound", f"rltrainingjob {rt.namespace}/{rt.name} not found")
+        except ManifestError as e:  # the spec turned invalid since it was read
+            return _error(422, "InvalidSpec", str(e))
+        except ApiError as e:
+            if e.status in (400, 422):
+                # The API server refused the new status itself (invalid, not unavailable):
+                # it would refuse it again on every retry.
+                log.warning("%s for %s/%s refused by the API server: %s", what, rt.namespace,
+                            rt.name, e)
+                return _error(422, "StatusRejected",
+                              f"the API server refused the status this {what} makes: {e}")
+            log.warning("%s for %s/%s not persisted: %s", what, rt.namespace, rt.name, e)
+            return _error(503, "Unavailable", f"state not persisted, retry: {e}")
+        except (ConflictLoop, OSError) as e:
+            log.warning("%s for %s/%s not persisted: %s", what, rt.namespace, rt.name, e)
+            return _error(503, "Unavailable", f"state not persisted, retry: {e}")
+
     async def post_steps(request: web.Request) -> web.StreamResponse:
         rt = await within(authorize(request), jobs.settings.report_write_timeout_seconds,
                           "return the job")
@@ -337,36 +371,9 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
                 rt.keep_controller(acc.controller)
                 return acc
 
-        try:
-            # Bounded, the lock's wait included (a pass's write may hold it): an answer, 503
-            # at worst, well before this replica would give up a Lease it cannot renew and
-            # close the connection unanswered.
-            acc = await within(persist(), jobs.settings.report_write_timeout_seconds,
-                               "confirm the new state")
-        except reports.ReportRejected as e:
-            return _error(422, e.reason, e.message)
-        except reports.JobSuspended as e:
-            return _error(409, e.reason, e.message)
-        except reports.StateUnreadable as e:
-            return _state_unreadable(rt, e)
-        except JobGone:
-            jobs.forget(rt.namespace, rt.name)
-            return _error(404, "NotFound", f"rltrainingjob {rt.namespace}/{rt.name} not found")
-        except ManifestError as e:
-            return _error(422, "InvalidSpec", str(e))
-        except ApiError as e:
-            if e.status in (400, 422):
-                # The API server refused the new status itself (invalid, not unavailable):
-                # it would refuse it again on every retry of this report.
-                log.warning("report for %s/%s refused by the API server: %s", rt.namespace,
-                            rt.name, e)
-                return _error(422, "StatusRejected",
-                              f"the API server refused the status this report makes: {e}")
-            log.warning("report for %s/%s not persisted: %s", rt.namespace, rt.name, e)
-            return _error(503, "Unavailable", f"state not persisted, retry: {e}")
-        except (ConflictLoop, OSError) as e:
-            log.warning("report for %s/%s not persisted: %s", rt.namespace, rt.name, e)
-            return _error(503, "Unavailable", f"state not persisted, retry: {e}")
+        acc = await committed(rt, persist, "report")
+        if isinstance(acc, web.Response):
+            return acc
         if acc.new:
             lab = (rt.namespace, rt.name)
             metrics.steps.labels(*lab).inc()
@@ -402,21 +409,9 @@ def report_app(jobs: Jobs, leader: LeaderState, metrics: Metrics) -> web.Applica
                 return await jobs.commit(rt, lambda spec, st: reports.accept_release(
                     spec, st, req, now, rt.peek_controller(st.controller_state)))
 
-        try:
-            acc = await within(persist(), jobs.settings.report_write_timeout_seconds,
-                               "confirm the new state")
-        except reports.ReportRejected as e:
-            return _error(422, e.reason, e.message)
-        except reports.StateUnreadable as e:
-            return _state_unreadable(rt, e)
-        except JobGone:
-            jobs.forget(rt.namespace, rt.name)
-            return _error(404, "NotFound", f"rltrainingjob {rt.namespace}/{rt.name} not found")
-        except ManifestError as e:  # the spec turned invalid since the check above
-            return _error(422, "InvalidSpec", str(e))
-        except (ApiError, ConflictLoop, OSError) as e:
-            log.warning("release for %s/%s not persisted: %s", rt.namespace, rt.name, e)
-            return _error(503, "Unavailable", f"state not persisted, retry: {e}")
+        acc = await committed(rt, persist, "release")
+        if isinstance(acc, web.Response):
+            return acc
         if acc.events:
             rt.wake.set()  # the reconciler applies the smaller rollout now
             _spawn(jobs.post_events(rt, acc.events))

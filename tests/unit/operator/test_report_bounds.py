@@ -13,7 +13,13 @@ from test_reports import NS, SPEC, Env, add_job, admitted, open_env, report, run
 
 from rlpacer.api.crd import schema_violations, status_schema
 from rlpacer.api.job import parse_spec
-from rlpacer.api.protocol import LengthSummary, RoundKind, StepReport, steps_path
+from rlpacer.api.protocol import (
+    LengthSummary,
+    RoundKind,
+    StepReport,
+    release_path,
+    steps_path,
+)
 from rlpacer.api.status import RLTrainingJobStatus
 from rlpacer.control.plan import ReportRejected
 from rlpacer.operator import hosting
@@ -182,6 +188,51 @@ def test_api_server_refusing_the_status_is_422_not_503() -> None:
             env.fk.request = refuse  # type: ignore[method-assign]
             code, err = await env.post("job", report(0, g, 20))
             assert code == 422 and err["reason"] == "StatusRejected", err
+        finally:
+            await close()
+
+    run(body)
+
+
+def test_a_release_gets_the_reports_answers_when_its_status_is_not_persisted() -> None:
+    """``POST release`` shares the report's commit and its answers: the API server refusing
+    the status it makes is 422 StatusRejected (a retry would be refused again), one that is
+    unavailable is 503 (retry); neither changes the job, and the release then goes through."""
+    async def body() -> None:
+        env, close = await admitted()
+        try:
+            g = (await env.plan("job"))["groupSize"]
+            code, plan = await env.post("job", report(0, g, 20, nxt="Long"))
+            assert code == 200 and plan["roundKind"] == "Long", plan
+            before = env.status("job")
+            real = env.fk.request
+            refusal: list[ApiError] = []
+
+            async def refuse(method: str, path: str, body: Any = None, **kw: Any) -> Any:
+                if method == "PUT" and path.endswith("/status") and refusal:
+                    raise refusal[0]
+                return await real(method, path, body, **kw)
+
+            env.fk.request = refuse  # type: ignore[method-assign]
+
+            async def release() -> tuple[int, dict[str, Any]]:
+                r = await env.client.post(
+                    release_path(NS, "job"), json={"attempt": 0, "step": 1},
+                    headers={"Authorization": f"Bearer {await env.token('job')}"})
+                return r.status, await r.json()
+
+            refusal[:] = [ApiError(422, "Invalid", "status.rollout: Invalid value")]
+            code, err = await release()
+            assert code == 422 and err["reason"] == "StatusRejected", err
+            assert "this release makes" in err["message"], err
+            refusal[:] = [ApiError(503, "ServiceUnavailable", "etcd leader changed")]
+            code, err = await release()
+            assert code == 503 and err["reason"] == "Unavailable", err
+            assert env.status("job") == before
+            refusal.clear()
+            code, _ = await release()
+            assert code == 200
+            assert env.status("job")["rollout"]["desiredReplicas"] == 1
         finally:
             await close()
 
