@@ -350,3 +350,51 @@ def test_a_rollout_pod_deleted_mid_long_round_has_its_requests_redispatched(
     # the operator scaled up for the long round and back down after it
     reasons = [a["reason"] for a in status.get("scaleActions", [])]
     assert reasons[:2] == ["LongRound", "LongRoundDone"], reasons
+
+
+def test_a_long_round_gives_its_added_replica_back_to_the_real_operator(tmp_path: Path) -> None:
+    """``tailBatching.longRound.releaseWhenFits`` with the real operator (`rlpacer
+    dev-cluster`: the chart's operator, its report Service, the StatefulSet controller, every
+    pod played on a host of its own, real vLLM): the tiny job's first long round runs on
+    rollout-0 and the added rollout-1; once its unfinished requests fit on rollout-0 at the
+    load it began with, rollout-1's move there with their tokens and the driver's ``POST
+    release`` reaches the operator, which scales the rollout back then (scale action
+    LongRoundReleased, before the step's report: the report finds nothing to scale down).
+    Engine steps are 0.4 s longer (the testing setting) so the round has a tail to act in.
+    Every response of the round is answered once and the job Succeeds."""
+    d = tmp_path / "dev"
+    up = subprocess.run([str(RLPACER), "dev-cluster", "up", "--dir", str(d)],
+                        capture_output=True, text=True, timeout=400,
+                        env=dict(os.environ, RLPACER_TEST_ENGINE_STEP_SLEEP_S="0.4"))
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        kubectl = _kubectl(up.stdout)
+        job = yaml.safe_load((repo_root() / "examples" / "tiny-cluster.yaml").read_text())
+        job["spec"]["steps"] = 3  # two short rounds fill the queue: step 2 is the long one
+        job["spec"]["tailBatching"]["longRound"]["releaseWhenFits"] = True
+        _apply_job(kubectl, job)
+        status = _finished(kubectl)
+        pod = d / "pods" / NS / "pods" / "tiny-cluster-driver-0"
+        log = (pod / "log.txt").read_text(errors="replace")
+        assert status.get("summary") == "Succeeded", f"{status}\n{log[-3000:]}"
+        recs = [json.loads(x) for x in (pod / "volumes" / "checkpoints"
+                                        / "metrics-attempt0.jsonl").read_text().splitlines()]
+    finally:
+        down = subprocess.run([str(RLPACER), "dev-cluster", "down", "--dir", str(d)],
+                              capture_output=True, text=True, timeout=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+    (long,) = [r for r in recs if r["round_kind"] == "Long"]
+    print(json.dumps({k: long[k] for k in ("step", "replicas", "released_mid_round",
+                                           "seconds_rollout", "engines", "kept")}, indent=1))
+    t, *gone = long["released_mid_round"]
+    assert gone == [1] and 0 < t < long["seconds_rollout"], long["released_mid_round"]
+    by = {e["replica"]: e for e in long["engines"]}
+    assert by[1].get("released") and by[1]["responses"] > 0 and by[0]["responses"] > 0, by
+    assert by[0]["responses"] + by[1]["responses"] == long["kept"], long
+    assert "the operator scales back now" in log, log[-2000:]
+    # the operator took the release: scaled back at it, not at the step's report
+    actions = [(a["reason"], a["step"], a["fromReplicas"], a["toReplicas"])
+               for a in status.get("scaleActions", [])]
+    assert actions[:2] == [("LongRound", long["step"], 1, 2),
+                           ("LongRoundReleased", long["step"], 2, 1)], actions
+    assert ("LongRoundDone", long["step"], 2, 1) not in actions, actions
