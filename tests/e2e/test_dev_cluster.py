@@ -4,12 +4,13 @@ kubectl get rltj until Succeeded, down, and nothing left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,35 @@ def _apply_job(kubectl: Callable[..., subprocess.CompletedProcess[str]],
     assert r.returncode == 0, r.stderr
 
 
+Kubectl = Callable[..., subprocess.CompletedProcess[str]]
+DRIVER = Path(NS) / "pods" / "tiny-cluster-driver-0"  # the played driver pod, under pods/
+
+
+def _driver_records(d: Path) -> list[dict[str, Any]]:
+    """The played driver's step records (its checkpoint volume's metrics file)."""
+    path = d / "pods" / DRIVER / "volumes" / "checkpoints" / "metrics-attempt0.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def _slow_dev_cluster(tmp_path: Path) -> Iterator[tuple[Path, Kubectl]]:
+    """`rlpacer dev-cluster up` with every engine step made 0.4 s longer (the testing setting
+    ``RLPACER_TEST_ENGINE_STEP_SLEEP_S``, given to ``up``, which passes it to every played
+    pod) so a long round lasts long enough to act in; (its folder, kubectl against it); down
+    after, which must succeed."""
+    d = tmp_path / "dev"
+    up = subprocess.run([str(RLPACER), "dev-cluster", "up", "--dir", str(d)],
+                        capture_output=True, text=True, timeout=400,
+                        env=dict(os.environ, RLPACER_TEST_ENGINE_STEP_SLEEP_S="0.4"))
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        yield d, _kubectl(up.stdout)
+    finally:
+        down = subprocess.run([str(RLPACER), "dev-cluster", "down", "--dir", str(d)],
+                              capture_output=True, text=True, timeout=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
 def test_up_apply_watch_down(tmp_path: Path) -> None:
     d = tmp_path / "dev"
     up = subprocess.run([str(RLPACER), "dev-cluster", "up", "--dir", str(d)],
@@ -99,9 +129,7 @@ def test_up_apply_watch_down(tmp_path: Path) -> None:
         pods = d / "pods" / NS / "pods"
         driver_log = (pods / "tiny-cluster-driver-0" / "log.txt").read_text()
         assert "done: 5 steps" in driver_log, driver_log[-2000:]
-        recs = [json.loads(x) for x in (pods / "tiny-cluster-driver-0" / "volumes"
-                                        / "checkpoints" / "metrics-attempt0.jsonl"
-                                        ).read_text().splitlines()]
+        recs = _driver_records(d)
         assert [r["round_kind"] for r in recs] == ["Short"] * 4 + ["Long"], recs
         long, short = recs[4], recs[0]
         assert len(long["prompts"]) == 16 and long["kept"] == 16 * long["group_size"], long
@@ -293,26 +321,16 @@ def test_a_rollout_pod_deleted_mid_long_round_has_its_requests_redispatched(
         tmp_path: Path) -> None:
     """The real operator (`rlpacer dev-cluster`: API server, StatefulSet controller, the
     chart's operator, every pod played on a host of its own): the tiny job scales its rollout
-    to 2 for its first long round; every engine step is made 0.4 s longer (the testing
-    setting ``RLPACER_TEST_ENGINE_STEP_SLEEP_S``, given to ``up``, which passes it to every
-    played pod) so the round lasts long enough to act in. Once rollout-1's engine has joined
-    and the round is under way, its pod is deleted (``kubectl delete --force``): the driver
-    finds the engine dead with requests unfinished and re-dispatches them to rollout-0
-    (counted, in the step's record and the log), every response of the round is counted
-    once, and the job Succeeds."""
-    d = tmp_path / "dev"
-    up = subprocess.run([str(RLPACER), "dev-cluster", "up", "--dir", str(d)],
-                        capture_output=True, text=True, timeout=400,
-                        env=dict(os.environ, RLPACER_TEST_ENGINE_STEP_SLEEP_S="0.4"))
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
-        kubectl = _kubectl(up.stdout)
-
+    to 2 for its first long round, every engine step 0.4 s longer (``_slow_dev_cluster``).
+    Once rollout-1's engine has joined and the round is under way, its pod is deleted
+    (``kubectl delete --force``): the driver finds the engine dead with requests unfinished
+    and re-dispatches them to rollout-0 (counted, in the step's record and the log), every
+    response of the round is counted once, and the job Succeeds."""
+    with _slow_dev_cluster(tmp_path) as (d, kubectl):
         job = yaml.safe_load((repo_root() / "examples" / "tiny-cluster.yaml").read_text())
         job["spec"]["steps"] = 4
         _apply_job(kubectl, job)
-        pod = d / "pods" / NS / "pods" / "tiny-cluster-driver-0"
-        log_path = pod / "log.txt"
+        log_path = d / "pods" / DRIVER / "log.txt"
 
         def driver_log() -> str:
             return log_path.read_text(errors="replace") if log_path.exists() else ""
@@ -330,12 +348,7 @@ def test_a_rollout_pod_deleted_mid_long_round_has_its_requests_redispatched(
         status = _finished(kubectl)
         log = driver_log()
         assert status.get("summary") == "Succeeded", f"{status}\n{log[-3000:]}"
-        recs = [json.loads(x) for x in (pod / "volumes" / "checkpoints"
-                                        / "metrics-attempt0.jsonl").read_text().splitlines()]
-    finally:
-        down = subprocess.run([str(RLPACER), "dev-cluster", "down", "--dir", str(d)],
-                              capture_output=True, text=True, timeout=300)
-    assert down.returncode == 0, down.stdout + down.stderr
+        recs = _driver_records(d)
     long = next(r for r in recs if r["round_kind"] == "Long")
     print(json.dumps({k: long[k] for k in ("step", "replicas", "engines", "kept")}, indent=1))
     dead = [e for e in long["engines"] if e.get("died")]
@@ -360,29 +373,17 @@ def test_a_long_round_gives_its_added_replica_back_to_the_real_operator(tmp_path
     load it began with, rollout-1's move there with their tokens and the driver's ``POST
     release`` reaches the operator, which scales the rollout back then (scale action
     LongRoundReleased, before the step's report: the report finds nothing to scale down).
-    Engine steps are 0.4 s longer (the testing setting) so the round has a tail to act in.
+    Engine steps are 0.4 s longer (``_slow_dev_cluster``) so the round has a tail to act in.
     Every response of the round is answered once and the job Succeeds."""
-    d = tmp_path / "dev"
-    up = subprocess.run([str(RLPACER), "dev-cluster", "up", "--dir", str(d)],
-                        capture_output=True, text=True, timeout=400,
-                        env=dict(os.environ, RLPACER_TEST_ENGINE_STEP_SLEEP_S="0.4"))
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
-        kubectl = _kubectl(up.stdout)
+    with _slow_dev_cluster(tmp_path) as (d, kubectl):
         job = yaml.safe_load((repo_root() / "examples" / "tiny-cluster.yaml").read_text())
         job["spec"]["steps"] = 3  # two short rounds fill the queue: step 2 is the long one
         job["spec"]["tailBatching"]["longRound"]["releaseWhenFits"] = True
         _apply_job(kubectl, job)
         status = _finished(kubectl)
-        pod = d / "pods" / NS / "pods" / "tiny-cluster-driver-0"
-        log = (pod / "log.txt").read_text(errors="replace")
+        log = (d / "pods" / DRIVER / "log.txt").read_text(errors="replace")
         assert status.get("summary") == "Succeeded", f"{status}\n{log[-3000:]}"
-        recs = [json.loads(x) for x in (pod / "volumes" / "checkpoints"
-                                        / "metrics-attempt0.jsonl").read_text().splitlines()]
-    finally:
-        down = subprocess.run([str(RLPACER), "dev-cluster", "down", "--dir", str(d)],
-                              capture_output=True, text=True, timeout=300)
-    assert down.returncode == 0, down.stdout + down.stderr
+        recs = _driver_records(d)
     (long,) = [r for r in recs if r["round_kind"] == "Long"]
     print(json.dumps({k: long[k] for k in ("step", "replicas", "released_mid_round",
                                            "seconds_rollout", "engines", "kept")}, indent=1))
