@@ -59,6 +59,12 @@ round's timing):
                  (``short_rounds_on_extras`` counts such rounds, ``short_round_s_saved`` their
                  rollout seconds saved).
 
+``--release-when-fits`` (``Scenario.release_when_fits``, the driver's
+``tailBatching.longRound.releaseWhenFits``): in a long round followed by a short one (as
+:func:`next_round_long_during` forecasts it, the driver's rule), elastic and early give the
+extras back as soon as the unfinished requests fit on ``engines`` (rlpacer.sim.rollout,
+``release_base``); they are held until then instead of to the step's report.
+
 Rollout GPU-seconds = sum over replicas of the time held x ``gpus_per_engine``, per trained
 prompt (every policy trains the same prompts). Without tail batching there are no long rounds
 and the operator keeps ``rollout.replicas`` (``scaler.long_replicas``): the four coincide.
@@ -326,6 +332,13 @@ class PolicyRun:
     early_held_s: float = 0.0
     """Early: seconds the extra replicas were held (requested until released)."""
     early_moved: int = 0
+    released_at: list[float] = field(default_factory=list)
+    """``release_when_fits``, elastic: per long round that gave its extras back, the fraction
+    of its rollout when it did."""
+    early_released_at: list[float] = field(default_factory=list)
+    """The same for the early set-up."""
+    moved_back: int = 0
+    early_moved_back: int = 0
     train_s: list[float] = field(default_factory=list)
     """Per step: the training seconds after the rollout (the small pool's schedule)."""
     train_s_stream: list[float] = field(default_factory=list)
@@ -470,6 +483,9 @@ class PolicyRun:
             long_rounds_joined=sum(1 for j in self.join_s if j is not None and j > 0),
             requests_moved=self.moved,
             long_rounds_waited=_waited(self.join_s, longs, extra),
+            long_rounds_released=len(self.released_at),
+            released_at_fraction=_mean_or_none(self.released_at),
+            requests_moved_back=self.moved_back,
         )
         out["early"].update(
             scale_up_s=self.scale_up_s,
@@ -481,6 +497,9 @@ class PolicyRun:
             reports_asked_early=sum(self.asked_early),
             short_rounds_on_extras=self.early_short_served,
             short_round_s_saved=self.early_short_saved_s,
+            long_rounds_released=len(self.early_released_at),
+            released_at_fraction=_mean_or_none(self.early_released_at),
+            requests_moved_back=self.early_moved_back,
         )
         for base in ("large", "small"):
             out[f"elastic_vs_{base}"] = {
@@ -549,6 +568,18 @@ def _waited(join_s: list[float | None], longs: list[bool], extra: int) -> int:
     if extra <= 0:
         return 0
     return sum(1 for j, long in zip(join_s, longs, strict=True) if long and (j is None or j > 0))
+
+
+def _mean_or_none(xs: list[float]) -> float | None:
+    return float(statistics.fmean(xs)) if xs else None
+
+
+def next_round_long_during(planner: TailBatchingPlanner, rp: RoundPlan) -> bool:
+    """During round ``rp``: whether the round after it will be long (the driver's
+    ``Driver._next_round_long``: the round's prompts leave the long queue at its commit)."""
+    left = planner.long_queue_len - (len(rp.prompts) if rp.kind is RoundKind.LONG else 0)
+    return left > 0 and (left >= planner.config.long_prompts
+                         or planner.position >= planner.num_prompts)
 
 
 def _early_targets(vs_small: dict[str, Any]) -> dict[str, Any]:
@@ -763,18 +794,28 @@ def run_policy(
         if prior is not None and pol.dispatch:
             work = [rp.responses_per_prompt * math.exp(prior.predict(p).level)
                     for p in rp.prompts]
+        # releaseWhenFits: the extras go back mid-round when the next round is short
+        release = (scn.engines if long_round and scn.release_when_fits
+                   and not next_round_long_during(planner, rp) else 0)
+        released_planner = (copy.deepcopy(planner)
+                            if release and early_since is not None and early_at <= 0.0 else None)
         oc = sim.run(planner, rp.prompts, lengths, work=work)
         oc_large = oc_elastic = oc
+        oc_released: RoundOutcome | None = None  # on every replica from the start, released
         join: float | None = None
         if long_round:
             oc_large = sim.run(large_planner, rp.prompts, lengths, long_r)
+            if released_planner is not None:
+                oc_released = sim.run(released_planner, rp.prompts, lengths, long_r,
+                                      release_base=release)
             assert held_since is not None
             join_at = held_since + scn.scale_up_s - t_elastic
             if join_at <= 0.0:
-                oc_elastic, join = oc_large, 0.0
+                oc_elastic, join = oc_released or oc_large, 0.0
             elif join_at < oc.rollout_s:
                 oc_elastic = sim.run(
-                    elastic_planner, rp.prompts, lengths, join_engines=extra, join_at=join_at
+                    elastic_planner, rp.prompts, lengths, join_engines=extra, join_at=join_at,
+                    release_base=release,
                 )
                 join = join_at
                 out.moved += oc_elastic.moved
@@ -785,13 +826,14 @@ def run_policy(
             out.early_short_saved_s += oc.rollout_s - oc_early.rollout_s
         if long_round:
             if early_at <= 0.0:  # asked at least scale_up_s ahead: there from the start
-                oc_early, join_early = oc_large, 0.0
+                oc_early, join_early = oc_released or oc_large, 0.0
             elif early_at == join:  # asked at the same report, relative to the round
                 pass
             elif early_at < oc.rollout_s:
                 assert early_planner is not None
                 oc_early = sim.run(
-                    early_planner, rp.prompts, lengths, join_engines=extra, join_at=early_at
+                    early_planner, rp.prompts, lengths, join_engines=extra, join_at=early_at,
+                    release_base=release,
                 )
                 join_early = early_at
             else:  # the round ends before they are ready
@@ -847,6 +889,17 @@ def run_policy(
             out.step_s_wide.append(oc_wide.rollout_s + rest)
             out.rollout_s_wide.append(oc_wide.rollout_s)
             out.early_hold.append(early_held)
+        if oc_elastic.released_at is not None and held_since is not None:
+            # given back mid-round (releaseWhenFits): held until then, not to the report
+            out.extra_held_s += t_elastic + oc_elastic.released_at - held_since
+            held_since = None
+            out.released_at.append(oc_elastic.released_at / oc_elastic.rollout_s)
+            out.moved_back += oc_elastic.moved_back
+        if oc_early.released_at is not None and early_since is not None:
+            out.early_held_s += t_early + oc_early.released_at - early_since
+            early_since = None
+            out.early_released_at.append(oc_early.released_at / oc_early.rollout_s)
+            out.early_moved_back += oc_early.moved_back
         t_elastic += out.step_s_elastic[-1]
         next_long = planner.next_round_kind is RoundKind.LONG
         if held_since is not None and not next_long:
@@ -933,6 +986,7 @@ def run_bench(
         "steps": scn.steps,
         "prompts_per_step": scn.prompts_per_step,
         "long_round_prompts": scn.long_round_prompts or scn.prompts_per_step,
+        "release_when_fits": scn.release_when_fits,
         "cost_profile": scn.cost_profile,
         "tail_tau": scn.tail_tau,
         "window": scn.window,
@@ -1196,6 +1250,18 @@ def format_early_table(report: dict[str, Any]) -> str:
             f"{name:<15}{cells}{ratios}{early['reports_asked_early']:>6d}{waited:>8}"
             f"{early['short_rounds_on_extras']:>7d}  {verdict}"
         )
+    if report.get("release_when_fits"):
+        lines.append("release when fits (the extras given back once the long round's unfinished"
+                     " requests fit on the short rounds' replicas, the next round short):")
+        for name, s in report["policies"].items():
+            st = s["setups"]
+            for key in ("elastic", "early"):
+                e = st[key]
+                if e["long_rounds_released"]:
+                    lines.append(
+                        f"  {name} {key}: {e['long_rounds_released']} of {s['long_rounds']}"
+                        f" long rounds, at {e['released_at_fraction']:.0%} of the round on"
+                        f" average, {e['requests_moved_back']} requests moved back")
     return "\n".join(lines)
 
 
@@ -1315,6 +1381,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         scn = scn.with_elastic(args.long_round_replicas, args.scale_up_s)
         scn = scn.with_long_round_prompts(getattr(args, "long_round_prompts", None))
+        if getattr(args, "release_when_fits", False):
+            scn = replace(scn, release_when_fits=True)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -1450,6 +1518,12 @@ def register(subparsers: Any) -> None:
         " (tailBatching.longRound.prompts, >= the scenario's prompts per step, 32); default:"
         " prompts per step. A value at least an epoch's deferred prompts runs one long round"
         " an epoch, at its end",
+    )
+    p.add_argument(
+        "--release-when-fits", action="store_true",
+        help="the elastic and early set-ups give a long round's extra replicas back once its"
+        " unfinished requests fit on the short rounds' replicas and the next round is short"
+        " (tailBatching.longRound.releaseWhenFits, the driver's rule), not at the report",
     )
     p.set_defaults(func=main)
 

@@ -20,6 +20,16 @@ Each share is taken from the engine holding the most, queued requests first (not
 then the most recently admitted running ones (the least generated, so the least to
 recompute); a moved running request is aborted on its engine and resumed on the new one with
 its generated tokens, paying their prefill again (as after a preemption: no KV transfer).
+
+**Giving the added engines back** (``release_base``, the driver's
+``tailBatching.longRound.releaseWhenFits``, ``Driver._release_if_fits``): the round's first
+``release_base`` engines are the rollout's own, the rest were added for it. After each event,
+once no join is pending and the round's unfinished requests fit on the own engines at the
+load each engine began the round with (``ceil(requests / engines)`` at the start, or
+``ceil(unfinished / engines)`` after a join), the added engines' unfinished requests move to
+the own engines, each to the least loaded (queued or running, lowest index on a tie), running
+ones with their generated tokens (their prefill paid again), and the added engines leave the
+round: their time counts in its busy fraction up to then, not after.
 """
 
 from __future__ import annotations
@@ -52,6 +62,11 @@ class RoundOutcome:
     group_done: tuple[tuple[float, int, int], ...] = ()
     """Per complete group, in completion order: (seconds into the round when its last kept
     response finished, its kept responses' tokens, their count)."""
+    released_at: float | None = None
+    """Seconds into the round when the added engines were given back (``release_base``);
+    None when they stayed to its end."""
+    moved_back: int = 0
+    """Requests moved from the added engines to the own ones at the release."""
 
 
 class _Engine:
@@ -177,6 +192,7 @@ class RoundSimulator:
         join_engines: int = 0,
         join_at: float = 0.0,
         work: list[float] | None = None,
+        release_base: int = 0,
     ) -> RoundOutcome:
         """Simulate the round ``planner`` has started. ``lengths[i][j]`` is the length of
         response j of ``prompts[i]``. Stops when the planner says the round is complete.
@@ -189,10 +205,15 @@ class RoundSimulator:
         ``work`` (length-aware dispatch): each prompt's predicted work (e.g. from a length
         prior); prompts then go, the most work first, each to the engine with the least
         predicted work so far, and queue on it in that order. None: prompt k goes to engine
-        k mod engines in the planner's order (as the driver's count-balancing does)."""
+        k mod engines in the planner's order (as the driver's count-balancing does).
+
+        ``release_base`` > 0: the added engines (all but the first ``release_base``) are given
+        back as soon as the unfinished requests fit on the first ones (module doc)."""
         n_eng = self.engines if engines is None else engines
         if join_engines < 0:
             raise ValueError(f"join_engines must be >= 0, got {join_engines}")
+        if release_base < 0:
+            raise ValueError(f"release_base must be >= 0, got {release_base}")
         pending_join = join_engines
         if pending_join and join_at <= 0.0:
             n_eng, pending_join = n_eng + join_engines, 0
@@ -288,6 +309,41 @@ class RoundSimulator:
                 admit(ne)
             return moved
 
+        # releaseWhenFits: the load an engine began the round with (after a join, the share
+        # each then held), by which the unfinished requests must fit on the own engines
+        start_load = -(-len(req_len) // len(engs))
+        gone_busy = gone_span = 0.0  # the given-back engines' share of the round
+        released_at: float | None = None
+        moved_back = 0
+
+        def release(t: float) -> int:
+            """The added engines' unfinished requests go to the own ones; they leave."""
+            nonlocal gone_busy, gone_span
+            own, extras = engs[:release_base], engs[release_base:]
+            for e in own:
+                e.advance_time(t)
+                e.waiting = deque(r for r in e.waiting if r not in dead)
+            n = 0
+            for x in extras:
+                x.advance_time(t)
+                taken = [r for r in x.waiting if r not in dead]
+                for rid in list(x.running):
+                    off = x.remove(rid)
+                    # whole tokens generated (the counter lands a hair under an integer step)
+                    req_gen[rid] = int(off + x.n + 1e-6) - plen
+                    taken.append(rid)
+                for rid in taken:
+                    di = min(range(release_base), key=lambda i: (load(own[i]), i))
+                    req_eng[rid] = di
+                    own[di].waiting.append(rid)
+                    n += 1
+                gone_busy += x.busy
+                gone_span += t - x.t0
+            del engs[release_base:]
+            for e in own:
+                admit(e)
+            return n
+
         for eng in engs:
             admit(eng)
         kept: list[int] = []
@@ -305,6 +361,7 @@ class RoundSimulator:
                 now = join_at
                 moved = join(join_at)
                 joined, pending_join = pending_join, 0
+                start_load = -(-(len(req_len) - len(dead)) // len(engs))
                 continue
             if eng.next_t == math.inf:
                 raise RuntimeError("simulated round stalled before the planner saw it complete")
@@ -345,7 +402,12 @@ class RoundSimulator:
                 break
             for i in touched:
                 admit(engs[i])
-        busy = span = 0.0
+            if (release_base and released_at is None and not pending_join
+                    and len(engs) > release_base
+                    and len(req_len) - len(dead) <= start_load * release_base):
+                released_at = now
+                moved_back = release(now)
+        busy, span = gone_busy, gone_span
         for eng in engs:
             eng.advance_time(now)
             busy += eng.busy
@@ -353,4 +415,4 @@ class RoundSimulator:
         aborted = len(req_len) - len(kept)
         frac = min(1.0, busy / span) if span > 0 else 1.0
         return RoundOutcome(now, frac, kept, aborted, preemptions, moved, joined,
-                            tuple(group_done))
+                            tuple(group_done), released_at, moved_back)

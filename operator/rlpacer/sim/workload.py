@@ -153,6 +153,10 @@ class Scenario:
     long_round_prompts: int | None = None
     """Tail batching's L, ``tailBatching.longRound.prompts``: a long round waits for and runs
     this many queued prompts (None: ``prompts_per_step``)."""
+    release_when_fits: bool = False
+    """``tailBatching.longRound.releaseWhenFits``: the elastic and early set-ups give a long
+    round's extra replicas back once its unfinished requests fit on ``engines`` (the driver's
+    rule, rlpacer.sim.rollout), when the next round is short, instead of at the report."""
     profile_override: CostProfile | None = None
     """A cost profile to use instead of ``cost_profile``'s (``rlpacer plan``: a model's)."""
 

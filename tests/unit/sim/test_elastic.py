@@ -320,3 +320,73 @@ def test_held_extras_up_at_a_short_steps_start_serve_its_round(
     zero = _setups(sweep[0.0])
     assert zero["early"]["short_rounds_on_extras"] == 0
     assert zero["early"]["short_round_s_saved"] == 0.0
+
+
+# --- releaseWhenFits --------------------------------------------------------------------------
+
+
+def test_round_simulator_gives_the_added_engine_back_once_the_rest_fits() -> None:
+    """``release_base``: one short-lived and one long response a prompt on 2 engines, the
+    second added: once the unfinished requests fit on engine 0 at the load it began with,
+    engine 1's go there with their tokens and it leaves; the round keeps every response, its
+    tail runs on one engine (no shorter than on two), and the given-back engine's idle tail
+    no longer counts in the busy fraction."""
+    lengths = [[50, 50, 50, 2000]] * 4
+    both = _round(lengths, engines=2)
+    rel = _round(lengths, engines=2, release_base=1)
+    assert rel.released_at is not None and 0.0 < rel.released_at < rel.rollout_s
+    assert rel.moved_back == 2  # engine 1's two long responses, with their tokens
+    assert sorted(rel.kept_lengths) == sorted(both.kept_lengths)
+    assert rel.rollout_s >= both.rollout_s
+    assert rel.busy_fraction > both.busy_fraction
+    assert both.released_at is None and both.moved_back == 0
+    # nothing to give back: one engine, or the own engines are all there are
+    assert _round(lengths, engines=1, release_base=1).released_at is None
+    assert _round(lengths, engines=2, release_base=2).released_at is None
+    with pytest.raises(ValueError, match="release_base"):
+        _round(lengths, release_base=-1)
+
+
+def test_a_joined_engine_is_given_back_only_after_it_joined() -> None:
+    """After a mid-round join the rule measures by the share each engine then held, and no
+    release comes while the join is pending."""
+    lengths = [[50, 50, 50, 2000]] * 4
+    alone = _round(lengths)
+    late = _round(lengths, join_engines=1, join_at=alone.rollout_s / 4, release_base=1)
+    assert late.joined == 1 and late.moved > 0
+    assert late.released_at is not None and late.released_at > alone.rollout_s / 4
+    assert sorted(late.kept_lengths) == sorted(alone.kept_lengths)
+
+
+@pytest.fixture(scope="module")
+def released() -> dict[bool, PolicyRun]:
+    return {rel: _run(dataclasses.replace(SCN, release_when_fits=rel), POL["tail8"])
+            for rel in (False, True)}
+
+
+def test_release_when_fits_holds_the_extras_less_on_the_same_schedule(
+        released: dict[bool, PolicyRun]) -> None:
+    """``rlpacer bench --release-when-fits``: the same rounds, G and kept responses; the early
+    set-up gives its extras back in long rounds (those followed by a short one) and holds
+    them fewer seconds, so its rollout GPU-seconds fall, while each long round runs no faster
+    than with the extras to its end."""
+    held, rel = released[False], released[True]
+    assert rel.kind == held.kind and rel.kept == held.kept and rel.group_size == held.group_size
+    assert rel.step_s == held.step_s  # the small pool's schedule and clock are untouched
+    n_long = len(_longs(rel))
+    st, st0 = _setups(rel), _setups(held)
+    assert 0 < st["early"]["long_rounds_released"] <= n_long
+    assert st0["early"]["long_rounds_released"] == 0
+    assert 0.0 < st["early"]["released_at_fraction"] < 1.0
+    assert st["early"]["requests_moved_back"] > 0
+    assert rel.early_held_s < held.early_held_s
+    assert st["early"]["rollout_gpu_s"] < st0["early"]["rollout_gpu_s"]
+    assert st["early"]["long_round_rollout_s"] >= st0["early"]["long_round_rollout_s"] - 1e-6
+
+
+def test_the_bench_report_says_release_when_fits() -> None:
+    scn = dataclasses.replace(scenario("default").with_steps(40), release_when_fits=True)
+    report, _ = run_bench(scn, seed=0)
+    assert report["release_when_fits"] is True
+    table = format_elastic_table(report)
+    assert "release when fits" in table and "long rounds, at" in table
