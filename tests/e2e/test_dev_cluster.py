@@ -112,13 +112,15 @@ def test_up_apply_watch_down(tmp_path: Path) -> None:
         job = yaml.safe_load((repo_root() / "examples" / "tiny-cluster.yaml").read_text())
         # short (the point is that it trains, played for real), with one long round of two
         # steps' prompts (tailBatching.longRound.prompts 16 at promptsPerStep 8: 4 deferred
-        # a short round, so step 4 is long) on the rollout's own replica, every group
-        # trained (no dynamic sampling: the report's counts are the round's 16 x G, past
-        # what a step of 8 prompts could report, which the operator must take)
+        # a short round, so step 4 is long) and 8 fresh prompts beside them (fillPrompts)
+        # on the rollout's own replica, every group trained (no dynamic sampling: the
+        # report's counts are the round's up to 24 x G, past what a step of 8 prompts could
+        # report, which the operator must take)
         spec = job["spec"]
         spec["steps"] = 5
         spec["algorithm"]["dynamicSampling"] = False
-        spec["tailBatching"]["longRound"] = {"rolloutReplicas": 1, "prompts": 16}
+        spec["tailBatching"]["longRound"] = {"rolloutReplicas": 1, "prompts": 16,
+                                             "fillPrompts": 8}
         r = kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(job))
         assert r.returncode == 0, r.stderr
         status = _finished(kubectl)
@@ -132,9 +134,15 @@ def test_up_apply_watch_down(tmp_path: Path) -> None:
         recs = _driver_records(d)
         assert [r["round_kind"] for r in recs] == ["Short"] * 4 + ["Long"], recs
         long, short = recs[4], recs[0]
-        assert len(long["prompts"]) == 16 and long["kept"] == 16 * long["group_size"], long
-        # two steps' prompts, two steps' optimizer updates
-        assert long["learner_updates"] == 2 * short["learner_updates"] > 0, long
+        # the 16 queued prompts and the fill groups done by the time theirs were, trained;
+        # the fill's others aborted (and queued)
+        fill = long["fill_kept"]
+        assert long["fill_prompts"] == 8 and 1 <= fill <= 8, long
+        assert len(long["prompts"]) == 16 + fill, long
+        assert long["kept"] == (16 + fill) * long["group_size"], long
+        assert long["aborted"] == (8 - fill) * long["group_size"], long
+        # three steps' prompts launched, three steps' optimizer updates
+        assert long["learner_updates"] == 3 * short["learner_updates"] > 0, long
         for role in ("head", "learner", "rollout"):
             assert (pods / f"tiny-cluster-{role}-0" / "log.txt").exists(), role
         r = kubectl("get", "rltj", "-n", NS)

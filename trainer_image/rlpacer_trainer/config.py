@@ -282,6 +282,7 @@ class RunConfig:
             min_yield_ratio=decimal(tb.long_round.min_yield_ratio),
             long_round_prompts=(int(tb.long_round.prompts)
                                 if tb.long_round.prompts is not None else None),
+            long_round_fill=int(tb.long_round.fill_prompts or 0),
         )
 
     @property

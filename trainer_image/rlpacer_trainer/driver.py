@@ -194,6 +194,7 @@ class Driver:
         self.release_when_fits = cfg.release_when_fits
         self._start_load = 0  # requests an engine of the round began it with, at most
         self._released_mid: list[float] = []  # [seconds into the round, replicas released]
+        self._fill: set[int] = set()  # the round's fill prompts (longRound.fillPrompts)
         #: starts the engine of replica i (on its pod); None: the engine set never changes
         self.engine_factory = engine_factory
         #: the replicas whose pods have joined the Ray cluster (their resource is offered)
@@ -388,6 +389,7 @@ class Driver:
     def run_round(self, group_size: int) -> RoundOutcome:
         route = self._route if self.cfg.route_quantile is not None else None
         plan = self.planner.start_round(group_size, route=route)
+        self._fill = set(plan.fill)  # a filled long round's fresh prompts
         def rid(p: int, i: int) -> str:
             return f"r{plan.index}-p{p}-i{i}"
 
@@ -618,7 +620,7 @@ class Driver:
         defers nothing, so what follows is what the queue holds beyond them (as
         ``TailBatchingPlanner.next_round_kind`` will say then)."""
         cur = self.planner.current_round
-        left = self.planner.long_queue_len - (len(cur.prompts) if cur is not None else 0)
+        left = self.planner.long_queue_len - (len(cur.queued_prompts) if cur is not None else 0)
         return left > 0 and (left >= self.planner.config.long_prompts
                              or self.planner.position >= self.planner.num_prompts)
 
@@ -792,13 +794,14 @@ class Driver:
     # --- one step -----------------------------------------------------------------------------
     def long_round_mini_batches(self, kind: RoundKind) -> int | None:
         """The optimizer steps of the update after a round of ``kind`` that starts now: a long
-        round of more than promptsPerStep prompts (``tailBatching.longRound.prompts``) trains
-        in as many as its prompts would take in steps of promptsPerStep, ceil(prompts / P0)
-        x the learner's mini-batches, so a prompt gets as many updates whichever round it
-        runs in. None (the learner's own count) for every other round."""
+        round of more than promptsPerStep prompts (``tailBatching.longRound.prompts``, and
+        its ``fillPrompts`` as launched) trains in as many as its prompts would take in steps
+        of promptsPerStep, ceil(prompts / P0) x the learner's mini-batches, so a prompt gets
+        as many updates whichever round it runs in. None (the learner's own count) for every
+        other round."""
         if kind is not RoundKind.LONG:
             return None
-        prompts = min(self.planner.config.long_prompts, self.planner.long_queue_len)
+        prompts = len(self.planner.peek_round().prompts)
         steps = math.ceil(prompts / int(self.cfg.spec.prompts_per_step))
         if steps <= 1:
             return None
@@ -869,7 +872,7 @@ class Driver:
                     or self.planner.next_round_kind is RoundKind.LONG):
                 break
             refills += 1
-        keys = list(groups)
+        keys = keys_all = list(groups)
         group_rewards = [[k.reward for k in groups[key]] for key in keys]
         informative = algos.informative_groups(group_rewards)  # before any is dropped
         if self.cfg.dynamic_sampling:
@@ -890,7 +893,9 @@ class Driver:
         # The cost is the rounds' critical path in decode steps (a synchronous round lasts as
         # long as its longest response), not seconds: deterministic, so a resumed run retires
         # exactly what the straight run did.
-        self.planner.observe_yield(kind, len(informative), float(path_tokens))
+        # a filled long round's yield is its queued prompts' (what retirement decides on)
+        queued = [i for i in informative if keys_all[i][1] not in self._fill]
+        self.planner.observe_yield(kind, len(queued), float(path_tokens))
         retired = self.planner.retire_due_long_rounds()
         next_long = self.planner.next_round_kind is RoundKind.LONG
         forecast = self.planner.rounds_until_long()
@@ -953,6 +958,9 @@ class Driver:
             "retired_prompts": len(retired), "retired_total": self.planner.retired,
             "routed_prompts": routed, "routed_total": self.routed_total,
             "critical_path_tokens": path_tokens,
+            "fill_prompts": len(self._fill) if kind is RoundKind.LONG else 0,
+            "fill_kept": (sum(1 for key in groups if key[1] in self._fill)
+                          if kind is RoundKind.LONG else 0),
             "stream_training": stream is not None,
             "streamed_in_rollout": stream.in_rollout if stream is not None else 0,
             "seconds_train_streamed": float(stats.get("stream_s", 0.0)),

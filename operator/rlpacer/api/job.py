@@ -778,6 +778,22 @@ class LongRoundSpec(APIModel):
             " mini-batches), so updates per prompt do not change. Unset: promptsPerStep."
         ),
     )
+    fill_prompts: int | None = Field(
+        default=None, ge=0, le=1_000_000,
+        description=(
+            "Fresh prompts a long round also launches beside its queued ones (groupSize"
+            " responses each), to be generated in the engine capacity the round's tail leaves"
+            " idle: a long round lasts about as long as its longest response, while most of"
+            " its responses end early. The round still ends when its queued prompts' groups"
+            " are done; a fill prompt whose group has completed by then trains in the same"
+            " step, one that has not is aborted and queued for a later long round (as a short"
+            " round defers its slowest). Each prompt still trains once an epoch. The learner"
+            " counts fill prompts in the round's optimizer updates as it counts the queued"
+            " ones (ceil(launched prompts / promptsPerStep) x the algorithm's mini-batches)."
+            " No effect at an epoch's end (no fresh prompt left). Unset or 0: a long round"
+            " runs its queued prompts only."
+        ),
+    )
     min_yield_ratio: Annotated[Decimal, DecimalRange(0, 100)] = Field(
         default="0.25",
         description=(

@@ -24,6 +24,16 @@ trainer then splits such a round's update into as many optimizer steps as L / P0
 would have made (the trainer driver's ``long_round_mini_batches``), so updates per prompt
 are unchanged.
 
+**Filled long rounds** (``long_round_fill`` F > 0). The same fact leaves a long round's
+engines mostly idle once its short responses are done. A filled long round also launches the
+next F fresh prompts x G responses beside its queued ones, to be generated in that idle
+capacity under the same weights; the round completes when every queued prompt's group has
+(as before: it does not wait for fill), and then each fill prompt whose group has not
+completed is aborted and queued for a later long round, as a short round defers its slowest.
+Its fill groups that completed are trained in the same update as the queued ones (the trainer
+counts them in its optimizer steps as it counts the queued ones). Every prompt still trains
+exactly once an epoch; ``target_prompts`` counts the queued prompts only.
+
 Decisions taken here:
 
 * **Exactly once.** State changes only in :meth:`TailBatchingPlanner.finish_round` (the
@@ -151,6 +161,11 @@ class TailBatchingConfig:
     long_round_prompts: int | None = None
     """L: a long round waits for this many queued prompts and runs at most this many
     (>= ``prompts_per_step``; None: ``prompts_per_step``, RollPacker's long round)."""
+    long_round_fill: int = 0
+    """F: fresh prompts a long round also launches beside its queued ones, generated in the
+    engine capacity its tail leaves idle: each kept if its group completes before the queued
+    prompts' last does, deferred to the long queue otherwise (>= 0; 0: RollPacker's long
+    round, queued prompts only)."""
 
     def __post_init__(self) -> None:
         require_int("prompts_per_step", self.prompts_per_step, minimum=1)
@@ -177,6 +192,7 @@ class TailBatchingConfig:
         if self.long_round_prompts is not None:
             require_int("long_round_prompts", self.long_round_prompts,
                         minimum=self.prompts_per_step)
+        require_int("long_round_fill", self.long_round_fill, minimum=0)
 
     @property
     def long_prompts(self) -> int:
@@ -217,6 +233,18 @@ class RoundPlan:
     routed: list[int] = field(default_factory=list)
     """Fresh prompts sent straight to the long queue, never launched in this round (the
     ``route`` predicate of :meth:`TailBatchingPlanner.start_round`); queued at the commit."""
+    fill: list[int] = field(default_factory=list)
+    """A long round's fresh prompts (``long_round_fill``), the last ``len(fill)`` of
+    ``prompts``: each kept if its group completes before every queued prompt's has,
+    deferred to the long queue otherwise. ``target_prompts`` counts the queued ones only."""
+
+    @property
+    def queued_prompts(self) -> list[int]:
+        """The prompts taken from the long queue (all of a long round's but its fill; none
+        of a short round's)."""
+        if self.kind is not RoundKind.LONG:
+            return []
+        return self.prompts[: len(self.prompts) - len(self.fill)]
 
 
 @dataclass(frozen=True)
@@ -383,6 +411,8 @@ class _Round:
         self.complete_order: list[int] = []
         self.complete = False
         self.deferred: list[int] = []
+        self.fill = set(plan.fill)
+        self.queued_left = len(plan.prompts) - len(plan.fill)  # a filled long round's
 
 
 #: Short rounds whose queue growth the long-round forecast averages.
@@ -579,14 +609,16 @@ class TailBatchingPlanner:
     def _select(
         self, route: Callable[[int], bool] | None
     ) -> tuple[RoundKind, list[int], list[int], bool]:
-        """The next round's (kind, launched prompts, routed prompts, over-provisioned); reads
-        the planner only. The prompts do not depend on the round's group size."""
+        """The next round's (kind, launched prompts, routed prompts of a short round or fill
+        prompts of a long one, over-provisioned); reads the planner only. The prompts do not
+        depend on the round's group size."""
         cfg = self._cfg
         p0 = cfg.prompts_per_step
         kind = self.next_round_kind
-        if kind is RoundKind.LONG:
-            return kind, list(self._queue[: cfg.long_prompts]), [], False
         order = self._order(self._epoch)
+        if kind is RoundKind.LONG:
+            fill = [int(x) for x in order[self._position : self._position + cfg.long_round_fill]]
+            return kind, [*self._queue[: cfg.long_prompts], *fill], fill, False
         over = self.overprovision_next
         full = cfg.launched_prompts if over else p0
         launched = min(full, self._n - self._position)
@@ -640,7 +672,9 @@ class TailBatchingPlanner:
         p0 = cfg.prompts_per_step
         kind, prompts, routed, over = self._select(route)
         if kind is RoundKind.LONG:
-            plan = RoundPlan(kind, self._rounds, prompts, g, g, len(prompts), self._epoch)
+            fill = routed  # a long round's fresh prompts
+            plan = RoundPlan(kind, self._rounds, prompts, g, g, len(prompts) - len(fill),
+                             self._epoch, fill=fill)
         else:
             per_prompt = g + cfg.extra_responses if over else g
             plan = RoundPlan(
@@ -692,7 +726,12 @@ class TailBatchingPlanner:
         abort_responses = [
             (prompt_id, i) for i in range(plan.responses_per_prompt) if i not in run.finished
         ]
-        if len(rnd.complete_order) < plan.target_prompts:
+        if plan.fill:  # a filled long round ends with its queued prompts' last group
+            if prompt_id not in rnd.fill:
+                rnd.queued_left -= 1
+            if rnd.queued_left > 0:
+                return Decision(keep=True, abort_responses=abort_responses)
+        elif len(rnd.complete_order) < plan.target_prompts:
             return Decision(keep=True, abort_responses=abort_responses)
         # The round has its groups: defer every other launched prompt.
         rnd.complete = True
@@ -722,7 +761,9 @@ class TailBatchingPlanner:
         kept = {p: list(rnd.runs[p].kept) for p in rnd.complete_order}
         straggled: bool | None = None
         if plan.kind is RoundKind.LONG:
-            del self._queue[: len(plan.prompts)]
+            del self._queue[: len(plan.prompts) - len(plan.fill)]
+            self._position += len(plan.fill)
+            self._queue.extend(rnd.deferred)  # fill prompts whose groups did not complete
             self._long_rounds += 1
         else:
             self._position += len(plan.prompts) + len(plan.routed)
@@ -817,11 +858,14 @@ class TailBatchingPlanner:
         }
 
     def _config_state(self) -> dict[str, Any]:
-        """The config as stored: ``long_round_prompts`` only when set, so a state of a job
-        that leaves it unset stays readable by a trainer that predates it."""
+        """The config as stored: ``long_round_prompts`` and ``long_round_fill`` only when
+        set, so a state of a job that leaves them unset stays readable by a trainer that
+        predates them."""
         cfg = asdict(self._cfg)
         if cfg["long_round_prompts"] is None:
             del cfg["long_round_prompts"]
+        if not cfg["long_round_fill"]:
+            del cfg["long_round_fill"]
         return cfg
 
     @classmethod

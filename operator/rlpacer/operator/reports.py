@@ -313,29 +313,40 @@ def report_bounds(spec: RLTrainingJobSpec, group_size: int) -> dict[str, tuple[i
     dynamic = algorithm_knob(spec.algorithm, "dynamic_sampling")
     rounds = MAX_ROUNDS_PER_STEP if dynamic else 1
     times = f" x {rounds} rounds" if rounds > 1 else ""
-    # a long round runs up to longRound.prompts prompts (promptsPerStep unset), all kept
+    # a long round runs up to longRound.prompts prompts (promptsPerStep unset), all kept,
+    # and up to longRound.fillPrompts fresh ones beside them
     lr = tb.long_round
     long_p = max(p0, lr.prompts or p0) if tb.enabled else p0
+    fill = int(lr.fill_prompts or 0) if tb.enabled else 0
     trained, trained_why = (
         (long_p, f"spec.tailBatching.longRound.prompts {long_p}") if long_p > p0
         else (p0, f"spec.promptsPerStep {p0}"))
+    if fill and long_p + fill > trained:
+        trained, trained_why = (long_p + fill, f"a long round's prompts {long_p} +"
+                                f" spec.tailBatching.longRound.fillPrompts {fill}")
     # the queue before a long round: up to long_p - 1 prompts, plus what a short round adds
     # (its deferred prompts, and as many routed ones with the length prior's routing), for
     # the round itself and each short round run in a held long round's place
     per_round = (launched - p0) * (2 if tb.length_prior is not None
                                    and tb.length_prior.route else 1)
-    queued = long_p + (1 + lr.max_deferred_rounds) * per_round
+    # (a filled long round queues the fill prompts it aborts)
+    queued = long_p + (1 + lr.max_deferred_rounds) * per_round + fill
+    aborted, aborted_why = (
+        launched * per_prompt,
+        f"ceil(promptOverprovision x promptsPerStep) {launched} x (groupSize"
+        f" + extraResponsesPerPrompt) {per_prompt}")
+    if fill * group_size > aborted:
+        aborted, aborted_why = (fill * group_size, f"spec.tailBatching.longRound.fillPrompts"
+                                f" {fill} x groupSize {group_size}")
     return {
         "lengths.max": (spec.rollout.max_response_tokens, "spec.rollout.maxResponseTokens"),
         "lengths.count": (group_size * trained * rounds,
                           f"groupSize {group_size} x {trained_why}{times}"),
-        "lengths.aborted": (
-            launched * per_prompt * rounds,
-            f"ceil(promptOverprovision x promptsPerStep) {launched} x (groupSize"
-            f" + extraResponsesPerPrompt) {per_prompt}{times}"),
+        "lengths.aborted": (aborted * rounds, f"{aborted_why}{times}"),
         "longQueue": (queued * rounds,
                       f"a long round's prompts {long_p} + {1 + lr.max_deferred_rounds} short"
-                      f" round(s) x {per_round} deferred or routed{times}"),
+                      f" round(s) x {per_round} deferred or routed"
+                      + (f" + fillPrompts {fill}" if fill else "") + times),
     }
 
 

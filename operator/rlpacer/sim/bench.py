@@ -59,6 +59,11 @@ round's timing):
                  (``short_rounds_on_extras`` counts such rounds, ``short_round_s_saved`` their
                  rollout seconds saved).
 
+``--long-round-fill F`` (``Scenario.long_round_fill``, ``tailBatching.longRound.fillPrompts``):
+each long round also launches the next F fresh prompts (rlpacer.control.tail_batching: filled
+long rounds); a filled long round races its fill, so the large, elastic, early and wide
+set-ups time the same round but may keep other fill groups than the small pool's schedule.
+
 ``--release-when-fits`` (``Scenario.release_when_fits``, the driver's
 ``tailBatching.longRound.releaseWhenFits``): in a long round followed by a short one (as
 :func:`next_round_long_during` forecasts it, the driver's rule), elastic and early give the
@@ -680,6 +685,7 @@ def job_run_parts(scn: Scenario, pol: Policy, seed: int,
             extra_responses=scn.extra_responses,
             enabled=pol.tail,
             long_round_prompts=scn.long_round_prompts if pol.tail else None,
+            long_round_fill=scn.long_round_fill if pol.tail else 0,
         ),
         num_prompts=wl.num_prompts,
         seed=seed,
@@ -840,14 +846,16 @@ def run_policy(
                 oc_early, join_early = oc, None
             if join_early is not None and join_early > 0:
                 out.early_moved += oc_early.moved
+            # (a filled long round races its fill against its queued prompts: another pool
+            # may keep other fill groups; the schedule stays the small pool's, timed there)
             for other in (oc_large, oc_elastic, oc_early):
-                if sorted(other.kept_lengths) != sorted(oc.kept_lengths):
+                if not rp.fill and sorted(other.kept_lengths) != sorted(oc.kept_lengths):
                     raise RuntimeError("a long round kept different responses on another pool")
         oc_wide = oc
         if wide_planner is not None:
             assert wide_sim is not None
             oc_wide = wide_sim.run(wide_planner, rp.prompts, lengths)
-            if sorted(oc_wide.kept_lengths) != sorted(oc.kept_lengths):
+            if not rp.fill and sorted(oc_wide.kept_lengths) != sorted(oc.kept_lengths):
                 raise RuntimeError("a long round kept different responses on wide engines")
         res = planner.finish_round()
         if prior is not None:
@@ -987,6 +995,7 @@ def run_bench(
         "prompts_per_step": scn.prompts_per_step,
         "long_round_prompts": scn.long_round_prompts or scn.prompts_per_step,
         "release_when_fits": scn.release_when_fits,
+        "long_round_fill": scn.long_round_fill,
         "cost_profile": scn.cost_profile,
         "tail_tau": scn.tail_tau,
         "window": scn.window,
@@ -1059,7 +1068,11 @@ def format_table(report: dict[str, Any]) -> str:
         f"cost profile {report['cost_profile']}, seed {report['seed']},"
         f" {report['policies']['fixed16']['steps']} fixed16 steps x"
         f" {report['prompts_per_step']} prompts; tau={report['tau']:g}"
-        f" delta={report['delta']:g}",
+        f" delta={report['delta']:g}"
+        + (f"; long rounds of {report['long_round_prompts']} queued prompts"
+           if report.get("long_round_prompts", report["prompts_per_step"])
+           != report["prompts_per_step"] else "")
+        + (f" + {report['long_round_fill']} fill" if report.get("long_round_fill") else ""),
         head,
         "-" * len(head),
     ]
@@ -1383,6 +1396,7 @@ def main(args: argparse.Namespace) -> int:
         scn = scn.with_long_round_prompts(getattr(args, "long_round_prompts", None))
         if getattr(args, "release_when_fits", False):
             scn = replace(scn, release_when_fits=True)
+        scn = scn.with_long_round_fill(getattr(args, "long_round_fill", 0) or 0)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -1518,6 +1532,12 @@ def register(subparsers: Any) -> None:
         " (tailBatching.longRound.prompts, >= the scenario's prompts per step, 32); default:"
         " prompts per step. A value at least an epoch's deferred prompts runs one long round"
         " an epoch, at its end",
+    )
+    p.add_argument(
+        "--long-round-fill", type=int, default=0, metavar="F",
+        help="each long round also launches the next F fresh prompts beside its queued ones"
+        " (tailBatching.longRound.fillPrompts): kept if their groups complete before the"
+        " queued prompts' last, deferred otherwise; default 0",
     )
     p.add_argument(
         "--release-when-fits", action="store_true",

@@ -48,6 +48,11 @@ from rlpacer.sim.workload import scenario
 H100_BYTES = 80e9
 
 
+#: ``rlpacer plan`` also tries each long-round size with this many steps' fresh prompts
+#: beside its queued ones (``tailBatching.longRound.fillPrompts``)
+FILL_STEPS = 8
+
+
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -201,25 +206,27 @@ def make_plan(
     near = [o for o in options if o["wall_clock_h"] <= max_slowdown * fastest]
     best = min(near, key=lambda o: (o["job_gpu_h"], o["wall_clock_h"]))
     # the long round's size, on the advised replicas: 1, 2, 4 steps' prompts, and every
-    # prompt of an epoch (so one long round an epoch, of what it deferred)
+    # prompt of an epoch (so one long round an epoch, of what it deferred), each without and
+    # with 8 steps' fresh prompts beside them (filled long rounds)
     p0 = scn.prompts_per_step
     sizes = sorted({min(k * p0, wl.num_prompts) for k in (1, 2, 4)} | {max(p0, wl.num_prompts)})
+    fills = (0, FILL_STEPS * p0)
     short, long = best["rollout_replicas"], best["long_round_replicas"]
     base_wall = best["fixed16_wall_clock_h"] * 3600
     long_rounds = []
-    for size in sizes:
+    for size, fill in ((s, f) for s in sizes for f in fills):
         run = run_policy(
             replace(scn, engines=short, long_round_engines=long, tail_tau=tau or scn.tail_tau,
-                    long_round_prompts=size),
+                    long_round_prompts=size, long_round_fill=fill),
             Policy("sagc_tail", GroupControlMode.SAGC, None, True), seed, wl)
         kind = "elastic" if long > short else "small"
         wall = run.setups()[kind]["wall_clock_s"]
         long_rounds.append({
-            "prompts": size, "long_rounds": run.kind.count("Long"),
+            "prompts": size, "fill": fill, "long_rounds": run.kind.count("Long"),
             "wall_clock_h": wall / 3600, "speedup_vs_fixed16": base_wall / wall,
             "step_s_p95": float(sorted(run.step_s)[int(0.95 * (len(run.step_s) - 1))]),
         })
-    size_best = min(long_rounds, key=lambda o: (o["wall_clock_h"], o["prompts"]))
+    size_best = min(long_rounds, key=lambda o: (o["wall_clock_h"], o["prompts"], o["fill"]))
     return {
         "trace": trace.name, "model": model.name, "tp": tp, "nodes": nodes,
         "gpus_per_node": gpus_per_node, "trainer_gpus": trainer_gpus,
@@ -307,14 +314,19 @@ def format_plan(p: dict[str, Any]) -> str:
                  " option's wall clock; job GPU-hours count the trainer's GPUs all run)")
     a, lr = p["advised"], p["advised_long_round"]
     lines += ["", f"long-round size on the advised replicas ({a['rollout_replicas']},"
-              f" {a['long_round_replicas']} for long rounds; tailBatching.longRound.prompts):",
-              f"{'prompts':>9}{'long rounds':>13}{'wall':>9}{'vs fixed16':>12}{'p95 step':>10}"]
+              f" {a['long_round_replicas']} for long rounds; tailBatching.longRound.prompts,"
+              " fillPrompts):",
+              f"{'prompts':>9}{'fill':>6}{'long rounds':>13}{'wall':>9}{'vs fixed16':>12}"
+              f"{'p95 step':>10}"]
     for o in p["long_round_sizes"]:
         mark = "  <- advised" if o is lr else ""
-        lines.append(f"{o['prompts']:>9}{o['long_rounds']:>13}{o['wall_clock_h']:>8.2f}h"
-                     f"{o['speedup_vs_fixed16']:>11.2f}x{o['step_s_p95']:>9.0f}s{mark}")
+        lines.append(f"{o['prompts']:>9}{o.get('fill', 0):>6}{o['long_rounds']:>13}"
+                     f"{o['wall_clock_h']:>8.2f}h{o['speedup_vs_fixed16']:>11.2f}x"
+                     f"{o['step_s_p95']:>9.0f}s{mark}")
     peak = p["trainer_gpus"] + a["long_round_replicas"] * p["tp"]
     size = (f", prompts: {lr['prompts']}" if lr["prompts"] != p["prompts_per_step"] else "")
+    if lr.get("fill"):
+        size += f", fillPrompts: {lr['fill']}"
     lines += ["", "job (RLTrainingJob spec):",
               f"  rollout: {{replicas: {a['rollout_replicas']}, gpusPerReplica: {p['tp']},"
               f" tensorParallelSize: {p['tp']}}}",

@@ -153,6 +153,9 @@ class Scenario:
     long_round_prompts: int | None = None
     """Tail batching's L, ``tailBatching.longRound.prompts``: a long round waits for and runs
     this many queued prompts (None: ``prompts_per_step``)."""
+    long_round_fill: int = 0
+    """Tail batching's F, ``tailBatching.longRound.fillPrompts``: fresh prompts a long round
+    launches beside its queued ones (rlpacer.control.tail_batching: filled long rounds)."""
     release_when_fits: bool = False
     """``tailBatching.longRound.releaseWhenFits``: the elastic and early set-ups give a long
     round's extra replicas back once its unfinished requests fit on ``engines`` (the driver's
@@ -169,6 +172,12 @@ class Scenario:
             raise ValueError(f"long-round prompts must be >= prompts per step"
                              f" ({self.prompts_per_step}), got {prompts}")
         return replace(self, long_round_prompts=prompts)
+
+    def with_long_round_fill(self, fill: int) -> Scenario:
+        """This scenario with long rounds that also launch ``fill`` fresh prompts (>= 0)."""
+        if isinstance(fill, bool) or not isinstance(fill, int) or fill < 0:
+            raise ValueError(f"long-round fill must be a prompt count >= 0, got {fill!r}")
+        return replace(self, long_round_fill=fill)
 
     def with_elastic(
         self, long_round_engines: int | None = None, scale_up_s: float | None = None

@@ -95,6 +95,8 @@ def train_all(
         ({"enabled": 1}, "enabled"),
         ({"prompts_per_step": 8, "long_round_prompts": 7}, "long_round_prompts"),
         ({"long_round_prompts": 64.0}, "long_round_prompts"),
+        ({"long_round_fill": -1}, "long_round_fill"),
+        ({"long_round_fill": 2.0}, "long_round_fill"),
     ],
 )
 def test_bad_config(kwargs: dict[str, Any], field: str) -> None:
@@ -454,3 +456,75 @@ def test_defer_long_round_only_applies_to_a_due_long_round_between_rounds() -> N
     planner.start_round(2)
     planner.abort_round()  # an aborted round drops the deferral with it
     assert planner.next_round_kind is RoundKind.LONG
+
+
+# --- filled long rounds ---------------------------------------------------------------------
+def _fill_cfg(**kw: Any) -> TailBatchingConfig:
+    return TailBatchingConfig(prompts_per_step=4, prompt_overprovision=1.25, extra_responses=1,
+                              long_round_fill=6, **kw)
+
+
+def test_a_filled_long_round_launches_the_next_fresh_prompts_and_ends_with_its_queued_ones(
+) -> None:
+    """F = 6: the long round launches its 4 queued prompts and the epoch's next 6 fresh ones;
+    it completes when the queued prompts' groups have (whatever the fill's state), the fill
+    groups complete by then are kept, the others aborted and queued; the data position moves
+    past the fill."""
+    planner = TailBatchingPlanner(_fill_cfg(), num_prompts=200, seed=3)
+    rng = random.Random(1)
+    while planner.next_round_kind is RoundKind.SHORT:
+        run_round(planner, 2, rng)
+    queue, pos = planner.long_queue, planner.position
+    order = planner.epoch_order(0)
+    plan = planner.start_round(2)
+    assert plan.kind is RoundKind.LONG and plan.queued_prompts == queue[:4]
+    assert plan.fill == order[pos:pos + 6] and plan.prompts == [*queue[:4], *plan.fill]
+    assert plan.target_prompts == 4 and plan.responses_per_prompt == 2
+    # fill 0 and 1 finish first, then the queued prompts; the rest of the fill is slower
+    f = plan.fill
+    order_ = [(f[0], 0), (f[0], 1), (f[1], 0), (f[1], 1), (f[2], 0)]
+    order_ += [(q, i) for q in plan.queued_prompts for i in (0, 1)]
+    decisions = [planner.on_response_finished(p, i) for p, i in order_]
+    assert all(d.keep for d in decisions)
+    assert [d.round_complete for d in decisions] == [False] * (len(order_) - 1) + [True]
+    assert sorted(decisions[-1].abort_prompts) == sorted(f[2:])
+    # a fill response finishing after the round completed is discarded
+    assert not planner.on_response_finished(f[3], 0).keep
+    res = planner.finish_round()
+    assert sorted(res.kept) == sorted([*plan.queued_prompts, f[0], f[1]])
+    assert sorted(res.deferred) == sorted(f[2:])
+    assert res.aborted_responses == 2 * 4 + 0  # the 4 deferred fill prompts' 2 responses each
+    assert planner.long_queue == [*queue[4:], *res.deferred]
+    assert planner.position == pos + 6 and planner.consumed == 4 * 4 + 6
+
+
+def test_filled_long_rounds_train_every_prompt_once_an_epoch_under_aborts() -> None:
+    planner = TailBatchingPlanner(_fill_cfg(), num_prompts=60, seed=2, epochs=3)
+    trained, kinds = train_all(planner, 3, seed=7, abort_prob=0.2)
+    assert set(trained) == {(e, p) for e in range(3) for p in range(60)}
+    assert set(trained.values()) == {1}
+    plain = TailBatchingPlanner(TailBatchingConfig(prompts_per_step=4, prompt_overprovision=1.25,
+                                                   extra_responses=1), 60, seed=2, epochs=3)
+    _, plain_kinds = train_all(plain, 3, seed=7, abort_prob=0.2)
+    # the fill trains fresh prompts in the long rounds: fewer rounds for the same prompts
+    assert len(kinds) < len(plain_kinds)
+
+
+def test_no_fill_once_the_epochs_fresh_prompts_are_gone() -> None:
+    planner = TailBatchingPlanner(_fill_cfg(long_round_prompts=1000), num_prompts=40, seed=0)
+    rng = random.Random(2)
+    while planner.next_round_kind is RoundKind.SHORT:
+        run_round(planner, 2, rng)
+    assert planner.position == 40  # the flush: one long round at the epoch's end
+    plan = planner.start_round(2)
+    assert plan.kind is RoundKind.LONG and plan.fill == [] and plan.target_prompts == len(
+        plan.prompts)
+
+
+def test_state_keeps_long_round_fill_only_when_set() -> None:
+    plain = TailBatchingPlanner(TailBatchingConfig(prompts_per_step=4), 20)
+    assert "long_round_fill" not in plain.state_dict()["config"]  # older trainers read it
+    filled = TailBatchingPlanner(_fill_cfg(), 20)
+    state = json.loads(json.dumps(filled.state_dict()))
+    assert state["config"]["long_round_fill"] == 6
+    assert TailBatchingPlanner.from_state_dict(state).config.long_round_fill == 6

@@ -165,6 +165,7 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "tailBatching.longRound.joinMidRound": (True, None),
     "tailBatching.longRound.releaseWhenFits": (True, None),
     "tailBatching.longRound.prompts": (16, None),  # promptsPerStep 8: long rounds of 16
+    "tailBatching.longRound.fillPrompts": (8, None),  # the planner's long_round_fill
     # a long round's extra replica: a 4-GPU engine in a StatefulSet of its own, not a 2-GPU one
     "tailBatching.longRound.tensorParallelSize": (4, {
         "rollout": {"gpusPerReplica": 2, "tensorParallelSize": 2},

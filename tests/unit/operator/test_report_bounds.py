@@ -270,3 +270,30 @@ def test_long_round_prompts_below_a_step_are_refused_naming_the_field() -> None:
     with pytest.raises(Exception, match=r"tailBatching.longRound.prompts must be >="
                                         r" promptsPerStep \(3 < 4\)"):
         parse_spec(bad)
+
+
+def test_filled_long_rounds_are_within_the_bounds_and_no_further() -> None:
+    """tailBatching.longRound.fillPrompts F: a long round keeps up to (its queued prompts + F)
+    x G responses, aborts up to F x G (the fill it defers), and queues the fill it defers;
+    one more of each is refused naming the field."""
+    base = {**SPEC, "promptsPerStep": 4}  # eta 1.25: 5 launched, 1 deferred a round
+    filled = {**base, "tailBatching": {"longRound": {"rolloutReplicas": 3, "fillPrompts": 8}}}
+    spec = parse_spec(filled)
+    check_report(spec, _long_report(filled, 4 * (4 + 8), 5 + 8))
+    with pytest.raises(ReportRejected) as err:
+        check_report(spec, _long_report(filled, 4 * 12 + 1, 0))
+    assert ("exceeds 48 (groupSize 4 x a long round's prompts 4 +"
+            " spec.tailBatching.longRound.fillPrompts 8)") in str(err.value)
+    with pytest.raises(ReportRejected, match=r"longQueue 14 exceeds 13 .*fillPrompts 8"):
+        check_report(spec, _long_report(filled, 48, 14))
+    aborted = StepReport(attempt=0, step=0, group_size=4, round_kind=RoundKind.LONG,
+                         lengths=LengthSummary(max=90, median=30.0, p90=80.0, count=16,
+                                               aborted=32), long_queue=8)
+    check_report(spec, aborted)  # 8 fill prompts x G 4 deferred (above a short round's 25)
+    with pytest.raises(ReportRejected, match=r"aborted 33 exceeds 32 \(spec.tailBatching"
+                                             r".longRound.fillPrompts 8 x groupSize 4\)"):
+        check_report(spec, aborted.model_copy(update={"lengths": aborted.lengths.model_copy(
+            update={"aborted": 33})}))
+    # without the field, the same report's fill is refused
+    with pytest.raises(ReportRejected):
+        check_report(parse_spec(base), _long_report(base, 48, 5))

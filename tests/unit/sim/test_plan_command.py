@@ -77,15 +77,21 @@ def test_cli_prints_the_plan_and_calls_out_an_infeasible_policy(
     assert plan["max_rollout_replicas"] == 4 and plan["tp"] == 4
     assert plan["straggler_rates"]["4"]["4"] > 0.9  # DAPO's plain rounds straggle at tau 4
     assert all(o["speedup_vs_fixed16"] > 1.5 for o in plan["options"])
-    # the long round's size: on DAPO fewer, larger long rounds are faster, and advised
-    sizes = {o["prompts"]: o for o in plan["long_round_sizes"]}
+    # the long round's size: on DAPO fewer, larger long rounds are faster; filling them with
+    # 8 steps' fresh prompts faster still where fresh prompts are left (mid-epoch)
+    sizes = {o["prompts"]: o for o in plan["long_round_sizes"] if o["fill"] == 0}
+    filled = {o["prompts"]: o for o in plan["long_round_sizes"] if o["fill"] == 256}
     assert sorted(sizes)[:3] == [32, 64, 128] and max(sizes) == 576  # one an epoch
+    assert sorted(filled) == sorted(sizes)
+    assert sizes[64]["long_rounds"] < sizes[32]["long_rounds"]
+    assert sizes[64]["wall_clock_h"] < sizes[32]["wall_clock_h"]
+    assert filled[64]["wall_clock_h"] < sizes[64]["wall_clock_h"]
     best = plan["advised_long_round"]
-    assert best["prompts"] > 32 and best["long_rounds"] < sizes[32]["long_rounds"]
-    assert best["wall_clock_h"] < sizes[32]["wall_clock_h"]
+    assert best["wall_clock_h"] == min(o["wall_clock_h"] for o in plan["long_round_sizes"])
+    assert best["prompts"] > 32 and best["fill"] == 256
     assert "long-round size on the advised replicas" in text
     assert f"longRound: {{rolloutReplicas: {plan['advised']['long_round_replicas']}," \
-           f" prompts: {best['prompts']}}}" in text
+           f" prompts: {best['prompts']}, fillPrompts: 256}}" in text
 
 
 @pytest.mark.parametrize(

@@ -316,3 +316,29 @@ def test_cli_refuses_long_rounds_smaller_than_a_step(capsys: pytest.CaptureFixtu
     assert main(["bench", "--long-round-prompts", "16"]) == 2
     assert "long-round prompts must be >= prompts per step (32), got 16" in (
         capsys.readouterr().err)
+
+
+def test_filled_long_rounds_beat_larger_ones_on_the_dapo_trace() -> None:
+    """``--long-round-fill``: long rounds of 64 queued prompts that also launch 256 fresh
+    ones train the same prompts faster than long rounds of 64 alone (2.80x) and than the best
+    long rounds without fill (128 prompts, one an epoch: 3.11x), in fewer steps; the fill
+    changes nothing without tail batching."""
+    trace = load_trace(DAPO)
+    scn = scenario("default").with_long_round_prompts(64)
+    plain, _ = run_bench(scn, seed=0, trace=trace)
+    filled, _ = run_bench(scn.with_long_round_fill(256), seed=0, trace=trace)
+    p, f = plain["policies"]["sagc_tail"], filled["policies"]["sagc_tail"]
+    assert filled["long_round_fill"] == 256 and plain["long_round_fill"] == 0
+    assert p["prompts_trained"] == f["prompts_trained"] == filled["policies"]["fixed16"][
+        "prompts_trained"]
+    assert f["steps"] < p["steps"]
+    assert p["speedup_vs_fixed16"] < 2.9
+    assert f["speedup_vs_fixed16"] >= 3.4, f["speedup_vs_fixed16"]
+    assert f["bubble_fraction"] < p["bubble_fraction"]
+    assert filled["policies"]["fixed16"]["wall_clock_s"] == plain["policies"]["fixed16"][
+        "wall_clock_s"]
+
+
+def test_cli_refuses_a_negative_fill(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--long-round-fill", "-1"]) == 2
+    assert "long-round fill must be a prompt count >= 0, got -1" in capsys.readouterr().err

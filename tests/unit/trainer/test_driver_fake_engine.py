@@ -1073,6 +1073,45 @@ def test_a_long_round_gives_its_added_replica_back_once_the_rest_fits() -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_filled_long_rounds_train_fresh_prompts_beside_the_queued_ones(stream: bool) -> None:
+    """``tailBatching.longRound.fillPrompts`` 4 at promptsPerStep 4: each long round launches
+    its 4 queued prompts and the next 4 fresh ones; the fill groups done by the time the
+    queued ones are train in that step (the learner's updates for 8 prompts, as launched),
+    the rest are aborted and queued; no prompt trains twice in an epoch, and the job covers
+    its prompts in fewer steps than without the fill."""
+    runs = {}
+    for fill in (None, 4):
+        cfg = _cfg(steps=16, fixed_group_size=4)
+        cfg.job.spec.algorithm.dynamic_sampling = False  # every group trains: counts exact
+        cfg.job.spec.trainer.stream_training = stream
+        cfg.job.spec.tail_batching.long_round.fill_prompts = fill
+        drv = runtime.build_driver(cfg, [TailEngine()])
+        drv.run()
+        runs[fill] = drv
+    k = int(_cfg().learner_config().mini_batches)
+    recs = runs[4].records
+    longs = [r for r in recs if r["round_kind"] == "Long"]
+    assert longs, [(r["step"], r["long_queue"]) for r in recs]
+    for r in longs:
+        assert r["fill_prompts"] == 4 and 0 <= r["fill_kept"] <= 4, r
+        assert len(r["prompts"]) == 4 + r["fill_kept"] and r["kept"] == 4 * len(r["prompts"])
+        assert r["learner_updates"] == 2 * k, r  # ceil(8 launched / 4) steps' worth
+        assert r["aborted"] == 4 * (4 - r["fill_kept"]), r
+        if stream:
+            assert r["learner_streamed"] == r["learner_samples"] == r["kept"], r
+    assert sum(r["fill_kept"] for r in longs) > 0  # fill trained in the long rounds' shadow
+    for r in recs:
+        if r["round_kind"] == "Short":
+            assert r["fill_prompts"] == 0 and r["learner_updates"] == k, r
+    seen = [p for r in recs for p in r["prompts"]]
+    assert len(seen) == len(set(seen))  # 16 steps stay within the first epoch
+    plain = runs[None].records
+    assert all(r["fill_prompts"] == 0 for r in plain)
+    # the same 16 steps train more prompts with the fill
+    assert len(seen) > sum(len(r["prompts"]) for r in plain)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_long_rounds_of_more_prompts_run_them_at_once_in_as_many_updates(stream: bool) -> None:
     """``tailBatching.longRound.prompts`` 8 at promptsPerStep 4: the deferred prompts queue
     until 8 are there and one long round generates all 8 groups, trained in twice the
