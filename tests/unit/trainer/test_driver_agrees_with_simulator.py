@@ -142,12 +142,16 @@ def _recorded() -> Any:
     return length
 
 
-@pytest.mark.parametrize("engines", [1, 2, 3])
-def test_the_driver_and_the_simulator_run_a_recorded_round_alike(engines: int) -> None:
+@pytest.mark.parametrize(("engines", "fill"), [(1, None), (2, None), (3, None), (2, 4)])
+def test_the_driver_and_the_simulator_run_a_recorded_round_alike(engines: int,
+                                                                 fill: int | None) -> None:
+    """Also with ``fillPrompts`` 4 (the epoch's last fresh prompts): the long round's fill
+    groups kept, and any aborted and queued, the same on both sides."""
     cfg = RunConfig.load(EXAMPLE, steps=4)  # type: ignore[arg-type]
     cfg.job.spec.prompts_per_step = 12
     cfg.job.spec.data.num_prompts = PROMPTS
     cfg.job.spec.tail_batching.activation = TailBatchingActivation.ALWAYS
+    cfg.job.spec.tail_batching.long_round.fill_prompts = fill
     length = _recorded()
     clock = Clock()
     drv = runtime.build_driver(cfg, [RecordedEngine(clock, length, r) for r in range(engines)])
@@ -177,6 +181,10 @@ def test_the_driver_and_the_simulator_run_a_recorded_round_alike(engines: int) -
         for p, ks in out.kept.items():
             assert all(len(k.tokens) == length(p, k.idx) for k in ks)
         if out.kind is RoundKind.LONG:
+            if fill:  # the fill ran in the long round, and what of it trained agrees
+                assert plan.fill and len(plan.fill) == fill
+                assert 0 < len(set(plan.fill) & set(res.kept)) <= fill, res.kept
+                assert set(res.deferred) == set(plan.fill) - set(res.kept)
             break
     assert kinds.count(RoundKind.SHORT) >= 2 and kinds[-1] is RoundKind.LONG, kinds
     assert sorted(drv._served) == list(range(engines))  # every engine served responses
