@@ -213,23 +213,22 @@ class JoiningEngine(RecordedEngine):
     submit = _submit_continuing
 
 
-@pytest.mark.parametrize(("engines", "join_at"), [(1, 40), (2, 25), (2, 200)])
-def test_a_mid_round_join_moves_as_many_requests_as_the_simulators(engines: int,
-                                                                    join_at: int) -> None:
-    """``joinMidRound``: an engine usable from ``join_at`` decode steps into a long round
-    joins at the driver's next look at the plan (after the finishes of the step its clock
-    reached); joined at that point in the simulator's round too, it takes as many unfinished
-    requests from the driver's engines as the simulator's join moves (the quota: unfinished
-    over engines, rounded down), and the round keeps the same responses and lasts the same
-    steps (the shared clock: a moved response continues at the step it reached). Joined
-    later in the round (step 200) fewer are left to move, on both sides alike."""
+def _joining_driver(engines: int, join_at: int, release: bool = False
+                    ) -> tuple[Any, Clock, Any, list[int]]:
+    """The driver on ``engines`` recorded engines, ``joinMidRound`` on (and
+    ``releaseWhenFits`` with ``release``): one more engine is usable from ``join_at`` decode
+    steps into a round, up as soon as the driver asks for it. Returns the driver, the clock,
+    the recorded lengths and the steps at which the driver saw an engine join."""
     from concurrent.futures import Future
+
+    from rlpacer.api.protocol import RolloutCapacity, RolloutState
 
     cfg = RunConfig.load(EXAMPLE, steps=4)  # type: ignore[arg-type]
     cfg.job.spec.prompts_per_step = 12
     cfg.job.spec.data.num_prompts = PROMPTS
     cfg.job.spec.tail_batching.activation = TailBatchingActivation.ALWAYS
     cfg.job.spec.tail_batching.long_round.join_mid_round = True
+    cfg.job.spec.tail_batching.long_round.release_when_fits = release or None
     length = _recorded()
     clock = Clock()
 
@@ -247,11 +246,9 @@ def test_a_mid_round_join_moves_as_many_requests_as_the_simulators(engines: int,
 
     class Cap:  # the plan's capacity: the new replica usable from join_at on
         def __init__(self) -> None:
-            self.rollout = None
+            self.rollout: RolloutCapacity | None = None
 
     def plan() -> Any:
-        from rlpacer.api.protocol import RolloutCapacity, RolloutState
-
         usable = list(range(engines)) + ([engines] if clock.t >= join_at else [])
         c = Cap()
         c.rollout = RolloutCapacity(desired_replicas=engines + 1, ready_replicas=len(usable),
@@ -268,6 +265,20 @@ def test_a_mid_round_join_moves_as_many_requests_as_the_simulators(engines: int,
     drv._rebalance = seen_rebalance  # type: ignore[method-assign]
     drv._start_in_background = start_now  # type: ignore[method-assign]
     drv.controller.plan = plan  # type: ignore[method-assign]
+    return drv, clock, length, joined_at
+
+
+@pytest.mark.parametrize(("engines", "join_at"), [(1, 40), (2, 25), (2, 200)])
+def test_a_mid_round_join_moves_as_many_requests_as_the_simulators(engines: int,
+                                                                    join_at: int) -> None:
+    """``joinMidRound``: an engine usable from ``join_at`` decode steps into a long round
+    joins at the driver's next look at the plan (after the finishes of the step its clock
+    reached); joined at that point in the simulator's round too, it takes as many unfinished
+    requests from the driver's engines as the simulator's join moves (the quota: unfinished
+    over engines, rounded down), and the round keeps the same responses and lasts the same
+    steps (the shared clock: a moved response continues at the step it reached). Joined
+    later in the round (step 200) fewer are left to move, on both sides alike."""
+    drv, clock, length, joined_at = _joining_driver(engines, join_at)
     import rlpacer_trainer.driver as driver_mod
 
     mp = pytest.MonkeyPatch()
@@ -323,55 +334,14 @@ def test_a_release_gives_the_joined_engine_back_at_the_simulators_step(engines: 
     placement, each side's own); the round keeps the same responses and lasts the same
     steps. The release happens only when the next round is short, on both
     sides (``next_round_long_during``)."""
-    from concurrent.futures import Future
-
-    from rlpacer.api.protocol import RolloutCapacity, RolloutState
     from rlpacer.sim.bench import next_round_long_during
 
-    cfg = RunConfig.load(EXAMPLE, steps=4)  # type: ignore[arg-type]
-    cfg.job.spec.prompts_per_step = 12
-    cfg.job.spec.data.num_prompts = PROMPTS
-    cfg.job.spec.tail_batching.activation = TailBatchingActivation.ALWAYS
-    cfg.job.spec.tail_batching.long_round.join_mid_round = True
-    cfg.job.spec.tail_batching.long_round.release_when_fits = True
-    length = _recorded()
-    clock = Clock()
-
-    def factory(r: int) -> JoiningEngine:
-        return JoiningEngine(clock, length, r)
-
-    drv = runtime.build_driver(cfg, [JoiningEngine(clock, length, r) for r in range(engines)],
-                               engine_factory=factory, offered_replicas=lambda: {engines})
+    drv, clock, length, joined_at = _joining_driver(engines, join_at, release=True)
     assert drv.release_when_fits
-
-    def start_now(replicas: Sequence[int]) -> None:
-        for r in replicas:
-            fut: Future[Any] = Future()
-            fut.set_result(factory(r))
-            drv._joining[r] = fut
-
-    class Cap:
-        def __init__(self) -> None:
-            self.rollout = None
-
-    def plan() -> Any:
-        usable = list(range(engines)) + ([engines] if clock.t >= join_at else [])
-        c = Cap()
-        c.rollout = RolloutCapacity(desired_replicas=engines + 1, ready_replicas=len(usable),
-                                    state=RolloutState.SCALING_UP, usable_replicas=usable)
-        return c
-
-    joined_at: list[int] = []
     released_at: list[int] = []
-    rebalance, submit_moved = drv._rebalance, drv._submit_moved
     moved_back: list[int] = []
-
-    def seen_rebalance(new: Sequence[int], **kw: Any) -> None:
-        joined_at.append(clock.t)
-        rebalance(new, **kw)
-
+    submit_moved, release = drv._submit_moved, drv.controller.release
     moves: list[tuple[int, int]] = []  # (step, requests) of each move: joins and release
-    release = drv.controller.release
 
     def seen_moves(batches: dict[int, list[GenRequest]]) -> None:
         moves.append((clock.t, sum(len(b) for b in batches.values())))
@@ -382,11 +352,8 @@ def test_a_release_gives_the_joined_engine_back_at_the_simulators_step(engines: 
         moved_back.append(moves[-1][1])
         return bool(release(attempt, step))
 
-    drv._rebalance = seen_rebalance  # type: ignore[method-assign]
     drv._submit_moved = seen_moves  # type: ignore[method-assign]
     drv.controller.release = seen_release  # type: ignore[method-assign]
-    drv._start_in_background = start_now  # type: ignore[method-assign]
-    drv.controller.plan = plan  # type: ignore[method-assign]
     import rlpacer_trainer.driver as driver_mod
 
     mp = pytest.MonkeyPatch()
