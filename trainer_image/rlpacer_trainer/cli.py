@@ -47,6 +47,8 @@ def register(subparsers: Any) -> None:
                    help="fixed<N> (fixed G, no tail batching), tb<N> (fixed G, tail batching),"
                    " sagc (no tail batching), sagc_tb (the product), each with an optional"
                    " -mb<K>: the learner's mini-batches (optimizer steps) per step, default 2;"
+                   " a tb<N> or sagc_tb arm also -fill<F> (its long rounds also launch F"
+                   " fresh prompts, tailBatching.longRound.fillPrompts);"
                    " trl<N>: TRL's GRPOTrainer at G=N on the same job, for comparison (pip"
                    " install 'rlpacer[trl]'; docs/benchmarks.md); default: %(default)s")
     b.add_argument("--baseline", default="fixed16", help="the arm the others are measured"
@@ -292,6 +294,18 @@ DEFAULT_ARMS = ("fixed16", "fixed8", "sagc", "tb8", "sagc_tb")
 EQUAL_WALL_MAX_STEPS = 4
 
 
+def split_fill(name: str) -> tuple[str, int | None]:
+    """An arm's name without its optional ``-fill<F>`` suffix (tail batching's long rounds
+    also launch F fresh prompts: ``tailBatching.longRound.fillPrompts``), and F (None:
+    the manifest's)."""
+    if "-fill" not in name:
+        return name, None
+    base, f = name.rsplit("-fill", 1)
+    if not f.isdigit():
+        raise ValueError(f"unknown arm {name!r}: -fill<F> needs F >= 0 (fresh prompts)")
+    return base, int(f)
+
+
 def parse_arm(name: str) -> tuple[int | None, bool, int | None]:
     """An arm's (fixed group size, tail batching, the learner's mini-batches per step):
     fixed<N>, tb<N>, sagc, sagc_tb, each with an optional ``-mb<K>`` (K mini-batches, each an
@@ -323,8 +337,13 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         if args.baseline in trl_arms:
             raise ValueError(f"--baseline {args.baseline}: a trl<N> arm cannot be the"
                              " baseline (name one of rlpacer's arms)")
-        arms = {a: (trl_arms[a], False, None) if a in trl_arms else parse_arm(a)
-                for a in dict.fromkeys(args.arms)}
+        arms = {a: (trl_arms[a], False, None) if a in trl_arms
+                else parse_arm(split_fill(a)[0]) for a in dict.fromkeys(args.arms)}
+        fills = {a: split_fill(a)[1] for a in arms if a not in trl_arms}
+        for a, f in fills.items():
+            if f is not None and not arms[a][1]:
+                raise ValueError(f"arm {a!r}: -fill<F> fills tail batching's long rounds;"
+                                 " use it on tb<N> or sagc_tb")
         if args.baseline not in arms:
             raise ValueError(f"--baseline {args.baseline} is not one of --arms {list(arms)}")
         # the baseline first: with --equal-wall-clock the others train to its wall clock
@@ -362,6 +381,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             arm_kw = dict(kw)
             if mb is not None:
                 arm_kw["mini_batches"] = mb
+            if fills.get(arm) is not None:
+                arm_kw["long_round_fill"] = fills[arm]
             if equal and budget is not None:
                 arm_kw["steps"] = EQUAL_WALL_MAX_STEPS * base.total_steps
             cfg = RunConfig.load(args.manifest, seed=seed, fixed_group_size=fixed,

@@ -72,6 +72,7 @@ class RunConfig:
     seed: int | None = None  # override spec.data.seed (data order) and sampling seeds
     eval_prompts: int = 256
     mini_batches: int = 2
+    long_round_fill: int | None = None  # override tailBatching.longRound.fillPrompts
     warmup_updates: int = 8  # learner lr warm-up (optimizer steps; see LearnerConfig)
     lr_reference_samples: int = 256  # sqrt lr scaling below this many samples per update
     max_refill_rounds: int = 2  # dynamic sampling: extra short rounds per step at most
@@ -282,7 +283,8 @@ class RunConfig:
             min_yield_ratio=decimal(tb.long_round.min_yield_ratio),
             long_round_prompts=(int(tb.long_round.prompts)
                                 if tb.long_round.prompts is not None else None),
-            long_round_fill=int(tb.long_round.fill_prompts or 0),
+            long_round_fill=(int(self.long_round_fill) if self.long_round_fill is not None
+                             else int(tb.long_round.fill_prompts or 0)),
         )
 
     @property

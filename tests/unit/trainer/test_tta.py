@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from rlpacer_trainer import tta
-from rlpacer_trainer.cli import format_tta, parse_arm
+from rlpacer_trainer.cli import format_tta, parse_arm, split_fill
 
 pytestmark = pytest.mark.unit
 
@@ -124,6 +125,36 @@ def test_an_arms_mini_batches_reach_the_learner() -> None:
     assert RunConfig.load(example, fixed_group_size=fixed, tail_batching=tb,
                           **kw).learner_config().mini_batches == 1
     assert RunConfig.load(example).learner_config().mini_batches == 2
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    ("sagc_tb-fill64", ("sagc_tb", 64)), ("tb8-mb1-fill0", ("tb8-mb1", 0)),
+    ("sagc_tb", ("sagc_tb", None))])
+def test_an_arms_fill(name: str, want: tuple[str, int | None]) -> None:
+    assert split_fill(name) == want
+
+
+def test_a_bad_fill_is_refused() -> None:
+    with pytest.raises(ValueError, match="-fill<F> needs F >= 0"):
+        split_fill("sagc_tb-fillx")
+
+
+def test_an_arms_fill_reaches_the_planner_and_a_fill_without_tail_batching_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What bench-train loads for ``sagc_tb-fill64``: the planner's long rounds launch 64
+    fresh prompts (the manifest's value otherwise); ``fixed16-fill64`` has no long rounds to
+    fill and is refused before anything runs."""
+    from rlpacer.cli import main
+    from rlpacer_trainer.config import RunConfig
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "tiny-local.yaml"
+    assert RunConfig.load(example, long_round_fill=64).planner_config().long_round_fill == 64
+    assert RunConfig.load(example).planner_config().long_round_fill == 0
+    rc = main(["bench-train", str(example), "--arms", "fixed16", "fixed16-fill64",
+                       "--out", str(tmp_path)])
+    assert rc == 2
+    assert "arm 'fixed16-fill64': -fill<F> fills tail batching's long rounds" in (
+        capsys.readouterr().out)
 
 
 @pytest.mark.parametrize(("name", "want"), [("trl16", 16), ("trl8", 8), ("fixed16", None),
