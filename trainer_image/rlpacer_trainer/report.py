@@ -98,6 +98,10 @@ def summarize(records: Sequence[dict[str, Any]], extra: dict[str, Any]) -> dict[
         "informative_groups_long": sum(
             r.get("informative_groups", 0) for r in records if r["round_kind"] == "Long"),
         "retired_long_round_prompts": last.get("retired_total", 0),
+        # tailBatching.longRound.fillPrompts: fresh prompts the long rounds launched, and
+        # those trained in them (the rest were queued)
+        "long_round_fill_prompts": sum(r.get("fill_prompts", 0) for r in records),
+        "long_round_fill_kept": sum(r.get("fill_kept", 0) for r in records),
         "train_seconds": sum(r["seconds_train"] for r in records),
         **_stream_summary(records),
         **extra,

@@ -77,6 +77,8 @@ def test_the_plot_has_a_label_for_every_panel_and_the_summary_counts_long_rounds
     for i, r in enumerate(records):
         r["informative_groups"] = 0 if r["round_kind"] == "Long" else 3
         r["retired_total"] = i // 10 * 4
+        if r["round_kind"] == "Long":
+            r["fill_prompts"], r["fill_kept"] = 4, 3
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report.write_report(tmp_path, records, {"straggler_slo": verdict})
@@ -85,6 +87,9 @@ def test_the_plot_has_a_label_for_every_panel_and_the_summary_counts_long_rounds
     assert summary["long_round_rollout_seconds"] == 10.0 and summary["rollout_seconds"] == 30.0
     assert (summary["informative_groups_short"], summary["informative_groups_long"]) == (60, 0)
     assert summary["retired_long_round_prompts"] == 8
+    n_long = sum(r["round_kind"] == "Long" for r in records)
+    assert n_long and summary["long_round_fill_prompts"] == 4 * n_long
+    assert summary["long_round_fill_kept"] == 3 * n_long
 
 
 @pytest.mark.parametrize(("end", "n", "words"), [
