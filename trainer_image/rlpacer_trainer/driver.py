@@ -575,7 +575,7 @@ class Driver:
             return  # a wide engine is there for the round's tail: it stays to its end
         extras = [r for r in sorted(self.pool) if r not in self.base_replicas]
         base = [r for r in sorted(self.pool) if r in self.base_replicas]
-        if (not extras or not base or self._joining or self._next_round_long()
+        if (not extras or not base or self._joining or self.planner.long_round_follows()
                 or len(self._pending) > self._start_load * len(base)):
             return
         load = {r: 0 for r in base}
@@ -613,16 +613,6 @@ class Driver:
               f" {t:.1f}s into the round, {moved} requests moved back with their tokens;"
               f" the operator {'scales back now' if told else 'scales back at the report'}",
               flush=True)
-
-    def _next_round_long(self) -> bool:
-        """During a long round: whether the round after it will be long too (its replicas
-        then stay). The round's prompts leave the long queue at its commit and a long round
-        defers nothing, so what follows is what the queue holds beyond them (as
-        ``TailBatchingPlanner.next_round_kind`` will say then)."""
-        cur = self.planner.current_round
-        left = self.planner.long_queue_len - (len(cur.queued_prompts) if cur is not None else 0)
-        return left > 0 and (left >= self.planner.config.long_prompts
-                             or self.planner.position >= self.planner.num_prompts)
 
     def _gone_entry(self, r: int) -> dict[str, Any]:
         """The metrics record's entry of replica r's engine, which leaves mid-step: what it

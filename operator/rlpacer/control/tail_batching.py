@@ -689,6 +689,17 @@ class TailBatchingPlanner:
     def current_round(self) -> RoundPlan | None:
         return None if self._round is None else self._round.plan
 
+    def long_round_follows(self) -> bool:
+        """During a round: whether the round after it will be long, as far as is known now.
+        A long round's queued prompts leave the queue at its commit, so what follows is what
+        the queue holds beyond them (as :attr:`next_round_kind` will say then; a filled long
+        round's fill deferrals, not known until it ends, are not counted). Between rounds:
+        whether the next round is long. The driver keeps a long round's added replicas
+        while this holds (``releaseWhenFits``), and so does the simulator."""
+        cur = self.current_round
+        left = len(self._queue) - (len(cur.queued_prompts) if cur is not None else 0)
+        return left > 0 and (left >= self._cfg.long_prompts or self._position >= self._n)
+
     def on_response_finished(
         self, prompt_id: int, response_index: int, length: int | None = None
     ) -> Decision:

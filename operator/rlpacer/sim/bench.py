@@ -66,9 +66,9 @@ set-ups time the same round but may keep other fill groups than the small pool's
 
 ``--release-when-fits`` (``Scenario.release_when_fits``, the driver's
 ``tailBatching.longRound.releaseWhenFits``): in a long round followed by a short one (as
-:func:`next_round_long_during` forecasts it, the driver's rule), elastic and early give the
-extras back as soon as the unfinished requests fit on ``engines`` (rlpacer.sim.rollout,
-``release_base``); they are held until then instead of to the step's report.
+``TailBatchingPlanner.long_round_follows`` forecasts it, for the driver too), elastic and
+early give the extras back as soon as the unfinished requests fit on ``engines``
+(rlpacer.sim.rollout, ``release_base``); they are held until then, not to the step's report.
 
 Rollout GPU-seconds = sum over replicas of the time held x ``gpus_per_engine``, per trained
 prompt (every policy trains the same prompts). Without tail batching there are no long rounds
@@ -579,14 +579,6 @@ def _mean_or_none(xs: list[float]) -> float | None:
     return float(statistics.fmean(xs)) if xs else None
 
 
-def next_round_long_during(planner: TailBatchingPlanner, rp: RoundPlan) -> bool:
-    """During round ``rp``: whether the round after it will be long (the driver's
-    ``Driver._next_round_long``: the round's prompts leave the long queue at its commit)."""
-    left = planner.long_queue_len - (len(rp.prompts) if rp.kind is RoundKind.LONG else 0)
-    return left > 0 and (left >= planner.config.long_prompts
-                         or planner.position >= planner.num_prompts)
-
-
 def _early_targets(vs_small: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets against the small pool (None: no long rounds, not applicable)."""
     long_ratio = vs_small["long_round_rollout_ratio"]
@@ -802,7 +794,7 @@ def run_policy(
                     for p in rp.prompts]
         # releaseWhenFits: the extras go back mid-round when the next round is short
         release = (scn.engines if long_round and scn.release_when_fits
-                   and not next_round_long_during(planner, rp) else 0)
+                   and not planner.long_round_follows() else 0)
         released_planner = (copy.deepcopy(planner)
                             if release and early_since is not None and early_at <= 0.0 else None)
         oc = sim.run(planner, rp.prompts, lengths, work=work)

@@ -528,3 +528,21 @@ def test_state_keeps_long_round_fill_only_when_set() -> None:
     state = json.loads(json.dumps(filled.state_dict()))
     assert state["config"]["long_round_fill"] == 6
     assert TailBatchingPlanner.from_state_dict(state).config.long_round_fill == 6
+
+
+def test_a_long_round_follows_counts_the_queue_beyond_the_rounds_queued_prompts() -> None:
+    """``long_round_follows`` (what releaseWhenFits keeps the added replicas for), during a
+    filled long round: the queue beyond its 4 queued prompts, not beyond its 10 launched."""
+    planner = TailBatchingPlanner(_fill_cfg(), num_prompts=200, seed=3)
+    rng = random.Random(1)
+    while planner.long_queue_len < 8:  # two long rounds' worth queued
+        if planner.next_round_kind is RoundKind.LONG:
+            assert planner.long_round_follows()
+            planner.defer_long_round()
+        run_round(planner, 2, rng)
+    plan = planner.start_round(2)
+    assert plan.kind is RoundKind.LONG and len(plan.prompts) == 10
+    # 4 or more left beyond its 4 queued (counting its 10 launched would say none)
+    assert planner.long_queue_len - 10 < 4 and planner.long_round_follows()
+    feed_round(planner, rng)
+    assert planner.next_round_kind is RoundKind.LONG  # as forecast

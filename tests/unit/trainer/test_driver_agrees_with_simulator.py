@@ -333,9 +333,7 @@ def test_a_release_gives_the_joined_engine_back_at_the_simulators_step(engines: 
     round, moving back about as many unfinished requests (which ones the join moved is
     placement, each side's own); the round keeps the same responses and lasts the same
     steps. The release happens only when the next round is short, on both
-    sides (``next_round_long_during``)."""
-    from rlpacer.sim.bench import next_round_long_during
-
+    sides (``TailBatchingPlanner.long_round_follows``)."""
     drv, clock, length, joined_at = _joining_driver(engines, join_at, release=True)
     assert drv.release_when_fits
     released_at: list[int] = []
@@ -372,7 +370,7 @@ def test_a_release_gives_the_joined_engine_back_at_the_simulators_step(engines: 
                 continue
             planner = before
             plan_ = planner.start_round(g)
-            next_long = next_round_long_during(planner, plan_)
+            next_long = planner.long_round_follows()
             lengths = [[length(p, i) for i in range(plan_.responses_per_prompt)]
                        for p in plan_.prompts]
             at = joined_at[0] + 1e-6 if joined_at else float(join_at)
