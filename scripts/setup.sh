@@ -191,6 +191,9 @@ if [[ "$(cat "$LOCAL/.installed" 2>/dev/null)" != "$stamp" ]] || ! imports_here;
   echo "$stamp" > "$LOCAL/.installed"
 fi
 echo "$VENV" > "$LOCAL/.shared-env"
+# Where the shared folder was (tests read it when a checkout sits elsewhere: a clone in /tmp).
+if [[ -d "$SHARED/wheels" ]]; then (cd "$SHARED" && pwd) > "$VENV/.shared-dir"; fi
+[[ -f "$VENV/.shared-dir" ]] && cp "$VENV/.shared-dir" "$LOCAL/.shared-dir"
 imports_here || die "$LOCAL imports rlpacer or rlpacer_trainer from outside this checkout ($ROOT): remove $LOCAL and re-run"
 done_step
 [[ -z "${NO_GO:-}" ]] \

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpacer.testing.checkout import copy_checkout
+from rlpacer.testing.checkout import copy_checkout, shared_dir
 
 pytestmark = pytest.mark.setup
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ NO_NETWORK = ("unshare", "--net")
 def test_no_network_to_the_package_index(checkout: Path, tmp_path: Path) -> None:
     proc = _setup(checkout, "--python", prefix=NO_NETWORK, env={
         "RLPACER_CACHE": str(tmp_path / "cache"), "RLPACER_VENV": str(tmp_path / "venv"),
-        "RLPACER_SHARED": os.environ.get("RLPACER_SHARED", str(ROOT.parent / "shared")),
+        "RLPACER_SHARED": str(shared_dir(ROOT)),
         "PIP_RETRIES": "0",
         "PIP_TIMEOUT": "3", "PIP_NO_CACHE_DIR": "1", "PIP_FIND_LINKS": ""})
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -70,6 +70,12 @@ set-ups time the same round but may keep other fill groups than the small pool's
 early give the extras back as soon as the unfinished requests fit on ``engines``
 (rlpacer.sim.rollout, ``release_base``); they are held until then, not to the step's report.
 
+``--prompt-overprovision ETA`` and ``--extra-responses N`` (``tailBatching.promptOverprovision``
+and ``extraResponsesPerPrompt``): how many prompts and responses a short round races. Each
+tail-batching policy's ``bubble_by_round`` (and the table's "where ... bubble goes" lines)
+splits its bubble between short and long rounds: rounds, rollout seconds, bubble, idle
+engine-seconds.
+
 Rollout GPU-seconds = sum over replicas of the time held x ``gpus_per_engine``, per trained
 prompt (every policy trains the same prompts). Without tail batching there are no long rounds
 and the operator keeps ``rollout.replicas`` (``scaler.long_replicas``): the four coincide.
@@ -537,6 +543,7 @@ class PolicyRun:
             "wall_clock_s": wall,
             "straggler_rate": sum(self.straggler) / n,
             "bubble_fraction": bubble,
+            "bubble_by_round": self.bubble_by_round(),
             "mean_group_size": float(np.mean(self.group_size)),
             "responses_per_s": sum(self.kept) / wall,
             "prompts_trained": self.prompts_trained,
@@ -551,6 +558,22 @@ class PolicyRun:
             **({"length_prior": self.prior} if self.prior is not None else {}),
             "stream_training": self.stream_summary(),
         }
+
+    def bubble_by_round(self) -> dict[str, dict[str, float]]:
+        """Where the bubble goes: per round kind (short, long) its rounds, rollout seconds,
+        their bubble fraction (time-weighted as ``bubble_fraction``) and idle engine-seconds
+        (bubble x rollout seconds)."""
+        out: dict[str, dict[str, float]] = {}
+        for kind in RoundKind:
+            at = [i for i, k in enumerate(self.kind) if k == kind.value]
+            if not at:
+                continue
+            roll = float(sum(self.rollout_s[i] for i in at))
+            idle = float(sum(self.bubble[i] * self.rollout_s[i] for i in at))
+            out[kind.value.lower()] = {"rounds": len(at), "rollout_s": roll,
+                                       "bubble": idle / roll if roll > 0 else 0.0,
+                                       "idle_s": idle}
+        return out
 
     def stream_summary(self) -> dict[str, Any]:
         """The small pool's run with stream training: the same schedule, each step's
@@ -988,6 +1011,8 @@ def run_bench(
         "long_round_prompts": scn.long_round_prompts or scn.prompts_per_step,
         "release_when_fits": scn.release_when_fits,
         "long_round_fill": scn.long_round_fill,
+        "prompt_overprovision": scn.prompt_overprovision,
+        "extra_responses": scn.extra_responses,
         "cost_profile": scn.cost_profile,
         "tail_tau": scn.tail_tau,
         "window": scn.window,
@@ -1064,7 +1089,9 @@ def format_table(report: dict[str, Any]) -> str:
         + (f"; long rounds of {report['long_round_prompts']} queued prompts"
            if report.get("long_round_prompts", report["prompts_per_step"])
            != report["prompts_per_step"] else "")
-        + (f" + {report['long_round_fill']} fill" if report.get("long_round_fill") else ""),
+        + (f" + {report['long_round_fill']} fill" if report.get("long_round_fill") else "")
+        + (f"; short rounds race ceil({report['prompt_overprovision']:g} x P0) prompts x"
+           f" (G + {report['extra_responses']})" if "prompt_overprovision" in report else ""),
         head,
         "-" * len(head),
     ]
@@ -1086,6 +1113,12 @@ def format_table(report: dict[str, Any]) -> str:
             else "the constraint does NOT bind: choose tau so that p(4) < delta < p(16)",
         )
     )
+    for name in ("tail8", "sagc_tail"):
+        by = pol[name].get("bubble_by_round", {})
+        if "long" in by:
+            lines.append(f"where {name}'s bubble goes: " + ", ".join(
+                f"{kind} rounds {by[kind]['bubble']:.2f} of {by[kind]['rollout_s']:,.0f} s"
+                f" ({by[kind]['rounds']:g} rounds)" for kind in ("short", "long") if kind in by))
     ratio = pol["tail8"]["wall_clock_s"]
     lines.append(
         "ratios: sagc_tail {:.2f}x fixed16, tail8 {:.2f}x fixed8, sagc {:.2f}x fixed16".format(
@@ -1389,6 +1422,8 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, "release_when_fits", False):
             scn = replace(scn, release_when_fits=True)
         scn = scn.with_long_round_fill(getattr(args, "long_round_fill", 0) or 0)
+        scn = scn.with_overprovision(getattr(args, "prompt_overprovision", None),
+                                     getattr(args, "extra_responses", None))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -1530,6 +1565,16 @@ def register(subparsers: Any) -> None:
         help="each long round also launches the next F fresh prompts beside its queued ones"
         " (tailBatching.longRound.fillPrompts): kept if their groups complete before the"
         " queued prompts' last, deferred otherwise; default 0",
+    )
+    p.add_argument(
+        "--prompt-overprovision", type=float, default=None, metavar="ETA",
+        help="tail batching's eta (tailBatching.promptOverprovision, in [1, 16]): a short round"
+        " races ceil(ETA x prompts per step) prompts; default: the scenario's (1.25)",
+    )
+    p.add_argument(
+        "--extra-responses", type=int, default=None, metavar="N",
+        help="responses a short round launches beyond G per prompt"
+        " (tailBatching.extraResponsesPerPrompt, 0-64); default: the scenario's (1)",
     )
     p.add_argument(
         "--release-when-fits", action="store_true",

@@ -179,6 +179,20 @@ class Scenario:
             raise ValueError(f"long-round fill must be a prompt count >= 0, got {fill!r}")
         return replace(self, long_round_fill=fill)
 
+    def with_overprovision(self, eta: float | None = None, extra: int | None = None) -> Scenario:
+        """This scenario with another tail batching eta (``tailBatching.promptOverprovision``,
+        in [1, 16]) and/or extra responses per prompt (``extraResponsesPerPrompt``, 0-64)."""
+        out = self
+        if eta is not None:
+            if not 1.0 <= eta <= 16.0:
+                raise ValueError(f"prompt over-provisioning (eta) must be in [1, 16], got {eta:g}")
+            out = replace(out, prompt_overprovision=float(eta))
+        if extra is not None:
+            if isinstance(extra, bool) or not isinstance(extra, int) or not 0 <= extra <= 64:
+                raise ValueError(f"extra responses per prompt must be in 0-64, got {extra!r}")
+            out = replace(out, extra_responses=extra)
+        return out
+
     def with_elastic(
         self, long_round_engines: int | None = None, scale_up_s: float | None = None
     ) -> Scenario:

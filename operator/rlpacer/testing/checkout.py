@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
+
+
+def shared_dir(root: Path) -> Path:
+    """The folder holding the torch wheel, traces and examples, found as ``scripts/setup.sh``
+    finds it: ``$RLPACER_SHARED``, else ``../shared`` beside the checkout ``root``, else the
+    folder set-up last built this checkout's environment from (``.venv/.shared-dir``)."""
+    if os.environ.get("RLPACER_SHARED"):
+        return Path(os.environ["RLPACER_SHARED"])
+    beside = root.parent / "shared"
+    recorded = root / ".venv" / ".shared-dir"
+    if not beside.is_dir() and recorded.is_file():
+        return Path(recorded.read_text().strip())
+    return beside
 
 
 def copy_checkout(root: Path, dst: Path) -> None:

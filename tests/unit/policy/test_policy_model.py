@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +10,12 @@ import yaml
 
 from rlpacer.api.job import ManifestError
 from rlpacer.api.policy import PolicyAction, RLTrainingPolicy, parse_policy
+from rlpacer.testing.checkout import shared_dir
 
 pytestmark = pytest.mark.unit
 
-# ../shared beside the checkout, or $RLPACER_SHARED (as scripts/setup.sh finds it)
-SHARED = Path(os.environ.get("RLPACER_SHARED")
-              or Path(__file__).resolve().parents[3].parent / "shared")
-EXAMPLE = SHARED / "examples" / "policy.yaml"
+# $RLPACER_SHARED, ../shared beside the checkout, or the folder set-up used
+EXAMPLE = shared_dir(Path(__file__).resolve().parents[3]) / "examples" / "policy.yaml"
 
 
 def _policy(**spec: Any) -> dict[str, Any]:

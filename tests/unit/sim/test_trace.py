@@ -342,3 +342,42 @@ def test_filled_long_rounds_beat_larger_ones_on_the_dapo_trace() -> None:
 def test_cli_refuses_a_negative_fill(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--long-round-fill", "-1"]) == 2
     assert "long-round fill must be a prompt count >= 0, got -1" in capsys.readouterr().err
+
+
+def test_racing_more_prompts_empties_the_short_rounds_bubble_not_the_runs() -> None:
+    """Where the DAPO trace's bubble goes (``bubble_by_round``): with filled long rounds
+    (64 + 256) the short rounds' bubble is 0.60 at eta 1.25, their batches under the engines'
+    saturation batch. Racing 3 x P0 prompts (``--prompt-overprovision 3``) fills those batches
+    (short-round bubble 0.01), but more prompts are deferred, SAGC sees fewer stragglers and
+    raises G, and long rounds (bubble 0.5) take the time: the run is slower and its bubble
+    stays above 0.4."""
+    trace = load_trace(DAPO)
+    scn = scenario("default").with_long_round_prompts(64).with_long_round_fill(256)
+    base, _ = run_bench(scn, seed=0, trace=trace)
+    wide, _ = run_bench(scn.with_overprovision(3.0), seed=0, trace=trace)
+    b, w = base["policies"]["sagc_tail"], wide["policies"]["sagc_tail"]
+    assert base["prompt_overprovision"] == 1.25 and wide["prompt_overprovision"] == 3.0
+    bb, wb = b["bubble_by_round"], w["bubble_by_round"]
+    assert bb["short"]["bubble"] > 0.5 and wb["short"]["bubble"] < 0.05, (bb, wb)
+    assert wb["long"]["rounds"] > bb["long"]["rounds"]
+    assert wb["long"]["idle_s"] > 0.9 * (wb["long"]["idle_s"] + wb["short"]["idle_s"])
+    assert w["bubble_fraction"] > 0.4
+    assert w["mean_group_size"] > b["mean_group_size"] + 2
+    assert w["speedup_vs_fixed16"] < 0.85 * b["speedup_vs_fixed16"]
+    # the split adds up to the whole
+    for run in (b, w):
+        by = run["bubble_by_round"]
+        roll = by["short"]["rollout_s"] + by["long"]["rollout_s"]
+        assert (by["short"]["idle_s"] + by["long"]["idle_s"]) / roll == pytest.approx(
+            run["bubble_fraction"])
+    assert "short" in base["policies"]["fixed16"]["bubble_by_round"]
+    assert "long" not in base["policies"]["fixed16"]["bubble_by_round"]
+
+
+def test_cli_refuses_overprovision_outside_the_fields_range(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--prompt-overprovision", "0.5"]) == 2
+    assert "prompt over-provisioning (eta) must be in [1, 16], got 0.5" in (
+        capsys.readouterr().err)
+    assert main(["bench", "--extra-responses", "65"]) == 2
+    assert "extra responses per prompt must be in 0-64, got 65" in capsys.readouterr().err
