@@ -1064,10 +1064,13 @@ def wide_report(scn: Scenario, tp: int, runs: dict[str, PolicyRun],
     }
 
 
+_NAME_W = 19  # the policy column: the longest policy name (sagc_tail_dispatch) and a space
+
+
 def format_table(report: dict[str, Any]) -> str:
     pol = report["policies"]
     head = (
-        f"{'policy':<15}{'wall clock':>12}{'vs fixed16':>11}{'straggler':>11}{'bubble':>8}"
+        f"{'policy':<{_NAME_W}}{'wall clock':>12}{'vs fixed16':>11}{'straggler':>11}{'bubble':>8}"
         f"{'mean G':>8}{'resp/s':>8}{'prompts':>9}{'steps':>7}{'long':>6}{'rollout%':>9}"
     )
     wl = report["workload"]
@@ -1097,7 +1100,7 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     for name, s in pol.items():
         lines.append(
-            f"{name:<15}{_hours(s['wall_clock_s']):>12}{s['speedup_vs_fixed16']:>10.2f}x"
+            f"{name:<{_NAME_W}}{_hours(s['wall_clock_s']):>12}{s['speedup_vs_fixed16']:>10.2f}x"
             f"{s['straggler_rate']:>11.3f}{s['bubble_fraction']:>8.3f}{s['mean_group_size']:>8.2f}"
             f"{s['responses_per_s']:>8.2f}{s['prompts_trained']:>9d}{s['steps']:>7d}"
             f"{s['long_rounds']:>6d}{100 * s['rollout_share']:>8.1f}%"
@@ -1195,11 +1198,11 @@ def format_elastic_table(report: dict[str, Any]) -> str:
     """The three rollout set-ups per policy: wall clock, rollout GPU-s per trained prompt."""
     el = report["elastic"]
     head = (
-        f"{'policy':<15}{'small pool':>20}{'large pool':>20}{'elastic':>20}"
+        f"{'policy':<{_NAME_W}}{'small pool':>20}{'large pool':>20}{'elastic':>20}"
         f"{'elastic/large':>17}{'elastic/small':>17}{'target':>8}"
     )
     sub = (
-        f"{'':<15}" + f"{'wall':>10}{'GPU-s/pr':>10}" * 3 + f"{'wall':>8}{'GPU-s':>9}" * 2
+        f"{'':<{_NAME_W}}" + f"{'wall':>10}{'GPU-s/pr':>10}" * 3 + f"{'wall':>8}{'GPU-s':>9}" * 2
         + f"{'':>8}"
     )
     lines = [
@@ -1228,7 +1231,7 @@ def format_elastic_table(report: dict[str, Any]) -> str:
             verdict = "n/a"  # no tail batching: no long rounds, one pool size
         else:
             verdict = "met" if st["target_met"] else "missed"
-        lines.append(f"{name:<15}{cells}{ratios}{verdict:>8}")
+        lines.append(f"{name:<{_NAME_W}}{cells}{ratios}{verdict:>8}")
     lines.append(
         "policies without tail batching have no long rounds: the operator keeps"
         f" {el['short_replicas']} replicas, so their three set-ups coincide (target n/a)"
@@ -1243,11 +1246,11 @@ def format_early_table(report: dict[str, Any]) -> str:
     against the small and large pools, and the issue's targets against the small pool."""
     el = report["elastic"]
     head = (
-        f"{'policy':<15}{'long-round rollout s':>36}{'early/small':>24}{'early/large':>16}"
+        f"{'policy':<{_NAME_W}}{'long-round rollout s':>36}{'early/small':>24}{'early/large':>16}"
         f"{'asks':>6}{'waited':>8}{'short':>7}  targets"
     )
     sub = (
-        f"{'':<15}{'small':>9}{'large':>9}{'elastic':>9}{'early':>9}"
+        f"{'':<{_NAME_W}}{'small':>9}{'large':>9}{'elastic':>9}{'early':>9}"
         f"{'long':>8}{'wall':>8}{'GPU-s':>8}{'wall':>8}{'GPU-s':>8}"
     )
     lines = [
@@ -1285,7 +1288,7 @@ def format_early_table(report: dict[str, Any]) -> str:
                 label for key, label in (("long_rounds", "long"), ("gpu_s", "GPU-s"),
                                          ("wall", "wall")) if not tg[key])
         lines.append(
-            f"{name:<15}{cells}{ratios}{early['reports_asked_early']:>6d}{waited:>8}"
+            f"{name:<{_NAME_W}}{cells}{ratios}{early['reports_asked_early']:>6d}{waited:>8}"
             f"{early['short_rounds_on_extras']:>7d}  {verdict}"
         )
     if report.get("release_when_fits"):
@@ -1305,7 +1308,7 @@ def format_early_table(report: dict[str, Any]) -> str:
 
 def format_stream_table(report: dict[str, Any]) -> str:
     """Each policy's run with stream training (the small pool's schedule)."""
-    head = (f"{'policy':<15}{'train h':>9}{'streamed':>10}{'cut':>7}{'wall h':>9}"
+    head = (f"{'policy':<{_NAME_W}}{'train h':>9}{'streamed':>10}{'cut':>7}{'wall h':>9}"
             f"{'streamed':>10}{'ratio':>8}{'vs fixed16':>12}")
     lines = [
         "stream training = each group's first-mini-batch passes and second-mini-batch no-grad"
@@ -1318,7 +1321,7 @@ def format_stream_table(report: dict[str, Any]) -> str:
     for name, s in report["policies"].items():
         st = s["stream_training"]
         lines.append(
-            f"{name:<15}{st['train_s'] / 3600:>9.2f}{st['train_s_stream'] / 3600:>10.2f}"
+            f"{name:<{_NAME_W}}{st['train_s'] / 3600:>9.2f}{st['train_s_stream'] / 3600:>10.2f}"
             f"{st['train_cut']:>7.2f}{s['wall_clock_s'] / 3600:>9.2f}"
             f"{st['wall_clock_s'] / 3600:>10.2f}{st['wall_ratio']:>7.3f}x"
             f"{st['speedup_vs_fixed16']:>11.2f}x")
@@ -1333,9 +1336,9 @@ def format_wide_table(report: dict[str, Any]) -> str:
     """The wide set-up per policy (``--long-round-tp``): long rounds' rollout seconds on the
     small and large pools and on wide engines, wide against the small pool, the targets."""
     w = report["wide_long_rounds"]
-    head = (f"{'policy':<15}{'long-round rollout s':>27}{'wide/small':>32}{'slack':>8}"
+    head = (f"{'policy':<{_NAME_W}}{'long-round rollout s':>27}{'wide/small':>32}{'slack':>8}"
             "  targets; with early hold")
-    sub = (f"{'':<15}{'small':>9}{'large':>9}{'wide':>9}{'long':>8}{'wall':>8}{'GPU-s':>8}"
+    sub = (f"{'':<{_NAME_W}}{'small':>9}{'large':>9}{'wide':>9}{'long':>8}{'wall':>8}{'GPU-s':>8}"
            f"{'early':>8}{'s/long':>8}")
     where = (f"{w['engines']} engine(s) of TP {w['tp']} on {w['gpus']} GPUs of their own, the"
              f" short rounds' {w['short_gpus']} waiting" if w.get("own_gpus") else
@@ -1366,7 +1369,7 @@ def format_wide_table(report: dict[str, Any]) -> str:
             verdict += "; " + ("met" if tg["met_early_hold"] else "missed")
         slack = d["switch_slack_s"]
         lines.append(
-            f"{name:<15}{ls['small']:>9.0f}{ls['large']:>9.0f}{ls['wide']:>9.0f}"
+            f"{name:<{_NAME_W}}{ls['small']:>9.0f}{ls['large']:>9.0f}{ls['wide']:>9.0f}"
             f"{_times(vs['long_round_rollout_ratio']):>8}{vs['wall_ratio']:>7.3f}x"
             f"{vs['gpu_s_ratio']:>7.3f}x{vs['gpu_s_ratio_early_hold']:>7.3f}x"
             f"{'n/a' if slack is None else f'{slack:.0f}':>8}  {verdict}"
