@@ -131,6 +131,7 @@ build_shared_env() {
   local tv
   tv=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
   [[ "$tv" == "2.13.0+cpu" ]] || die "pip chose torch $tv, expected 2.13.0+cpu"
+  (cd "$SHARED" && pwd) > "$VENV/.shared-dir"
   touch "$VENV/.complete"
   done_step
 }
@@ -146,6 +147,10 @@ else
   if "$VENV/bin/python" -m pip show -q rlpacer >/dev/null 2>&1; then
     echo "    removing the rlpacer install it held (each checkout installs its own)"
     "$VENV/bin/pip" uninstall -q -y rlpacer
+  fi
+  # environments built before it was recorded: the shared folder they came from, once
+  if [[ ! -f "$VENV/.shared-dir" && -d "$SHARED/wheels" ]]; then
+    (cd "$SHARED" && pwd) > "$VENV/.shared-dir" 2>/dev/null || true
   fi
 fi
 flock -u 8
@@ -191,9 +196,13 @@ if [[ "$(cat "$LOCAL/.installed" 2>/dev/null)" != "$stamp" ]] || ! imports_here;
   echo "$stamp" > "$LOCAL/.installed"
 fi
 echo "$VENV" > "$LOCAL/.shared-env"
-# Where the shared folder was (tests read it when a checkout sits elsewhere: a clone in /tmp).
-if [[ -d "$SHARED/wheels" ]]; then (cd "$SHARED" && pwd) > "$VENV/.shared-dir"; fi
-[[ -f "$VENV/.shared-dir" ]] && cp "$VENV/.shared-dir" "$LOCAL/.shared-dir"
+# Where the shared folder is (tests read it when a checkout sits elsewhere, as a clone in
+# /tmp does): this set-up's, else the one the shared environment was built from.
+if [[ -d "$SHARED/wheels" ]]; then
+  (cd "$SHARED" && pwd) > "$LOCAL/.shared-dir"
+elif [[ -f "$VENV/.shared-dir" ]]; then
+  cp "$VENV/.shared-dir" "$LOCAL/.shared-dir"
+fi
 imports_here || die "$LOCAL imports rlpacer or rlpacer_trainer from outside this checkout ($ROOT): remove $LOCAL and re-run"
 done_step
 [[ -z "${NO_GO:-}" ]] \
