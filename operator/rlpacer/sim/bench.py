@@ -71,7 +71,8 @@ early give the extras back as soon as the unfinished requests fit on ``engines``
 (rlpacer.sim.rollout, ``release_base``); they are held until then, not to the step's report.
 
 ``--prompt-overprovision ETA`` and ``--extra-responses N`` (``tailBatching.promptOverprovision``
-and ``extraResponsesPerPrompt``): how many prompts and responses a short round races. Each
+and ``extraResponsesPerPrompt``): how many prompts and responses a short round races;
+``--rollout-replicas N`` (``rollout.replicas``): the engines short rounds run on. Each
 tail-batching policy's ``bubble_by_round`` (and the table's "where ... bubble goes" lines)
 splits its bubble between short and long rounds: rounds, rollout seconds, bubble, idle
 engine-seconds.
@@ -1420,7 +1421,8 @@ def main(args: argparse.Namespace) -> int:
             return 2
         scn = scn.with_steps(args.steps)
     try:
-        scn = scn.with_elastic(args.long_round_replicas, args.scale_up_s)
+        scn = scn.with_elastic(args.long_round_replicas, args.scale_up_s,
+                               getattr(args, "rollout_replicas", None))
         scn = scn.with_long_round_prompts(getattr(args, "long_round_prompts", None))
         if getattr(args, "release_when_fits", False):
             scn = replace(scn, release_when_fits=True)
@@ -1528,6 +1530,11 @@ def register(subparsers: Any) -> None:
         help="with --prior and a recorded rlpacer trace: the prior in the job's own order"
         " again with forgetting at this half-life (tailBatching.lengthPrior.halfLifeGroups);"
         " repeat for several",
+    )
+    p.add_argument(
+        "--rollout-replicas", type=int, default=None, metavar="N",
+        help="rollout replicas of a short round (rollout.replicas); default: the scenario's"
+        " (default 2; cpu 1)",
     )
     p.add_argument(
         "--long-round-replicas", type=int, default=None, metavar="N",

@@ -194,10 +194,16 @@ class Scenario:
         return out
 
     def with_elastic(
-        self, long_round_engines: int | None = None, scale_up_s: float | None = None
+        self, long_round_engines: int | None = None, scale_up_s: float | None = None,
+        engines: int | None = None,
     ) -> Scenario:
-        """This scenario with another long-round replica count and/or scale-up latency."""
+        """This scenario with another long-round replica count and/or scale-up latency,
+        and/or another short-round replica count (``rollout.replicas``)."""
         out = self
+        if engines is not None:
+            if isinstance(engines, bool) or not isinstance(engines, int) or engines < 1:
+                raise ValueError(f"rollout replicas must be >= 1, got {engines!r}")
+            out = replace(out, engines=engines)
         if long_round_engines is not None:
             if long_round_engines < 1:
                 raise ValueError(f"long_round_engines must be >= 1, got {long_round_engines}")

@@ -374,6 +374,24 @@ def test_racing_more_prompts_empties_the_short_rounds_bubble_not_the_runs() -> N
     assert "long" not in base["policies"]["fixed16"]["bubble_by_round"]
 
 
+def test_one_rollout_replica_halves_the_short_rounds_gpus_and_their_bubble(
+        tmp_path: Path) -> None:
+    """``--rollout-replicas 1``: the same schedule's short rounds on one engine hold twice the
+    sequences an engine (bubble down) and take longer (every policy's wall clock up)."""
+    args = ["bench", "--trace", str(DAPO), "--steps", "36", "--long-round-prompts", "64",
+            "--long-round-fill", "256"]
+    assert main([*args, "--json", str(tmp_path / "two.json")]) == 0
+    assert main([*args, "--rollout-replicas", "1", "--json", str(tmp_path / "one.json")]) == 0
+    two = json.loads((tmp_path / "two.json").read_text())
+    one = json.loads((tmp_path / "one.json").read_text())
+    assert two["elastic"]["short_replicas"] == 2 and one["elastic"]["short_replicas"] == 1
+    for name in ("fixed16", "sagc_tail"):
+        a, b = two["policies"][name], one["policies"][name]
+        assert b["wall_clock_s"] > a["wall_clock_s"]
+        assert b["bubble_by_round"]["short"]["bubble"] < a["bubble_by_round"]["short"][
+            "bubble"] - 0.1
+
+
 def test_cli_refuses_overprovision_outside_the_fields_range(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--prompt-overprovision", "0.5"]) == 2
@@ -381,3 +399,5 @@ def test_cli_refuses_overprovision_outside_the_fields_range(
         capsys.readouterr().err)
     assert main(["bench", "--extra-responses", "65"]) == 2
     assert "extra responses per prompt must be in 0-64, got 65" in capsys.readouterr().err
+    assert main(["bench", "--rollout-replicas", "0"]) == 2
+    assert "rollout replicas must be >= 1, got 0" in capsys.readouterr().err
