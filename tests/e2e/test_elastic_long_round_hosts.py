@@ -222,13 +222,18 @@ def test_an_early_scale_up_starts_the_added_engine_while_short_rounds_run(tmp_pa
     assert hidden >= 0.25, (hidden, long)
 
 
-def test_a_wide_long_round_engine_runs_the_long_round_alone(tmp_path: Path) -> None:
+def test_a_wide_long_round_engine_runs_the_long_rounds_queued_prompts_alone(
+        tmp_path: Path) -> None:
     """``tailBatching.longRound.tensorParallelSize`` (1 here: a CPU engine has no tensor
-    parallelism; the pods and the routing are those of any size): the long round's replica,
-    rollout-1, is a wide engine the driver starts at that size on its own host, and the long
-    round is routed to it alone, rollout-0's engine generating nothing in it; the short rounds
-    run on rollout-0 alone; every prompt trains once."""
-    run = run_long_round(tmp_path, "wide", steps=STEPS)
+    parallelism; the pods and the routing are those of any size) with ``fillPrompts`` 4: the
+    long round's replica, rollout-1, is a wide engine the driver starts at that size on its
+    own host; the long round's queued prompts are routed to it alone (every one of their
+    responses is rollout-1's) and its fill to rollout-0's engine, which would otherwise wait
+    through the round; the short rounds run on rollout-0 alone; every prompt trains once.
+    With ``releaseWhenFits`` the wide engine is given back at the long round's end: shut
+    down, and the played operator asked to scale back (``POST release``) before the step's
+    report."""
+    run = run_long_round(tmp_path, "wide", steps=STEPS, fill=4, release_when_fits=True)
     recs, driver_log = run.records, run.driver_log
     addr = {n: a for n, (a, _) in run.hosts.items()}
     print(json.dumps([{k: r[k] for k in ("step", "round_kind", "replicas", "engines")}
@@ -239,15 +244,32 @@ def test_a_wide_long_round_engine_runs_the_long_round_alone(tmp_path: Path) -> N
     for r in recs:
         served = {e["replica"]: e for e in r["engines"]}
         if r["round_kind"] == "Long":
-            assert r["replicas"] == [1], r  # routed to the wide engine alone
-            assert sorted(served) == [1], r["engines"]  # rollout-0's engine served nothing
+            assert r["replicas"] == [0, 1], r  # the wide engine, and rollout-0 for the fill
+            assert r["fill_prompts"] == 4, r
             wide = served[1]
             assert wide["address"] == addr["rollout-1"] and wide["hostname"] == "rollout-1"
-            assert wide["tensor_parallel_size"] == 1 and wide["responses"] > 0, wide
+            assert wide["tensor_parallel_size"] == 1, wide
+            # every response of the queued prompts (each trains its whole group) and none
+            # of the fill's is rollout-1's; the fill's are rollout-0's
+            queued = len(r["prompts"]) - r["fill_kept"]
+            assert queued > 0 and wide["responses"] == queued * r["group_size"], (r, wide)
+            assert served[0]["responses"] >= r["fill_kept"] * r["group_size"], r["engines"]
+            assert served[0]["responses"] > 0, r["engines"]
+            if r["next_round_kind"] == "Short":  # given back at the round's end
+                t, *gone = r["released_mid_round"]
+                assert gone == [1] and t == pytest.approx(r["seconds_rollout"], abs=0.01), r
         else:
             assert r["replicas"] == [0] and sorted(served) == [0], r
     assert "rollout engine of replica 1 joined" in driver_log
     assert "rollout engine of replica 1 released" in driver_log
+    assert "long round is over: replica(s) [1] released before its training" in driver_log
+    requests = [json.loads(x) for x in
+                (tmp_path / "state" / "requests.log").read_text().splitlines()]
+    for r in longs:
+        if r["next_round_kind"] == "Short":
+            i_release = next(i for i, x in enumerate(requests) if x.get("release") == r["step"])
+            i_report = next(i for i, x in enumerate(requests) if x.get("report") == r["step"])
+            assert i_release < i_report, requests
     every = [p for r in recs for p in r["prompts"]]
     assert len(every) == len(set(every)), every
 

@@ -195,6 +195,8 @@ class Driver:
         self._start_load = 0  # requests an engine of the round began it with, at most
         self._released_mid: list[float] = []  # [seconds into the round, replicas released]
         self._fill: set[int] = set()  # the round's fill prompts (longRound.fillPrompts)
+        #: a filled long round on wide engines: its fill runs on the rollout's own engines
+        self._side_fill = False
         #: starts the engine of replica i (on its pod); None: the engine set never changes
         self.engine_factory = engine_factory
         #: the replicas whose pods have joined the Ray cluster (their resource is offered)
@@ -390,6 +392,14 @@ class Driver:
         route = self._route if self.cfg.route_quantile is not None else None
         plan = self.planner.start_round(group_size, route=route)
         self._fill = set(plan.fill)  # a filled long round's fresh prompts
+        # a filled long round on wide long-round engines: its queued prompts on the wide
+        # engines, its fill on the rollout's own, which would otherwise wait through it
+        # (_engines_for; rlpacer bench --side-fill models it)
+        self._side_fill = bool(self.wide_long_rounds and plan.kind is RoundKind.LONG
+                               and plan.fill)
+        if self._side_fill:
+            self.active = sorted(set(self.active)
+                                 | {r for r in self.pool if r in self.base_replicas})
         def rid(p: int, i: int) -> str:
             return f"r{plan.index}-p{p}-i{i}"
 
@@ -475,10 +485,21 @@ class Driver:
         return RoundOutcome(res.kind, out, res.aborted_responses, rollout_s,
                             res.overprovisioned, len(res.routed))
 
+    def _engines_for(self, p: int) -> list[int]:
+        """The round's engines that may serve prompt p: all of them, but in a filled long
+        round on wide engines (``_side_fill``) the fill goes to the rollout's own engines and
+        the queued prompts to the wide ones, each class falling back to every engine of the
+        round while none of its own is live."""
+        if not self._side_fill:
+            return self.active
+        own = p in self._fill
+        return [r for r in self.active if (r in self.base_replicas) == own] or self.active
+
     def _dispatch(self, reqs: Sequence[tuple[GenRequest, int, int]]) -> None:
         """Spreads requests over the round's engines by load: each goes to the engine with
         the fewest outstanding requests (then the fewest outstanding prompt tokens, then the
-        lowest replica), counting what it already has in flight. With
+        lowest replica) among those that may serve its prompt (:meth:`_engines_for`),
+        counting what it already has in flight. With
         ``tailBatching.lengthPrior.dispatch``: the longest predicted first, each to the engine
         with the fewest predicted tokens outstanding (the length prior's median per prompt)."""
         by_length = bool(self.cfg.length_dispatch)
@@ -502,7 +523,8 @@ class Driver:
                     load[e][2] += len(self._requests[rid_].prompt_ids)
             batches: dict[int, list[GenRequest]] = {}
             for req, p, i in reqs:
-                e = min(self.active, key=lambda r: (load[r][0], load[r][1], load[r][2], r))
+                e = min(self._engines_for(p),
+                        key=lambda r: (load[r][0], load[r][1], load[r][2], r))
                 load[e][0] += guess(p)
                 load[e][1] += 1
                 load[e][2] += len(req.prompt_ids)
@@ -555,7 +577,8 @@ class Driver:
             t = time.perf_counter() - self._round_t0
             self._joined_mid += [[r, round(t, 3)] for r in new]
             wide = self.wide_long_rounds and not set(new) & self.base_replicas
-            if wide:  # the long round belongs to the wide engines: all of it goes to them
+            if wide and not self._side_fill:
+                # the long round belongs to the wide engines: all of it goes to them
                 self.active = sorted(r for r in set(self.active) | set(new)
                                      if r not in self.base_replicas)
             else:
@@ -632,18 +655,21 @@ class Driver:
         the engine then holding the most, its latest dispatched first (vLLM admits first
         come, first served, so those are the likeliest not to have started); with
         ``everything`` all of them (a wide long-round engine joining a long round begun on
-        the rollout's engines). Each is taken with its tokens so far
+        the rollout's engines; all but the fill's in a filled one, which stays on the
+        rollout's engines, :meth:`_engines_for`). Each is taken with its tokens so far
         (:meth:`VLLMEngine.take`) and sent on with them as its prefix: the new engine
         continues the response; nothing is generated twice or lost (a request the old
         engine finished before the take stays its response)."""
         by_engine: dict[int, list[str]] = {}
-        for rid_, (e, _, _) in self._pending.items():
+        for rid_, (e, p, _) in self._pending.items():
+            if everything and self._side_fill and p in self._fill:
+                continue  # the fill stays on the rollout's engines
             by_engine.setdefault(e, []).append(rid_)
         old = [e for e in sorted(by_engine) if e not in new and hasattr(self.pool.get(e), "take")]
         # each new engine's quota, as the simulator's join (rlpacer.sim.rollout): the
         # unfinished requests over the engines, rounded down; each one from the engine that
         # then holds the most (the lowest replica of a tie), its latest dispatched first
-        quota = (len(self._pending) if everything
+        quota = (sum(len(v) for v in by_engine.values()) if everything
                  else len(self._pending) // max(1, len(set(self.active) | set(new))))
         moves: dict[int, list[str]] = {}
         plan: list[tuple[str, int]] = []  # (request, its new engine)
@@ -891,7 +917,17 @@ class Driver:
         forecast = self.planner.rounds_until_long()
         asking = not next_long and self._ask_early(forecast, rollout_s + reward_s + join_s)
         if not next_long and not asking:
-            self.release_extras()  # before the report that lets the operator scale down
+            gone = self.release_extras()  # before the report that lets the operator scale down
+            if gone and kind is RoundKind.LONG and self.release_when_fits:
+                # releaseWhenFits with wide long-round engines (which stay to the round's
+                # end, _release_if_fits): given back at its end, before the rewards, the
+                # training and the sync, not at the report
+                self._released_mid = [round(rollout_s, 3), *gone]
+                told = self.controller.release(self.attempt, self.step)
+                print(f"step {self.step}'s long round is over: replica(s) {gone} released"
+                      f" before its training; the operator"
+                      f" {'scales back now' if told else 'scales back at the report'}",
+                      flush=True)
         t0 = time.perf_counter()
         stream, self._stream = self._stream, None
         if stream is not None:

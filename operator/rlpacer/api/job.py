@@ -743,9 +743,10 @@ class LongRoundSpec(APIModel):
             " move there with their tokens, the engines are shut down, and the operator"
             " scales the rollout back at once, instead of at the step's report (after the"
             " round's tail, the rewards, the training and the weight sync). An operator"
-            " without this (an older one) scales back at the report. Not with"
-            " tensorParallelSize (wide engines are there for the round's tail). Unset or"
-            " false: at the report."
+            " without this (an older one) scales back at the report. With"
+            " tensorParallelSize the wide engines stay to the round's end (they are there"
+            " for its tail) and are given back then, before the rewards, the training and"
+            " the weight sync, when the next round is short. Unset or false: at the report."
         ),
     )
     tensor_parallel_size: int | None = Field(
@@ -755,9 +756,10 @@ class LongRoundSpec(APIModel):
             " (rolloutReplicas - rollout.replicas) is one engine of this tensor-parallel size"
             " on a pod of its own with as many GPUs (StatefulSet <job>-rollout-wide, its"
             " ordinals following the rollout's; the rollout's resources, image and"
-            " scheduling), and the driver runs the long round on them alone (the"
-            " rollout's engines wait; if none is ready in time, on the rollout's); short"
-            " rounds run on the rollout's engines only. Needs rolloutReplicas >"
+            " scheduling), and the driver runs the long round's queued prompts on them alone"
+            " and its fill (fillPrompts) on the rollout's engines, which would otherwise"
+            " wait through the round (if no wide engine is ready in time, all of it on the"
+            " rollout's); short rounds run on the rollout's engines only. Needs rolloutReplicas >"
             " rollout.replicas; must be 1 when rollout.gpusPerReplica is 0 (a CPU engine"
             " has no tensor parallelism; the pods and the routing are the same). Unset: the"
             " extras are engines like the rollout's and a long round runs on all of them."
@@ -790,8 +792,9 @@ class LongRoundSpec(APIModel):
             " round defers its slowest). Each prompt still trains once an epoch. The learner"
             " counts fill prompts in the round's optimizer updates as it counts the queued"
             " ones (ceil(launched prompts / promptsPerStep) x the algorithm's mini-batches)."
-            " No effect at an epoch's end (no fresh prompt left). Unset or 0: a long round"
-            " runs its queued prompts only."
+            " With tensorParallelSize the fill runs on the rollout's own engines beside the"
+            " wide ones. No effect at an epoch's end (no fresh prompt left). Unset or 0: a"
+            " long round runs its queued prompts only."
         ),
     )
     min_yield_ratio: Annotated[Decimal, DecimalRange(0, 100)] = Field(

@@ -165,9 +165,9 @@ def release(
     action = ScaleAction(time=t, from_replicas=cur, to_replicas=target,
                          reason="LongRoundReleased", step=step)
     ev = Event("Normal", "ScaledDown",
-               f"step {step}'s long round fits on the rollout's own replicas: its added"
-               f" replicas released before the step's report, rollout replicas {cur} ->"
-               f" {target}")
+               f"step {step}'s long round gave its added replicas back (its rest fits on"
+               f" the rollout's own replicas, or it is over) before the step's report,"
+               f" rollout replicas {cur} -> {target}")
     return rollout.model_copy(update=update), [action], [ev]
 
 

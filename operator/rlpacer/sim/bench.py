@@ -98,9 +98,14 @@ round. The wide engines are taken to be ready at the long round's start, re-form
 step's weight sync at no extra time (an assumption; ``switch_slack_s`` is how many seconds per
 long round such a switch could cost before the wall-clock target fails). Rollout GPU-seconds:
 the small pool's GPUs all run plus the extra GPUs from the long round's start to its step's
-report (as elastic with no scale-up latency); and, as ``early hold``, with the extras held as
-the early set-up holds its extra replicas (asked ahead by the scale-up latency, idle in short
-rounds). Targets against the small pool, as the early set-up's.
+report (as elastic with no scale-up latency), or with ``--release-when-fits`` (the driver's
+``releaseWhenFits`` with wide engines) to the round's end where the next round is short;
+and, as ``early hold``, with the extras held as the early set-up holds its extra replicas
+(asked ahead by the scale-up latency, idle in short rounds). Targets against the small pool,
+as the early set-up's. ``--side-fill`` (with ``--wide-replicas`` and ``--long-round-fill``;
+the driver's ``Driver._engines_for``): a filled long round's queued prompts run on the wide
+engines and its fill on the short rounds' engines, which otherwise wait through it
+(rlpacer.sim.rollout, ``side``).
 
 ``rlpacer bench`` (default scenario, 200 steps, seed 0; 3-20 s here)::
 
@@ -189,7 +194,7 @@ from rlpacer.control.tail_batching import (
     ask_early,
 )
 from rlpacer.sim.cost import QWEN25_14B_H100, CostProfile, tp_profile
-from rlpacer.sim.rollout import RoundOutcome, RoundSimulator
+from rlpacer.sim.rollout import RoundOutcome, RoundSimulator, SideEngines
 from rlpacer.sim.trace import (
     TraceWorkload,
     load_trace,
@@ -374,6 +379,8 @@ class PolicyRun:
     wide_engines: int = 0
     wide_gpus: int = 0
     """GPUs of a wide long round (engines x TP)."""
+    side_fill: bool = False
+    """A filled long round's fill runs on the short rounds' engines (``--side-fill``)."""
     wide_own_gpus: bool = False
     """The wide engines are on GPUs of their own beside the small pool's (``--wide-replicas``,
     as the operator runs them), not the long round's GPUs re-formed."""
@@ -381,6 +388,9 @@ class PolicyRun:
     rollout_s_wide: list[float] = field(default_factory=list)
     early_hold: list[bool] = field(default_factory=list)
     """Per step: the early set-up's extra replicas were held during it."""
+    wide_released: list[bool] = field(default_factory=list)
+    """Per step: a long round whose wide engines were given back at its end
+    (``--release-when-fits`` and the next round short), held over its rollout only."""
 
     def wide(self) -> dict[str, Any] | None:
         """The wide set-up (``--long-round-tp``) against the small and large pools: long
@@ -399,16 +409,20 @@ class PolicyRun:
         def over_longs(xs: list[float]) -> float:
             return float(sum(x for x, long in zip(xs, longs, strict=True) if long))
 
-        held = over_longs(self.step_s_wide)
+        # the wide engines' GPUs are held over a long round's step, or its rollout alone
+        # where they are given back at its end (releaseWhenFits)
+        hold = [r if rel else s for s, r, rel in zip(
+            self.step_s_wide, self.rollout_s_wide, self.wide_released, strict=True)]
+        held = over_longs(hold)
         held_early = float(sum(
-            x for x, h, long in zip(self.step_s_wide, self.early_hold, longs, strict=True)
+            x for x, h, long in zip(hold, self.early_hold, longs, strict=True)
             if h or long))
         gpu_s = small_gpus * wide + extra * held
         gpu_s_early = small_gpus * wide + extra * held_early
         gpu_s_small = small_gpus * small
         long_s = {"small": over_longs(self.rollout_s), "large": over_longs(self.rollout_s_large),
                   "wide": over_longs(self.rollout_s_wide)}
-        long_steps = {"small": over_longs(self.step_s), "wide": held}
+        long_steps = {"small": over_longs(self.step_s), "wide": over_longs(self.step_s_wide)}
         early_ratio = gpu_s_early / gpu_s_small
         vs_small = {
             "long_round_rollout_ratio": _ratio(long_s["wide"], long_s["small"]),
@@ -426,6 +440,7 @@ class PolicyRun:
                            met_early_hold=bool(targets["long_rounds"] and ok and targets["wall"]))
         return {
             "tp": self.long_round_tp,
+            "side_fill": self.side_fill,
             "engines": self.wide_engines,
             "gpus": self.wide_gpus,
             "extra_gpus": extra,
@@ -436,6 +451,7 @@ class PolicyRun:
             "rollout_gpu_s": gpu_s,
             "rollout_gpu_s_per_prompt": gpu_s / prompts,
             "extra_gpu_held_s": held,
+            "released_at_round_end": sum(self.wide_released),
             "rollout_gpu_s_early_hold": gpu_s_early,
             "extra_gpu_held_s_early_hold": held_early,
             "small_wall_clock_s": small,
@@ -748,9 +764,11 @@ def run_policy(
     scn: Scenario, pol: Policy, seed: int, workload: Workload | TraceWorkload | None = None,
     long_round_tp: int | None = None,
     wide_replicas: int | None = None,
+    side_fill: bool = False,
 ) -> PolicyRun:
     """Train the workload's whole dataset (every epoch) under ``pol``; one JobController
-    step per round. ``long_round_tp``: also the wide set-up (module doc)."""
+    step per round. ``long_round_tp``: also the wide set-up (module doc); ``side_fill``:
+    its filled long rounds run their fill on the short rounds' engines (module doc)."""
     parts = job_run_parts(scn, pol, seed, workload)
     wl, jc, planner, sim = parts.wl, parts.jc, parts.planner, parts.sim
     num_prompts = wl.num_prompts
@@ -765,6 +783,7 @@ def run_policy(
         out.long_round_tp = long_round_tp
         out.wide_engines, out.wide_gpus = wide_layout(scn, long_round_tp, wide_replicas)
         out.wide_own_gpus = wide_replicas is not None
+        out.side_fill = side_fill
         if pol.tail:
             wide_prof: CostProfile = tp_profile(scn.cost, long_round_tp)
             wide_sim = RoundSimulator(wide_prof, out.wide_engines, scn.prompt_len,
@@ -821,6 +840,9 @@ def run_policy(
                    and not planner.long_round_follows() else 0)
         released_planner = (copy.deepcopy(planner)
                             if release and early_since is not None and early_at <= 0.0 else None)
+        # releaseWhenFits with wide engines: given back at the long round's end
+        wide_release = (rp.kind is RoundKind.LONG and scn.release_when_fits
+                        and not planner.long_round_follows())
         oc = sim.run(planner, rp.prompts, lengths, work=work)
         oc_large = oc_elastic = oc
         oc_released: RoundOutcome | None = None  # on every replica from the start, released
@@ -870,7 +892,9 @@ def run_policy(
         oc_wide = oc
         if wide_planner is not None:
             assert wide_sim is not None
-            oc_wide = wide_sim.run(wide_planner, rp.prompts, lengths)
+            side = (SideEngines(sim.prof, sim.engines, sim.sat, frozenset(rp.fill))
+                    if side_fill and rp.fill else None)
+            oc_wide = wide_sim.run(wide_planner, rp.prompts, lengths, side=side)
             if not rp.fill and sorted(oc_wide.kept_lengths) != sorted(oc.kept_lengths):
                 raise RuntimeError("a long round kept different responses on wide engines")
         res = planner.finish_round()
@@ -913,6 +937,7 @@ def run_policy(
             out.step_s_wide.append(oc_wide.rollout_s + rest)
             out.rollout_s_wide.append(oc_wide.rollout_s)
             out.early_hold.append(early_held)
+            out.wide_released.append(wide_release)
         if oc_elastic.released_at is not None and held_since is not None:
             # given back mid-round (releaseWhenFits): held until then, not to the report
             out.extra_held_s += t_elastic + oc_elastic.released_at - held_since
@@ -970,6 +995,7 @@ def run_policy(
 def run_bench(
     scn: Scenario, seed: int = 0, ablations: bool = False, trace: Trace | None = None,
     prior: bool = False, long_round_tp: int | None = None, wide_replicas: int | None = None,
+    side_fill: bool = False,
 ) -> tuple[dict[str, Any], dict[str, PolicyRun]]:
     """Run every policy on the same workload; returns (the JSON report, the per-step runs).
     With ``trace``, the lengths are replayed from it (rlpacer.sim.trace) on ``scn``'s
@@ -991,7 +1017,7 @@ def run_bench(
             "prompt_tokens": scn.prompt_len, "median_length": scn.median_tokens,
             "cap": scn.cap,
         }
-    runs = {pol.name: run_policy(scn, pol, seed, wl, long_round_tp, wide_replicas)
+    runs = {pol.name: run_policy(scn, pol, seed, wl, long_round_tp, wide_replicas, side_fill)
             for pol in policies(ablations, prior)}
     summaries = {name: run.summary() for name, run in runs.items()}
     base = summaries["fixed16"]["wall_clock_s"]
@@ -1030,7 +1056,8 @@ def run_bench(
     if prior and trace is not None:
         report["length_prior_split_half"] = split_half_calibration(trace)
     if long_round_tp is not None:
-        report["wide_long_rounds"] = wide_report(scn, long_round_tp, runs, wide_replicas)
+        report["wide_long_rounds"] = {
+            **wide_report(scn, long_round_tp, runs, wide_replicas), "side_fill": side_fill}
     return report, runs
 
 
@@ -1341,8 +1368,9 @@ def format_wide_table(report: dict[str, Any]) -> str:
             "  targets; with early hold")
     sub = (f"{'':<{_NAME_W}}{'small':>9}{'large':>9}{'wide':>9}{'long':>8}{'wall':>8}{'GPU-s':>8}"
            f"{'early':>8}{'s/long':>8}")
+    short = ("running the fill" if w.get("side_fill") else "waiting")
     where = (f"{w['engines']} engine(s) of TP {w['tp']} on {w['gpus']} GPUs of their own, the"
-             f" short rounds' {w['short_gpus']} waiting" if w.get("own_gpus") else
+             f" short rounds' {w['short_gpus']} {short}" if w.get("own_gpus") else
              f"the long round's {w['gpus']} GPUs as {w['engines']} engine(s) of TP {w['tp']}")
     lines = [
         f"wider engines for long rounds: {where} (short rounds: {w['short_engines']} of TP"
@@ -1350,7 +1378,9 @@ def format_wide_table(report: dict[str, Any]) -> str:
         f" {1e3 * w['step_s_batch1']['wide']:.2f} ms, KV cache"
         f" {w['kv_capacity_tokens']['short']} -> {w['kv_capacity_tokens']['wide']} tokens an"
         " engine",
-        "(ready at the long round's start; extra GPUs held from it to the step's report; early"
+        "(ready at the long round's start; extra GPUs held from it to the step's report"
+        + (", or to its end before a short round" if report.get("release_when_fits") else "")
+        + "; early"
         " = GPU-s with the extras held as early holds them; slack = seconds a TP switch could"
         " add per long round before the wall target fails; targets against the small pool:"
         f" long rounds' rollout <= {1 - EARLY_TARGET_LONG_CUT:.2f}x, GPU-s <="
@@ -1438,6 +1468,12 @@ def main(args: argparse.Namespace) -> int:
         print("error: --wide-replicas needs --long-round-tp N (the wide engines' size)",
               file=sys.stderr)
         return 2
+    side_fill = bool(getattr(args, "side_fill", False))
+    if side_fill and (wide_replicas is None or not scn.long_round_fill):
+        print("error: --side-fill needs --long-round-tp N, --wide-replicas K and"
+              " --long-round-fill F (it moves a filled long round's fill off wide engines of"
+              " their own onto the short rounds' engines)", file=sys.stderr)
+        return 2
     if long_round_tp is not None:
         try:
             wide_layout(scn, long_round_tp, wide_replicas)
@@ -1463,7 +1499,7 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     report, runs = run_bench(scn, seed=args.seed, ablations=args.ablations, trace=trace,
                              prior=args.prior, long_round_tp=long_round_tp,
-                             wide_replicas=wide_replicas)
+                             wide_replicas=wide_replicas, side_fill=side_fill)
     if args.prior and trace is not None and trace.kind == "rlpacer":
         report["length_prior_recorded_order"] = [
             recorded_order_calibration(trace, h) for h in (None, *half_lives)]
@@ -1562,6 +1598,14 @@ def register(subparsers: Any) -> None:
         " rollout.replicas): each long round on K engines of TP N on K x N GPUs of their own,"
         " the short rounds' engines waiting (their GPUs still held), instead of the long"
         " round's GPUs re-formed",
+    )
+    p.add_argument(
+        "--side-fill", action="store_true",
+        help="with --wide-replicas and --long-round-fill: a filled long round's queued"
+        " prompts run on the wide engines and its fill on the short rounds' engines (which"
+        " otherwise wait through it), as the driver runs a filled long round on wide"
+        " engines (Driver._engines_for); without it, the whole long round on the wide"
+        " engines",
     )
     p.add_argument(
         "--long-round-prompts", type=int, default=None, metavar="L",

@@ -30,6 +30,12 @@ load each engine began the round with (``ceil(requests / engines)`` at the start
 the own engines, each to the least loaded (queued or running, lowest index on a tie), running
 ones with their generated tokens (their prefill paid again), and the added engines leave the
 round: their time counts in its busy fraction up to then, not after.
+
+**Engines of another kind beside the round's** (``side``, :class:`SideEngines`; the driver's
+filled long round on wide engines, ``Driver._engines_for``): the round's own engines serve
+every prompt but the side's, the side engines (another cost profile: the rollout's own
+engines while wide ones run the long round) serve only the side's prompts (a filled long
+round's fill), each class spread round-robin over its engines in the planner's order.
 """
 
 from __future__ import annotations
@@ -46,6 +52,16 @@ _EPS = 1e-9
 # After a KV overflow, preempt until usage is this far below capacity (batches preemptions as
 # vLLM's scheduler does within one step, and keeps the event count bounded).
 _PREEMPT_HEADROOM = 0.02
+
+
+@dataclass(frozen=True)
+class SideEngines:
+    """Engines of another cost profile that serve only ``prompts`` of a round (module doc)."""
+
+    prof: CostProfile
+    engines: int
+    sat_batch: int
+    prompts: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -193,6 +209,7 @@ class RoundSimulator:
         join_at: float = 0.0,
         work: list[float] | None = None,
         release_base: int = 0,
+        side: SideEngines | None = None,
     ) -> RoundOutcome:
         """Simulate the round ``planner`` has started. ``lengths[i][j]`` is the length of
         response j of ``prompts[i]``. Stops when the planner says the round is complete.
@@ -208,8 +225,17 @@ class RoundSimulator:
         k mod engines in the planner's order (as the driver's count-balancing does).
 
         ``release_base`` > 0: the added engines (all but the first ``release_base``) are given
-        back as soon as the unfinished requests fit on the first ones (module doc)."""
+        back as soon as the unfinished requests fit on the first ones (module doc).
+
+        ``side``: ``side.engines`` engines of ``side.prof`` after the round's own serve
+        ``side.prompts`` alone, the own engines every other prompt (module doc)."""
         n_eng = self.engines if engines is None else engines
+        if side is not None:
+            if join_engines or release_base or work is not None:
+                raise ValueError("side engines do not combine with joins, releases or"
+                                 " length-aware dispatch")
+            if side.engines < 1:
+                raise ValueError(f"side.engines must be >= 1, got {side.engines}")
         if join_engines < 0:
             raise ValueError(f"join_engines must be >= 0, got {join_engines}")
         if release_base < 0:
@@ -218,6 +244,8 @@ class RoundSimulator:
         if pending_join and join_at <= 0.0:
             n_eng, pending_join = n_eng + join_engines, 0
         engs = [_Engine(self.prof, self.sat) for _ in range(n_eng)]
+        if side is not None:
+            engs += [_Engine(side.prof, side.sat_batch) for _ in range(side.engines)]
         req_prompt: list[int] = []
         req_idx: list[int] = []
         req_len: list[int] = []
@@ -225,6 +253,13 @@ class RoundSimulator:
         by_prompt: dict[int, list[int]] = {}
         order = list(range(len(prompts)))
         home = [k % n_eng for k in order]
+        if side is not None:
+            counts = [0, 0]  # prompts placed on the own engines, on the side's
+            for k in order:
+                on_side = prompts[k] in side.prompts
+                pool, first = (side.engines, n_eng) if on_side else (n_eng, 0)
+                home[k] = first + counts[on_side] % pool
+                counts[on_side] += 1
         if work is not None:
             order.sort(key=lambda k: -work[k])
             assigned = [0.0] * n_eng
@@ -245,12 +280,12 @@ class RoundSimulator:
         req_gen = [0] * len(req_len)
         dead: set[int] = set()
         prof = self.prof
-        limit = prof.kv_capacity_tokens * (1.0 - prof.kv_watermark)
         plen = self.prompt_len
 
         def admit(eng: _Engine) -> None:
             w = eng.waiting
-            while w and eng.b < prof.max_num_seqs:
+            limit = eng.prof.kv_capacity_tokens * (1.0 - eng.prof.kv_watermark)
+            while w and eng.b < eng.prof.max_num_seqs:
                 rid = w[0]
                 if rid in dead:
                     w.popleft()
@@ -370,7 +405,7 @@ class RoundSimulator:
             eng.advance_counter(eng.next_n)
             touched = {ei}
             if eng.next_overflow:
-                target = prof.kv_capacity_tokens * (1.0 - _PREEMPT_HEADROOM)
+                target = eng.prof.kv_capacity_tokens * (1.0 - _PREEMPT_HEADROOM)
                 while eng.b > 1 and eng.usage() > target:
                     victim = next(reversed(eng.running))
                     off = eng.remove(victim)

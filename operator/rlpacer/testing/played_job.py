@@ -53,7 +53,8 @@ PODS: dict[str, contract.Role] = {
 def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: int = 4,
                    max_tokens: int | None = None, lead_s: int = 0,
                    one_deferred: bool | None = None, wide: bool = False,
-                   mid_round: bool = False, release: bool = False) -> None:
+                   mid_round: bool = False, release: bool = False,
+                   fill: int | None = None) -> None:
     """The tiny example job: ``prompts`` per step and twice as many raced for their places
     (the slowest half deferred), so step 1 is a long round on ``longRound.rolloutReplicas``
     = 2. ``lead_s`` > 0 (early scale-up, ``scaleUpLeadSeconds``) or ``one_deferred``: one
@@ -63,7 +64,8 @@ def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: in
     (``longRound.tensorParallelSize`` 1, as on a CPU), which runs the long round alone.
     ``mid_round``: ``longRound.joinMidRound`` (the long round starts at once; rollout-1's
     engine joins during it and takes a share of its unfinished requests). ``release``:
-    ``longRound.releaseWhenFits``."""
+    ``longRound.releaseWhenFits``. ``fill``: ``longRound.fillPrompts`` (with ``wide``, the
+    fill runs on rollout-0 beside the wide engine)."""
     if one_deferred is None:
         one_deferred = lead_s > 0
     doc = yaml.safe_load((repo_root() / EXAMPLE).read_text())
@@ -81,6 +83,8 @@ def write_manifest(path: Path, *, replicas: int = 1, steps: int = 3, prompts: in
         spec["tailBatching"]["longRound"]["joinMidRound"] = True
     if release:
         spec["tailBatching"]["longRound"]["releaseWhenFits"] = True
+    if fill is not None:
+        spec["tailBatching"]["longRound"]["fillPrompts"] = fill
     spec["tailBatching"]["activation"] = "Always"  # race every short round (step 1 long)
     spec["algorithm"]["dynamicSampling"] = False
     spec["steps"] = steps
@@ -265,7 +269,8 @@ class LongRoundRun:
 
 def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts: int = 4,
                    max_tokens: int | None = None, lead_s: int | None = None,
-                   step_sleep_s: float = 0.0) -> LongRoundRun:
+                   step_sleep_s: float = 0.0, fill: int | None = None,
+                   release_when_fits: bool = False) -> LongRoundRun:
     """Runs the tiny job (:func:`write_manifest`) on played hosts to its end. ``elastic``:
     rollout-1's pod is created when the operator scales up for the long round and deleted
     when it scales down; ``early``: as ``elastic`` with an early scale-up (a 60 s lead: the
@@ -280,7 +285,8 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
     lead on the early mode's schedule (one prompt deferred a round), e.g. 0 for the same
     schedule without the early scale-up. ``step_sleep_s``: every engine step made that much
     longer (the testing setting ``RLPACER_TEST_ENGINE_STEP_SLEEP_S``: rounds as long against
-    an engine's start as on GPUs)."""
+    an engine's start as on GPUs). ``fill``: ``longRound.fillPrompts``;
+    ``release_when_fits``: ``longRound.releaseWhenFits`` in any mode."""
     if mode not in ("elastic", "early", "single", "timeout-gap", "wide", "midround", "release"):
         raise ValueError(f"mode {mode!r}: expected elastic, early, single, timeout-gap, wide,"
                          " midround or release")
@@ -289,7 +295,7 @@ def run_long_round(tmp: Path, mode: str = "elastic", *, steps: int = 3, prompts:
     write_manifest(tmp / "job.yaml", steps=steps, prompts=prompts, max_tokens=max_tokens,
                    lead_s=lead, one_deferred=mode == "early" or lead_s is not None,
                    wide=mode == "wide", mid_round=mode == "midround",
-                   release=mode == "release")
+                   release=mode == "release" or release_when_fits, fill=fill)
     if mode in ("wide", "midround", "release"):
         mode = "elastic"  # the same pods and operator; the job routes its rounds
     with PlayedJob(tmp) as job:

@@ -8,7 +8,7 @@ import pytest
 
 from rlpacer.control.tail_batching import TailBatchingConfig, TailBatchingPlanner
 from rlpacer.sim.cost import fit_cpu_profile
-from rlpacer.sim.rollout import RoundSimulator
+from rlpacer.sim.rollout import RoundSimulator, SideEngines
 from rlpacer.sim.workload import Workload, scenario
 
 pytestmark = pytest.mark.unit
@@ -106,3 +106,31 @@ def test_length_aware_dispatch_splits_the_predicted_long_prompts() -> None:
         out[name] = sim.run(planner, plan.prompts, lengths, work=work).rollout_s
         planner.finish_round()
     assert out["lpt"] < 0.9 * out["rr"], out
+
+
+def test_side_engines_serve_their_prompts_alone() -> None:
+    """``side`` (a filled long round's fill on the short rounds' engines beside wide ones):
+    the side's prompt runs on the side engine alone, at its profile's speed, and the other
+    two share the round's own engine; the round lasts as long as the slower of the two."""
+    slow = dataclasses.replace(CPU, base_s=4 * CPU.base_s, name="slow")
+    planner = _plain(3, 1)
+    prompts = planner.current_round.prompts  # type: ignore[union-attr]
+    side = SideEngines(slow, 1, 100, frozenset({prompts[1]}))
+    sim = RoundSimulator(CPU, engines=1, prompt_len=PROMPT, sat_batch=100)
+    out = sim.run(planner, prompts, [[500], [300], [200]], side=side)
+    own = 2 * CPU.prefill_s_per_token * PROMPT + 200 * CPU.step_s(2, 0) + 300 * CPU.step_s(1, 0)
+    other = slow.prefill_s_per_token * PROMPT + 300 * slow.step_s(1, 0)
+    assert other > own
+    assert out.rollout_s == pytest.approx(other)
+    assert sorted(out.kept_lengths) == [200, 300, 500]
+    # without the side engine the three share the one engine: another round altogether
+    p2 = _plain(3, 1)
+    alone = sim.run(p2, p2.current_round.prompts, [[500], [300], [200]])  # type: ignore[union-attr]
+    assert alone.rollout_s == pytest.approx(
+        3 * CPU.prefill_s_per_token * PROMPT + 200 * CPU.step_s(3, 0)
+        + 100 * CPU.step_s(2, 0) + 200 * CPU.step_s(1, 0))
+    with pytest.raises(ValueError, match="side engines do not combine"):
+        sim.run(_plain(3, 1), prompts, [[5], [3], [2]], side=side, join_engines=1, join_at=1.0)
+    with pytest.raises(ValueError, match=r"side\.engines must be >= 1"):
+        sim.run(_plain(3, 1), prompts, [[5], [3], [2]],
+                side=dataclasses.replace(side, engines=0))

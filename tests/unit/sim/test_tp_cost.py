@@ -299,3 +299,74 @@ def test_wide_replicas_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--wide-replicas needs --long-round-tp" in capsys.readouterr().err
     assert main(["bench", "--steps", "4", "--long-round-tp", "8", "--wide-replicas", "0"]) == 2
     assert "--wide-replicas must be 1 or more" in capsys.readouterr().err
+
+
+def test_side_fill_runs_the_fill_on_the_waiting_pool_and_shortens_only_long_rounds() -> None:
+    """--side-fill: a filled long round's queued prompts run on the wide engine of its own
+    GPUs, its fill on the short rounds' engines (which otherwise wait through it). The
+    schedule and the short rounds are the same; each long round ends no later; the GPUs
+    paid for are the same, held for less time."""
+    scn = SCN.with_long_round_fill(32)
+
+    def run(side_fill: bool) -> PolicyRun:
+        wl = Workload(scn, scn.steps * scn.prompts_per_step, 0)
+        return run_policy(scn, POL["tail8"], 0, wl, long_round_tp=4, wide_replicas=1,
+                          side_fill=side_fill)
+
+    plain, side = run(False), run(True)
+    for f in ("kind", "group_size", "step_s", "step_s_large", "kept"):
+        assert getattr(side, f) == getattr(plain, f), f
+    longs = [k == "Long" for k in side.kind]
+    assert sum(longs) > 0
+    shorter = 0
+    for lg, a, b in zip(longs, plain.rollout_s_wide, side.rollout_s_wide, strict=True):
+        if lg:
+            assert b <= a + 1e-9
+            shorter += b < a - 1e-6
+        else:
+            assert b == a
+    assert shorter > 0
+    wp, ws = _wide(plain), _wide(side)
+    assert not wp["side_fill"] and ws["side_fill"]
+    assert ws["extra_gpus"] == wp["extra_gpus"] == 4
+    assert ws["vs_small"]["wall_ratio"] < wp["vs_small"]["wall_ratio"]
+    assert ws["vs_small"]["gpu_s_ratio"] < wp["vs_small"]["gpu_s_ratio"]
+
+
+def test_side_fill_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "--steps", "4", "--long-round-tp", "4", "--wide-replicas", "1"]
+    assert main([*args, "--long-round-fill", "32", "--side-fill"]) == 0
+    assert "the short rounds' 4 running the fill" in capsys.readouterr().out
+    for bad in (["--side-fill"], ["--long-round-fill", "32", "--side-fill"]):
+        base = args if bad[0] == "--side-fill" else args[:3]
+        assert main([*base, *bad]) == 2
+        assert "--side-fill needs --long-round-tp N, --wide-replicas K" in capsys.readouterr().err
+
+
+def test_release_when_fits_holds_the_wide_engines_over_the_long_round_alone() -> None:
+    """--release-when-fits with wide engines (the driver gives them back at the long round's
+    end when the next round is short): their GPUs are paid over that round's rollout, not to
+    the step's report; the schedule and the wall clock are the same."""
+    scn = SCN.with_long_round_fill(32)
+    rel = dataclasses.replace(scn, release_when_fits=True)
+
+    def run(s: Scenario) -> PolicyRun:
+        wl = Workload(s, s.steps * s.prompts_per_step, 0)
+        return run_policy(s, POL["tail8"], 0, wl, long_round_tp=4, wide_replicas=1,
+                          side_fill=True)
+
+    held, given = run(scn), run(rel)
+    assert given.step_s_wide == held.step_s_wide and given.kind == held.kind
+    assert not any(held.wide_released)
+    longs = [k == "Long" for k in given.kind]
+    released = [r for r, lg in zip(given.wide_released, longs, strict=True) if lg]
+    assert sum(released) > 0
+    assert not any(r for r, lg in zip(given.wide_released, longs, strict=True) if not lg)
+    w, w0 = _wide(given), _wide(held)
+    paid = sum(r if rel_ else s for s, r, rel_, lg in zip(
+        given.step_s_wide, given.rollout_s_wide, given.wide_released, longs, strict=True) if lg)
+    assert w["released_at_round_end"] == sum(released)
+    assert w["extra_gpu_held_s"] == pytest.approx(paid)
+    assert w["rollout_gpu_s"] == pytest.approx(4 * sum(given.step_s_wide) + 4 * paid)
+    assert w["rollout_gpu_s"] < w0["rollout_gpu_s"]
+    assert w["wall_clock_s"] == w0["wall_clock_s"]

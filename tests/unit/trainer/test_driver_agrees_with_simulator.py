@@ -32,7 +32,7 @@ import pytest
 from rlpacer.api.job import TailBatchingActivation
 from rlpacer.control.tail_batching import RoundKind
 from rlpacer.sim.cost import CostProfile
-from rlpacer.sim.rollout import RoundSimulator
+from rlpacer.sim.rollout import RoundSimulator, SideEngines
 from rlpacer.sim.trace import load_trace
 from rlpacer_trainer import runtime, weights
 from rlpacer_trainer.config import RunConfig
@@ -142,16 +142,25 @@ def _recorded() -> Any:
     return length
 
 
-@pytest.mark.parametrize(("engines", "fill"), [(1, None), (2, None), (3, None), (2, 4)])
-def test_the_driver_and_the_simulator_run_a_recorded_round_alike(engines: int,
-                                                                 fill: int | None) -> None:
+@pytest.mark.parametrize(("engines", "fill", "wide"),
+                         [(1, None, False), (2, None, False), (3, None, False), (2, 4, False),
+                          (2, 4, True)])
+def test_the_driver_and_the_simulator_run_a_recorded_round_alike(
+        engines: int, fill: int | None, wide: bool) -> None:
     """Also with ``fillPrompts`` 4 (the epoch's last fresh prompts): the long round's fill
-    groups kept, and any aborted and queued, the same on both sides."""
+    groups kept, and any aborted and queued, the same on both sides. ``wide``: replica 1 is
+    a wide long-round engine (``tailBatching.longRound.tensorParallelSize``): short rounds
+    run on replica 0 alone, the long round's queued prompts on replica 1 and its fill on
+    replica 0 (the simulator's ``side`` engines, ``rlpacer bench --side-fill``)."""
     cfg = RunConfig.load(EXAMPLE, steps=4)  # type: ignore[arg-type]
     cfg.job.spec.prompts_per_step = 12
     cfg.job.spec.data.num_prompts = PROMPTS
     cfg.job.spec.tail_batching.activation = TailBatchingActivation.ALWAYS
     cfg.job.spec.tail_batching.long_round.fill_prompts = fill
+    if wide:
+        cfg.job.spec.rollout.replicas = 1
+        cfg.job.spec.tail_batching.long_round.tensor_parallel_size = 1
+        cfg.job.spec.tail_batching.long_round.rollout_replicas = engines
     length = _recorded()
     clock = Clock()
     drv = runtime.build_driver(cfg, [RecordedEngine(clock, length, r) for r in range(engines)])
@@ -160,6 +169,8 @@ def test_the_driver_and_the_simulator_run_a_recorded_round_alike(engines: int,
         before = copy.deepcopy(drv.planner)
         clock.t = 0
         clock.polled.clear()
+        if wide:  # as Driver.use_plan sets it: a long round on the wide engine alone
+            drv.active = [1] if drv.planner.next_round_kind is RoundKind.LONG else [0]
         out = drv.run_round(g)
         steps = clock.t
         # the simulator: the same planner state, the same round, the same lengths
@@ -167,8 +178,16 @@ def test_the_driver_and_the_simulator_run_a_recorded_round_alike(engines: int,
         plan = planner.start_round(g)
         lengths = [[length(p, i) for i in range(plan.responses_per_prompt)]
                    for p in plan.prompts]
-        sim = RoundSimulator(STEP_CLOCK, engines, prompt_len=0, sat_batch=1)
-        oc = sim.run(planner, list(plan.prompts), lengths)
+        side = None
+        if wide and plan.kind is RoundKind.LONG:
+            sim = RoundSimulator(STEP_CLOCK, engines - 1, prompt_len=0, sat_batch=1)
+            side = SideEngines(STEP_CLOCK, 1, 1, frozenset(plan.fill))
+        else:
+            sim = RoundSimulator(STEP_CLOCK, 1 if wide else engines, prompt_len=0, sat_batch=1)
+        oc = sim.run(planner, list(plan.prompts), lengths, side=side)
+        if wide:  # each round on its engines: short ones on replica 0, long ones split
+            want = {0} if plan.kind is RoundKind.SHORT else {0, 1}
+            assert set(drv.active) == want, (plan.kind, drv.active)
         res = planner.finish_round()
         assert {p: sorted(k.idx for k in ks) for p, ks in out.kept.items()} == \
             {p: sorted(i) for p, i in res.kept.items()}

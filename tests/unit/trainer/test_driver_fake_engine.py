@@ -444,9 +444,11 @@ class LoggedEngine(ScriptedEngine):
         super().__init__(replica)
         self.log = log
         self.down = False
+        self.ids: list[str] = []  # every request submitted to it, in order
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
         self.log.append(("submit", self.replica, self.version, len(requests)))
+        self.ids += [r.request_id for r in requests]
         super().submit(requests)
 
     def load_weights(self, blob: bytes) -> float:
@@ -492,9 +494,11 @@ class ElasticController(InProcessController):
 
 def _elastic(steps: int, *, base: int = 1, long_usable: list[int] | None = None,
              offered: set[int] | None = None, engine_cls: type[LoggedEngine] = LoggedEngine,
-             long_ready: int = 2, wide: bool = False
+             long_ready: int = 2, wide: bool = False, fill: int | None = None,
+             base_engines: list[LoggedEngine] | None = None,
              ) -> tuple[Any, list[tuple[object, ...]], list[LoggedEngine]]:
     cfg = _cfg(steps=steps)
+    cfg.job.spec.tail_batching.long_round.fill_prompts = fill
     if wide:  # tailBatching.longRound.tensorParallelSize (1: the example's CPU engines)
         cfg.job.spec.tail_batching.long_round.tensor_parallel_size = 1
         cfg.job.spec.tail_batching.long_round.rollout_replicas = base + 1
@@ -509,7 +513,10 @@ def _elastic(steps: int, *, base: int = 1, long_usable: list[int] | None = None,
 
     ctl = ElasticController(cfg, log, short=list(range(base)), long_usable=long_usable,
                             long_ready=long_ready)
-    drv = runtime.build_driver(cfg, [LoggedEngine(i, log) for i in range(base)], controller=ctl,
+    engines = [LoggedEngine(i, log) for i in range(base)]
+    if base_engines is not None:
+        base_engines += engines
+    drv = runtime.build_driver(cfg, engines, controller=ctl,
                                engine_factory=factory,
                                offered_replicas=(lambda: set(range(8))) if offered is None
                                else (lambda: offered))
@@ -572,6 +579,74 @@ def test_wide_long_round_engines_run_the_long_rounds_alone_short_rounds_skip_the
                             for r in drv.records)
 
 
+def test_a_filled_long_round_on_wide_engines_runs_its_fill_on_the_rollouts_engine() -> None:
+    """``fillPrompts`` with wide long-round engines: a filled long round's queued prompts go
+    to the wide engine (replica 1) and its fill to the rollout's own engine (replica 0),
+    which would otherwise wait through the round; every request of the round lands on its
+    class's engine, and both engines answer part of it. Short rounds stay on replica 0."""
+    base: list[LoggedEngine] = []
+    drv, _, made = _elastic(10, long_usable=[0, 1], wide=True, fill=4, base_engines=base)
+    plans = []
+    start = drv.planner.start_round
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        plans.append(start(*a, **kw))
+        return plans[-1]
+
+    drv.planner.start_round = spy
+    drv.run()
+    filled = [p for p in plans if p.kind is RoundKind.LONG and p.fill]
+    assert filled and made
+
+    def served(engines: Sequence[LoggedEngine], index: int) -> set[int]:
+        return {int(rid.split("-")[1][1:]) for e in engines for rid in e.ids
+                if rid.startswith(f"r{index}-")}
+
+    for plan in filled:
+        on_base, on_wide = served(base, plan.index), served(made, plan.index)
+        assert on_base == set(plan.fill), plan.index
+        assert on_wide == set(plan.prompts) - set(plan.fill), plan.index
+    for plan in plans:
+        if plan.kind is RoundKind.SHORT:
+            assert served(made, plan.index) == set() and served(base, plan.index)
+    for r in drv.records:
+        if r["round_kind"] == "Long" and r["fill_prompts"]:
+            by = {e["replica"]: e["responses"] for e in r["engines"]}
+            assert by.get(0, 0) > 0 and by.get(1, 0) > 0, r["engines"]
+
+
+def test_release_when_fits_gives_a_wide_engine_back_at_its_long_rounds_end() -> None:
+    """``releaseWhenFits`` with wide long-round engines: the wide engine stays to the long
+    round's end (it is there for the tail), then it is shut down and the operator asked to
+    scale back (``release``) before the step's training and report, not at the report; the
+    record says when. Without the field the operator is never asked."""
+    for on in (False, True):
+        drv, log, made = _elastic(6, long_usable=[0, 1], wide=True)
+        drv.cfg.job.spec.tail_batching.long_round.release_when_fits = on
+        drv.release_when_fits = drv.cfg.release_when_fits
+        drv.run()
+        longs = [r for r in drv.records if r["round_kind"] == "Long"]
+        assert longs and made
+        asked = [x for x in log if x[0] == "release"]
+        if not on:
+            assert not asked and all(r["released_mid_round"] == [] for r in longs)
+            continue
+        for r in longs:
+            if r["next_round_kind"] != "Short":
+                continue
+            t, *gone = r["released_mid_round"]
+            assert gone == [1] and t == pytest.approx(r["seconds_rollout"], abs=1e-3), r
+            i_release = log.index(("release", r["attempt"], r["step"]))
+            i_report = log.index(("report", r["step"], "Long"))
+            # after the wide engine's last request of the round and its shutdown
+            last_submit = max(i for i, x in enumerate(log[:i_report]) if x[:2] == ("submit", 1))
+            shut = max(i for i, x in enumerate(log[:i_report]) if x[:2] == ("shutdown", 1))
+            assert last_submit < shut < i_release < i_report
+            assert log[shut][2] == 0  # nothing in flight on it
+            assert sorted(e["replica"] for e in r["engines"]) == [1]  # it ran the round alone
+        assert len(asked) == sum(r["next_round_kind"] == "Short" for r in longs) > 0
+
+
 class MidRoundController(ElasticController):
     """A long round's scale-up that is still pending when the round starts: its plan names
     rollout-0 alone (ScalingUp) until the driver has read it ``ready_after`` times during the
@@ -594,7 +669,8 @@ class MidRoundController(ElasticController):
         return plan
 
 
-def _mid_round_run(monkeypatch: pytest.MonkeyPatch, *, wide: bool) -> tuple[
+def _mid_round_run(monkeypatch: pytest.MonkeyPatch, *, wide: bool, fill: int | None = None,
+                   steps: int = 6) -> tuple[
         Any, LoggedEngine, list[LoggedEngine], list[tuple[object, ...]]]:
     """A 6-step run with ``joinMidRound`` (``wide``: and a wide long-round engine) whose long
     round's replica 1 becomes usable during the round (:class:`MidRoundController`); every
@@ -603,9 +679,10 @@ def _mid_round_run(monkeypatch: pytest.MonkeyPatch, *, wide: bool) -> tuple[
     from rlpacer_trainer import driver as driver_mod
 
     monkeypatch.setattr(driver_mod, "MID_ROUND_POLL_S", 0.0)
-    cfg = _cfg(steps=6)
+    cfg = _cfg(steps=steps)
     lr = cfg.job.spec.tail_batching.long_round
     lr.join_mid_round = True
+    lr.fill_prompts = fill
     if wide:
         lr.tensor_parallel_size, lr.rollout_replicas = 1, 2
     log: list[tuple[object, ...]] = []
@@ -1040,6 +1117,39 @@ def test_a_wide_engine_joining_mid_round_takes_the_whole_long_round(
     report = log.index(("report", moved[0]["step"], "Long"))
     assert first_move < report
     assert not any(x[:2] == ("submit", 0) for x in log[first_move:report])
+
+
+def test_a_wide_engine_joining_a_filled_long_round_takes_its_queued_prompts_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``joinMidRound`` with wide engines and ``fillPrompts``: the filled long round starts
+    on rollout-0 (no wide engine yet); when the wide one joins it takes the queued prompts'
+    unfinished requests with their tokens and the fill stays on rollout-0."""
+    drv, base, made, _ = _mid_round_run(monkeypatch, wide=True, fill=4, steps=10)
+    moved = [r for r in drv.records if r["moved_requests"] > 0 and r["fill_prompts"]]
+    assert moved and made
+
+    def prompt(rid: str) -> int:
+        return int(rid.split("-")[1][1:])
+
+    # a request id is r<round>-p<prompt>-i<index>; the fill prompts of a filled long round
+    # are the ones no earlier round had (its queued prompts were deferred from earlier ones)
+    ids = [rid for e in (base, *made) for rid in e.ids]
+
+    def parse(rid: str) -> tuple[int, int]:
+        rnd, p, _ = rid.split("-")
+        return int(rnd[1:]), int(p[1:])
+
+    rounds = sorted({parse(rid)[0] for e in made for rid in e.ids})
+    assert len(rounds) == len(moved)
+    for rnd, rec in zip(rounds, moved, strict=True):
+        prompts = {p for x, p in map(parse, ids) if x == rnd}
+        queued = prompts & {p for x, p in map(parse, ids) if x < rnd}
+        fill = prompts - queued
+        assert len(fill) == 4 and queued
+        taken = {p for x, p in map(parse, base.taken) if x == rnd}
+        on_wide = {p for x, p in (parse(rid) for e in made for rid in e.ids) if x == rnd}
+        assert taken and taken == on_wide and on_wide <= queued, (taken, on_wide, queued)
+        assert rec["moved_requests"] == sum(1 for rid in base.taken if parse(rid)[0] == rnd)
 
 
 def test_a_long_round_gives_its_added_replica_back_once_the_rest_fits() -> None:
