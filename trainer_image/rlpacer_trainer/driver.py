@@ -857,6 +857,8 @@ class Driver:
                 batch_tokens=int(self.cfg.learner_config().micro_batch_tokens))
         while True:
             rnd = self.run_round(g)
+            if self._side_fill:  # the rollout's engines ran the fill beside the wide ones
+                used = sorted(set(used) | set(self.active))
             rollout_s += rnd.rollout_s
             path_tokens += max((len(k.tokens) for ks in rnd.kept.values() for k in ks),
                                default=0)

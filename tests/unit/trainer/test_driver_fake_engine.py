@@ -613,6 +613,7 @@ def test_a_filled_long_round_on_wide_engines_runs_its_fill_on_the_rollouts_engin
         if r["round_kind"] == "Long" and r["fill_prompts"]:
             by = {e["replica"]: e["responses"] for e in r["engines"]}
             assert by.get(0, 0) > 0 and by.get(1, 0) > 0, r["engines"]
+            assert r["replicas"] == [0, 1], r["replicas"]
 
 
 def test_release_when_fits_gives_a_wide_engine_back_at_its_long_rounds_end() -> None:
