@@ -921,9 +921,10 @@ class Driver:
         if not next_long and not asking:
             gone = self.release_extras()  # before the report that lets the operator scale down
             if gone and kind is RoundKind.LONG and self.release_when_fits:
-                # releaseWhenFits with wide long-round engines (which stay to the round's
-                # end, _release_if_fits): given back at its end, before the rewards, the
-                # training and the sync, not at the report
+                # releaseWhenFits: added replicas still held at the long round's end (wide
+                # engines, which stay to it, _release_if_fits; or ones the round ended before
+                # it could give back) go back now, before the rewards, the training and the
+                # sync, not at the report
                 self._released_mid = [round(rollout_s, 3), *gone]
                 told = self.controller.release(self.attempt, self.step)
                 print(f"step {self.step}'s long round is over: replica(s) {gone} released"
