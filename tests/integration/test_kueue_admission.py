@@ -44,6 +44,10 @@ pytestmark = pytest.mark.integration
 KUEUE = f"/apis/{queue.API_VERSION}"
 CHART = Path(__file__).resolve().parents[2] / "charts" / "rlpacer"
 FLAVOR_LABEL = "node.kubernetes.io/instance-type"
+#: seconds for a job's driver pod to be admitted, created and running: 10-50 s alone, once
+#: over 90 s beside the e2e tier and the dev cluster's tests on 2 cores (a bound only: a
+#: job that never runs still fails the test)
+RUNNING_S = 180
 CQS: list[str] = []
 
 
@@ -277,7 +281,8 @@ def test_a_job_waits_for_quota_runs_on_its_flavor_and_gives_the_quota_back_when_
     # waiting costs no polling: the Workloads are watched (30 s safety net, not every 2 s).
     # Measured once qa's pods have settled (their events start passes of qa, which read
     # Workloads too); polled, qb alone would make 10 GETs in these 10 s
-    wait(cluster, lambda: _driver_running(cluster, namespace, "qa", 0), "qa driver running", 90)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "qa", 0), "qa driver running",
+         RUNNING_S)
     wait(cluster, lambda: (get(cluster, _sts_path(namespace, "qa", "rollout")) or {})
          .get("status", {}).get("readyReplicas") == 1, "qa's rollout ready", 60)
     time.sleep(2)
@@ -291,7 +296,8 @@ def test_a_job_waits_for_quota_runs_on_its_flavor_and_gives_the_quota_back_when_
                    job="qa") == 0
 
     # qa completes: its Workload Finished, the quota goes to qb, which starts as attempt 0
-    wait(cluster, lambda: _driver_running(cluster, namespace, "qa", 0), "qa driver running", 90)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "qa", 0), "qa driver running",
+         RUNNING_S)
     cluster.mark_pod_exit(namespace, names.driver_pod("qa", 0), 0)
     wait(cluster, lambda: status(cluster, namespace, "qa").get("summary") == "Succeeded",
          "qa Succeeded")
@@ -323,7 +329,7 @@ def test_a_higher_priority_job_preempts_and_the_evicted_job_resumes_with_its_sta
     apply(cluster, gpu_job("low", namespace, "lq",
                            scheduling={"queueName": "lq",
                                        "priorityClassName": "rlpacer-test-low"}))
-    wait(cluster, lambda: _driver_running(cluster, namespace, "low", 0), "low running", 90)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "low", 0), "low running", RUNNING_S)
     assert _wl(cluster, namespace, queue.workload_name("low"))["spec"]["priority"] == 100
     drv = Driver(operator, namespace, "low", token(cluster, namespace, "low"))
     g = drv.plan()["groupSize"]
@@ -350,13 +356,13 @@ def test_a_higher_priority_job_preempts_and_the_evicted_job_resumes_with_its_sta
                                    "QuotaReserved") == "False", "low's quota given back")
     wl = _wl(cluster, namespace, queue.workload_name("low"))
     assert _wl_cond(wl, "Requeued") == "True", wl["status"]
-    wait(cluster, lambda: _driver_running(cluster, namespace, "high", 0), "high running", 90)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "high", 0), "high running", RUNNING_S)
     assert status(cluster, namespace, "low")["step"] == 3
 
     # high ends: low is admitted again and resumes as a new attempt, at its step, state kept
     cluster.mark_pod_exit(namespace, names.driver_pod("high", 0), 0)
     st = wait(cluster, lambda: (s := status(cluster, namespace, "low")).get("attempt") == 1
-              and s.get("summary") in ("Starting", "Running") and s, "low resumed", 90)
+              and s.get("summary") in ("Starting", "Running") and s, "low resumed", RUNNING_S)
     assert st["step"] == 3 and st["failures"] == 0
     assert st["controllerState"] is not None
     assert st["groupSize"] == before["groupSize"]
@@ -382,7 +388,7 @@ def test_an_evicted_job_checkpoints_at_its_next_report_and_resumes_there(
                            scheduling={"queueName": "lq",
                                        "priorityClassName": "rlpacer-test-low"},
                            checkpoint={"volumeClaim": "ckpt", "evictionGraceSeconds": 90}))
-    wait(cluster, lambda: _driver_running(cluster, namespace, "low", 0), "low running", 90)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "low", 0), "low running", RUNNING_S)
     drv = Driver(operator, namespace, "low", token(cluster, namespace, "low"))
     g = drv.plan()["groupSize"]
     for step in range(3):
@@ -416,13 +422,13 @@ def test_an_evicted_job_checkpoints_at_its_next_report_and_resumes_there(
     # runs; low did not succeed
     cluster.mark_pod_exit(namespace, names.driver_pod("low", 0), 0)
     wait(cluster, lambda: _pods(cluster, namespace, "low") == [], "low's pods gone", 60)
-    wait(cluster, lambda: _driver_running(cluster, namespace, "high", 0), "high running", 90)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "high", 0), "high running", RUNNING_S)
     st = status(cluster, namespace, "low")
     assert st["summary"] == "Queued" and st["step"] == 4, st
     # high ends: low resumes as attempt 1 at step 4, the step its driver checkpointed at
     cluster.mark_pod_exit(namespace, names.driver_pod("high", 0), 0)
     st = wait(cluster, lambda: (s := status(cluster, namespace, "low")).get("attempt") == 1
-              and s.get("summary") in ("Starting", "Running") and s, "low resumed", 90)
+              and s.get("summary") in ("Starting", "Running") and s, "low resumed", RUNNING_S)
     assert st["step"] == 4 and st["failures"] == 0
     plan = drv.plan()
     assert plan["step"] == 4 and plan["done"] is False, plan
@@ -439,7 +445,7 @@ def test_a_long_rounds_extra_replicas_wait_for_their_own_workload(
     burst = setup_queues(cluster, namespace, gpus=1, cq=f"burst-{namespace}"[:63], lq="burst")
     apply(cluster, gpu_job("lr", namespace, "lq", tailBatching={"longRound": {
         "rolloutReplicas": 3, "scaleUpTimeoutSeconds": 8, "queueName": "burst"}}))
-    wait(cluster, lambda: _driver_running(cluster, namespace, "lr", 0), "lr running", 90)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "lr", 0), "lr running", RUNNING_S)
     drv = Driver(operator, namespace, "lr", token(cluster, namespace, "lr"))
     g = drv.plan()["groupSize"]
     code, plan = drv.post(report(0, g, 150.0, nxt="Long"))
@@ -540,7 +546,7 @@ def test_short_rounds_run_in_a_long_rounds_place_while_the_burst_pool_is_busy(
     apply(cluster, gpu_job("df", namespace, "lq", tailBatching={"longRound": {
         "rolloutReplicas": 3, "scaleUpTimeoutSeconds": timeout, "queueName": "burst",
         "maxDeferredRounds": 3}}))
-    wait(cluster, lambda: _driver_running(cluster, namespace, "df", 0), "df running", 90)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "df", 0), "df running", RUNNING_S)
     drv = Driver(operator, namespace, "df", token(cluster, namespace, "df"))
     g = drv.plan()["groupSize"]
     t0 = time.monotonic()
@@ -619,7 +625,7 @@ def test_the_burst_pool_goes_to_the_higher_priority_long_round_first(
         apply(cluster, gpu_job(name, namespace, "lq", scheduling=sched, tailBatching=long_round))
     for name in classes:
         wait(cluster, lambda n=name: _driver_running(cluster, namespace, n, 0),
-             f"{name} running", 90)
+             f"{name} running", RUNNING_S)
         drivers[name] = Driver(operator, namespace, name, token(cluster, namespace, name))
     gs = {n: d.plan()["groupSize"] for n, d in drivers.items()}
 
@@ -723,7 +729,7 @@ def test_the_pool_goes_by_priority_then_fair_share_by_namespace_then_arrival(
         drivers, gs = {}, {}
         for name, ns in jobs.items():
             wait(cluster, lambda n=name, s=ns: _driver_running(cluster, s, n, 0),
-                 f"{name} running", 90)
+                 f"{name} running", RUNNING_S)
             drivers[name] = Driver(op, ns, name, token(cluster, ns, name))
             gs[name] = drivers[name].plan()["groupSize"]
 
@@ -785,7 +791,7 @@ def test_suspending_an_admitted_job_gives_its_quota_to_the_next_and_resuming_que
 ) -> None:
     cq = setup_queues(cluster, namespace, gpus=2)
     apply(cluster, gpu_job("sa", namespace, "lq"))
-    wait(cluster, lambda: _driver_running(cluster, namespace, "sa", 0), "sa running", 90)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "sa", 0), "sa running", RUNNING_S)
     apply(cluster, gpu_job("sb", namespace, "lq"))
     wait(cluster, lambda: status(cluster, namespace, "sb").get("summary") == "Queued",
          "sb queued")
@@ -799,7 +805,7 @@ def test_suspending_an_admitted_job_gives_its_quota_to_the_next_and_resuming_que
     st = status(cluster, namespace, "sa")
     assert st["summary"] == "Suspended"
     assert _cond(st, "QueueAdmitted")["reason"] == "Suspended"
-    wait(cluster, lambda: _driver_running(cluster, namespace, "sb", 0), "sb runs on it", 90)
+    wait(cluster, lambda: _driver_running(cluster, namespace, "sb", 0), "sb runs on it", RUNNING_S)
     wait(cluster, lambda: _cluster_queue_usage(cluster, cq) == 2, "2 GPUs in use")
     # resumed: sa queues again behind sb, with a new Workload
     cluster.kubectl("patch", "rltj", "sa", "-n", namespace, "--type=merge",

@@ -166,8 +166,8 @@ def release(
                          reason="LongRoundReleased", step=step)
     ev = Event("Normal", "ScaledDown",
                f"step {step}'s long round gave its added replicas back (its rest fits on"
-               f" the rollout's own replicas, or it is over) before the step's report,"
-               f" rollout replicas {cur} -> {target}")
+               f" the rollout's own replicas, or it is over): released before the step's"
+               f" report, rollout replicas {cur} -> {target}")
     return rollout.model_copy(update=update), [action], [ev]
 
 
