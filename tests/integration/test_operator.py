@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,15 +127,29 @@ class OperatorProc:
         except (urllib.error.URLError, OSError):
             return False
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def serving(self) -> bool:
+        """Whether the report server accepts connections (a standby serves before it leads)."""
+        try:
+            socket.create_connection(("127.0.0.1", self.report_port), timeout=2).close()
+            return True
+        except OSError:
+            return False
+
+    def _wait(self, until: Callable[[], bool], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while not self.ready():
+        while not until():
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise AssertionError(f"operator exited: {self.log.read_text()[-3000:]}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"operator not ready: {self.log.read_text()[-3000:]}")
+                raise AssertionError(f"operator not {what}: {self.log.read_text()[-3000:]}")
             time.sleep(0.2)
+
+    def wait_serving(self, timeout: float = 60) -> None:
+        self._wait(self.serving, "serving", timeout)
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        self._wait(self.ready, "ready", timeout)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
@@ -930,6 +944,9 @@ def test_two_replicas_never_act_at_once_standby_takes_over(
     a.wait_ready()
     b = OperatorProc(cluster, namespace, identity="op-b", report_url=a.base).start()
     try:
+        # b up (its start took over 3 s beside the rest of CI), then time to take the lease
+        # if it wrongly would
+        b.wait_serving()
         time.sleep(3)
         assert a.ready() and not b.ready()
         apply(cluster, small_job("ha", namespace))

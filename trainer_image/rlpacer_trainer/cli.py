@@ -48,7 +48,9 @@ def register(subparsers: Any) -> None:
                    " sagc (no tail batching), sagc_tb (the product), each with an optional"
                    " -mb<K>: the learner's mini-batches (optimizer steps) per step, default 2;"
                    " a tb<N> or sagc_tb arm also -fill<F> (its long rounds also launch F"
-                   " fresh prompts, tailBatching.longRound.fillPrompts);"
+                   " fresh prompts, tailBatching.longRound.fillPrompts); a sagc or sagc_tb"
+                   " arm also a last -persec (SAGC maximises log2(G) per second of a step,"
+                   " groupControl.objective PerSecond);"
                    " trl<N>: TRL's GRPOTrainer at G=N on the same job, for comparison (pip"
                    " install 'rlpacer[trl]'; docs/benchmarks.md); default: %(default)s")
     b.add_argument("--baseline", default="fixed16", help="the arm the others are measured"
@@ -306,6 +308,15 @@ def split_fill(name: str) -> tuple[str, int | None]:
     return base, int(f)
 
 
+def split_objective(name: str) -> tuple[str, str | None]:
+    """An arm's name without its optional ``-persec`` suffix (SAGC maximises log2(G) per
+    second of a step: ``groupControl.objective: PerSecond``), and the objective it sets
+    (None: the manifest's)."""
+    if name.endswith("-persec"):
+        return name.removesuffix("-persec"), "second"
+    return name, None
+
+
 def parse_arm(name: str) -> tuple[int | None, bool, int | None]:
     """An arm's (fixed group size, tail batching, the learner's mini-batches per step):
     fixed<N>, tb<N>, sagc, sagc_tb, each with an optional ``-mb<K>`` (K mini-batches, each an
@@ -337,9 +348,15 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         if args.baseline in trl_arms:
             raise ValueError(f"--baseline {args.baseline}: a trl<N> arm cannot be the"
                              " baseline (name one of rlpacer's arms)")
+        objectives = {a: split_objective(a) for a in dict.fromkeys(args.arms)
+                      if a not in trl_arms}
         arms = {a: (trl_arms[a], False, None) if a in trl_arms
-                else parse_arm(split_fill(a)[0]) for a in dict.fromkeys(args.arms)}
-        fills = {a: split_fill(a)[1] for a in arms if a not in trl_arms}
+                else parse_arm(split_fill(objectives[a][0])[0]) for a in dict.fromkeys(args.arms)}
+        fills = {a: split_fill(objectives[a][0])[1] for a in arms if a not in trl_arms}
+        for a, (_, objective) in objectives.items():
+            if objective is not None and arms[a][0] is not None:
+                raise ValueError(f"arm {a!r}: -persec sets SAGC's objective; use it on sagc"
+                                 " or sagc_tb (a fixed G has nothing to choose)")
         for a, f in fills.items():
             if f is not None and not arms[a][1]:
                 raise ValueError(f"arm {a!r}: -fill<F> fills tail batching's long rounds;"
@@ -383,6 +400,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 arm_kw["mini_batches"] = mb
             if fills.get(arm) is not None:
                 arm_kw["long_round_fill"] = fills[arm]
+            if arm in objectives and objectives[arm][1] is not None:
+                arm_kw["sagc_objective"] = objectives[arm][1]
             if equal and budget is not None:
                 arm_kw["steps"] = EQUAL_WALL_MAX_STEPS * base.total_steps
             cfg = RunConfig.load(args.manifest, seed=seed, fixed_group_size=fixed,

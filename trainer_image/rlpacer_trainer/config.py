@@ -73,6 +73,8 @@ class RunConfig:
     eval_prompts: int = 256
     mini_batches: int = 2
     long_round_fill: int | None = None  # override tailBatching.longRound.fillPrompts
+    # override groupControl.objective: "step" or "second" (rlpacer.control.sagc.OBJECTIVES)
+    sagc_objective: str | None = None
     warmup_updates: int = 8  # learner lr warm-up (optimizer steps; see LearnerConfig)
     lr_reference_samples: int = 256  # sqrt lr scaling below this many samples per update
     max_refill_rounds: int = 2  # dynamic sampling: extra short rounds per step at most
@@ -362,11 +364,14 @@ class RunConfig:
         return max(1, math.ceil(need / self.num_prompts))
 
     def controller_config(self) -> JobControllerConfig:
+        import dataclasses as dc
+
         from rlpacer.operator.hosting import controller_config
 
         cfg = controller_config(self.spec)
+        if self.sagc_objective is not None:
+            cfg = dc.replace(cfg, sagc=dc.replace(cfg.sagc, objective=self.sagc_objective))
         if self.fixed_group_size is not None:
-            import dataclasses as dc
 
             sagc = dc.replace(cfg.sagc, initial=self.fixed_group_size,
                               candidates=tuple(sorted({*cfg.sagc.candidates,

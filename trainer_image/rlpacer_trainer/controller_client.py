@@ -173,6 +173,10 @@ class InProcessController:
     def posterior_means(self) -> dict[int, float]:
         return self.jc.posterior_means()
 
+    def step_seconds(self) -> dict[int, float]:
+        """SAGC's measured seconds of a step per group size (``groupControl.objective``)."""
+        return self.jc.step_seconds()
+
     def state_dict(self) -> dict[str, Any]:
         return self.jc.state_dict()
 

@@ -1000,6 +1000,8 @@ class Driver:
         }
         if hasattr(self.controller, "posterior_means"):
             rec["posterior"] = {str(k): v for k, v in self.controller.posterior_means().items()}
+        if hasattr(self.controller, "step_seconds") and (priced := self.controller.step_seconds()):
+            rec["step_seconds_by_g"] = {str(k): round(v, 4) for k, v in priced.items()}
         self.records.append(rec)
         self.step += 1
         self._next_plan = next_plan

@@ -79,6 +79,11 @@ class GroupControlMode(enum.StrEnum):
     FIXED = "Fixed"
 
 
+class GroupControlObjective(enum.StrEnum):
+    PER_STEP = "PerStep"  # log2(G) per step (the paper's)
+    PER_SECOND = "PerSecond"  # log2(G) per second of a step's measured wall clock
+
+
 class TailBatchingActivation(enum.StrEnum):
     ADAPTIVE = "Adaptive"  # over-provision short rounds only while their lengths straggle
     ALWAYS = "Always"  # over-provision every short round
@@ -640,6 +645,17 @@ class GroupControlSpec(APIModel):
     window_steps: int = Field(
         default=50, ge=1, le=10_000, description="Window of the reported straggler rate."
     )
+    objective: GroupControlObjective = Field(
+        default=GroupControlObjective.PER_STEP,
+        description=(
+            "What SAGC maximises under the straggler SLO. PerStep (the default, the paper's):"
+            " log2(G) per step, so it keeps the largest G the SLO allows. PerSecond: log2(G)"
+            " per second of a step's wall clock (rollout, reward, training, sync, as each"
+            " step reports them; a size not yet measured is priced from the nearest measured"
+            " one in proportion to G), so it keeps the size whose log2(G) costs least: for"
+            " tasks where what a step teaches depends little on G. Mode Fixed ignores it."
+        ),
+    )
     seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of Thompson sampling.")
 
     @field_validator("candidates")
@@ -670,6 +686,8 @@ class GroupControlSpec(APIModel):
             "radius": self.local_search_radius,
             "initial": self.initial,
             "seed": self.seed,
+            "objective": ("second" if self.objective is GroupControlObjective.PER_SECOND
+                          else "step"),
         }
 
 

@@ -615,6 +615,12 @@ class JobController:
     def posterior_means(self) -> dict[int, float]:
         return self._ctl.posterior_means()
 
+    def step_seconds(self) -> dict[int, float]:
+        """SAGC's measured seconds of a step per group size, what its objective per second
+        prices each size at ({} for a fixed G)."""
+        fn = getattr(self._ctl, "step_seconds", None)
+        return {} if fn is None else fn()
+
     @property
     def last_report(self) -> StepReportData | None:
         """The last accepted report (a repeat of it gets the same answer)."""
@@ -724,8 +730,11 @@ class JobController:
         self._validate_new(report)
         feeds = report.round_kind is RoundKind.SHORT or self._cfg.long_rounds_feed_sagc
         ln = report.lengths
+        s = report.seconds
+        step_seconds = float(s.rollout + s.reward + s.train + s.sync)
         if feeds:
-            straggler = self._ctl.observe(report.group_size, ln.max, ln.median)
+            straggler = self._ctl.observe(report.group_size, ln.max, ln.median,
+                                          seconds=step_seconds)
         else:
             straggler = self._ctl.is_straggler(ln.max, ln.median)
         risk = report.next_straggler_risk
@@ -735,8 +744,7 @@ class JobController:
             self._long_window.append(straggler)
         else:
             self._short_window.append(straggler)
-        s = report.seconds
-        self._seconds.append(float(s.rollout + s.reward + s.train + s.sync))
+        self._seconds.append(step_seconds)
         self._steps_observed += 1
         if report.round_kind is RoundKind.LONG:
             self._long_rounds += 1

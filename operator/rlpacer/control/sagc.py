@@ -52,6 +52,23 @@ Decisions taken here (ALGORITHMS.md leaves them open):
   are what ``posterior()`` and the SLO verdict read: a controller never given a context
   decides exactly as before (same draws), and a state written before has no context
   posteriors and restores with fresh ones.
+* **Objective per second** (``objective="second"``, optional; the default ``"step"`` is the
+  paper's): what G buys is weighed against what its step costs. The controller keeps each
+  size's step seconds (rollout, reward, training and sync, as the step report gives them),
+  forgotten like the posterior, and decides
+  ``argmax log2(G) * c(G_prev) / c(G) - lambda * p~_G``: log2(G) per second, in units of
+  the current size's step so that lambda keeps its scale. A size not measured yet is priced
+  from a line ``a + b * G`` (a, b >= 0) fitted to the measured sizes; while one size is
+  measured the line goes through the origin (seconds in proportion to G), so a smaller size
+  looks cheaper than it will be and is tried, and once two are measured a larger size is
+  priced from the fixed and per-response parts they show. Before any step is measured the
+  objective is per step. Seconds are kept, and written to the state (``step_seconds``) and
+  the config's ``objective``, only under this objective, so a per-step state is what older
+  releases wrote and restore. Why: where what a step teaches depends little on G (a task RL
+  fixes in a few updates whatever the group), the largest G that keeps the SLO is the
+  slowest way to the same model; per second, SAGC picks the size whose log2(G) costs least,
+  and the SLO still bounds it. A state written before has no seconds and restores with none
+  measured.
 * The Thompson draws use one numpy ``Generator`` (PCG64); its full bit-generator state is in
   ``state_dict()``, so ``from_state_dict(state_dict())`` continues bit for bit.
 
@@ -90,11 +107,44 @@ _STATE_VERSION = 1
 CONTEXT_HISTORY = 32
 #: Contexts a candidate needs before its draws come from the context's posterior.
 CONTEXT_MIN = 8
+#: ``SAGCConfig.objective``'s values: log2(G) per step, or per second of a step (docstring)
+OBJECTIVES = ("step", "second")
 
 
 def is_straggler(max_len: float, median_len: float, tau: float) -> bool:
     """The straggler event of a step: ``max_len / median_len > tau``."""
     return max_len > tau * median_len
+
+
+def _fit_cost_line(g: list[float], c: list[float], w: list[float]) -> tuple[float, float]:
+    """Weighted least squares of ``c = a + b * g`` with a, b >= 0 (one distinct g: through
+    the origin)."""
+    sw = math.fsum(w)
+    mg = math.fsum(wi * gi for wi, gi in zip(w, g, strict=True)) / sw
+    mc = math.fsum(wi * ci for wi, ci in zip(w, c, strict=True)) / sw
+    sgg = math.fsum(wi * (gi - mg) ** 2 for wi, gi in zip(w, g, strict=True))
+    if sgg > 0:
+        b = math.fsum(wi * (gi - mg) * (ci - mc) for wi, gi, ci in zip(w, g, c, strict=True)) / sgg
+        a = mc - b * mg
+        if b >= 0 and a >= 0:
+            return a, b
+        if b < 0:  # a larger size measured no dearer: a flat price
+            return mc, 0.0
+    # through the origin
+    b = (math.fsum(wi * gi * ci for wi, gi, ci in zip(w, g, c, strict=True))
+         / math.fsum(wi * gi * gi for wi, gi in zip(w, g, strict=True)))
+    return 0.0, b
+
+
+def _check_seconds(seconds: float | None) -> float:
+    """A step's measured seconds, 0.0 when not measured (None or 0)."""
+    if seconds is None:
+        return 0.0
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise ObservationError(f"seconds must be a number, got {seconds!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ObservationError(f"seconds must be finite and >= 0, got {seconds!r}")
+    return float(seconds)
 
 
 def _check_lengths(max_len: float, median_len: float) -> tuple[float, float]:
@@ -142,6 +192,9 @@ class SAGCConfig:
     """Prior pseudo-count alpha0 + beta0 (> 0): how many steps of evidence it is worth."""
     decay_unchosen: bool = False
     """Unchosen arms also decay toward the prior each step (see the module docstring)."""
+    objective: str = "step"
+    """What G maximises: ``"step"``, log2(G) per step (the paper's), or ``"second"``,
+    log2(G) per second of a step's measured wall clock (see the module docstring)."""
 
     def __post_init__(self) -> None:
         cands = self.candidates
@@ -176,6 +229,9 @@ class SAGCConfig:
             )
         require_float("prior_strength", self.prior_strength, low=0, low_open=True)
         require_bool("decay_unchosen", self.decay_unchosen)
+        if self.objective not in OBJECTIVES:
+            raise ConfigError("objective", f"must be one of {', '.join(map(repr, OBJECTIVES))},"
+                              f" got {self.objective!r}")
 
     @property
     def alpha0(self) -> float:
@@ -194,6 +250,8 @@ class SAGCConfig:
         # copy of each value: a job's state is serialised on every step report.
         out = {f: getattr(self, f) for f in _SAGC_CONFIG_FIELDS}
         out["candidates"] = list(self.candidates)
+        if self.objective == "step":  # the default: a state an older release restores
+            del out["objective"]
         return out
 
     @classmethod
@@ -223,7 +281,8 @@ class GroupController(Protocol):
     @property
     def pending(self) -> int | None: ...
     def decide(self, context: Mapping[int, float] | None = None) -> int: ...
-    def observe(self, g: int, max_len: float, median_len: float) -> bool: ...
+    def observe(self, g: int, max_len: float, median_len: float,
+                seconds: float | None = None) -> bool: ...
     def posterior_means(self) -> dict[int, float]: ...
     def posterior(self) -> dict[int, tuple[float, float]]: ...
     def per_size(self) -> dict[int, tuple[int, int]]: ...
@@ -296,6 +355,9 @@ class SAGCController:
         self._pending_bin: int | None = None
         self._ctx_decisions = 0
         self._ctx_counts = [[0, 0], [0, 0]]  # per bin: [steps observed, straggler steps]
+        # a step's seconds per candidate, forgotten like the posterior: sum and weight
+        self._cost_num = [0.0] * n
+        self._cost_den = [0.0] * n
 
     # --- read-only views ------------------------------------------------------------------
     @property
@@ -345,6 +407,28 @@ class SAGCController:
     def per_size(self) -> dict[int, tuple[int, int]]:
         """``{G: (steps observed, straggler steps)}`` per candidate, over the whole run."""
         return {g: (v[0], v[1]) for g, v in self._counters.per_size.items()}
+
+    def step_seconds(self) -> dict[int, float]:
+        """``{G: a step's seconds}`` of each size measured so far (forgotten like the
+        posterior: a weighted mean with weight ``forgetting`` per later step of that size).
+        Measured under the ``"second"`` objective only ({} otherwise)."""
+        return {g: self._cost_num[i] / self._cost_den[i]
+                for i, g in enumerate(self._cfg.candidates) if self._cost_den[i] > 0}
+
+    def _step_costs(self) -> list[float] | None:
+        """Every candidate's expected step seconds, None before any is measured. A size
+        not measured yet is priced from a line ``a + b * G`` (a, b >= 0) fitted to the
+        measured sizes, weighted by their forgotten counts; through the origin while one
+        size is measured, so a smaller size looks cheaper and is tried (module docstring)."""
+        cands = self._cfg.candidates
+        w = self._cost_den
+        seen = [i for i in range(len(cands)) if w[i] > 0]
+        if not seen:
+            return None
+        mean = [self._cost_num[i] / w[i] if w[i] > 0 else 0.0 for i in range(len(cands))]
+        a, b = _fit_cost_line([float(cands[i]) for i in seen], [mean[i] for i in seen],
+                              [w[i] for i in seen])
+        return [mean[i] if w[i] > 0 else a + b * g for i, g in enumerate(cands)]
 
     @property
     def context_decisions(self) -> int:
@@ -402,7 +486,12 @@ class SAGCController:
                 alpha[k], beta[k] = self._ctx_alpha[b][i], self._ctx_beta[b][i]
                 ready.add(g)
         draws = self._rng.beta(alpha, beta)
-        scores = self._utility[lo:hi] - self._lambda * draws
+        utility = self._utility[lo:hi]
+        costs = self._step_costs() if self._cfg.objective == "second" else None
+        if costs is not None:
+            # log2(G) per second, in units of the current size's step (module docstring)
+            utility = utility * costs[self._index] / np.asarray(costs[lo:hi])
+        scores = utility - self._lambda * draws
         self._pending = self._cfg.candidates[lo + int(np.argmax(scores))]
         self._pending_bin = bins.get(self._pending)
         self._ctx_decisions += self._pending in ready
@@ -427,11 +516,14 @@ class SAGCController:
             del recent[:-CONTEXT_HISTORY]
         return out
 
-    def observe(self, g: int, max_len: float, median_len: float) -> bool:
-        """Record the length summary of the step run with the decided ``g``.
+    def observe(self, g: int, max_len: float, median_len: float,
+                seconds: float | None = None) -> bool:
+        """Record the length summary of the step run with the decided ``g``, and its wall
+        clock ``seconds`` when measured (None or 0: not measured; the ``"second"``
+        objective prices each size from these).
 
         Returns whether the step was a straggler. Raises :class:`ObservationError` (and
-        changes nothing) for a G that was not decided or impossible lengths.
+        changes nothing) for a G that was not decided, impossible lengths or seconds.
         """
         if self._pending is None:
             raise ObservationError(
@@ -444,10 +536,14 @@ class SAGCController:
                 " that decide() returned"
             )
         mx, med = _check_lengths(max_len, median_len)
+        secs = _check_seconds(seconds)
         s = 1.0 if is_straggler(mx, med, self._cfg.tau) else 0.0
         cfg = self._cfg
         gamma = cfg.forgetting
         chosen = cfg.candidates.index(g)
+        if secs and cfg.objective == "second":
+            self._cost_num[chosen] = gamma * self._cost_num[chosen] + secs
+            self._cost_den[chosen] = gamma * self._cost_den[chosen] + 1.0
         for i in range(len(cfg.candidates)):
             if i == chosen:
                 self._alpha[i] = max(gamma * self._alpha[i] + s, _MIN_PSEUDO_COUNT)
@@ -489,7 +585,8 @@ class SAGCController:
         after it stay bit-exact. A candidate kept keeps its posterior and counters; a new one
         starts at ``cfg``'s prior. ``current`` moves to the nearest new candidate (ties: the
         smaller) when dropped; a pending G that is dropped is re-decided (with the persisted
-        generator). Lambda is kept (clipped to ``cfg.lambda_max``).
+        generator). Lambda is kept (clipped to ``cfg.lambda_max``), and so are the measured
+        step seconds of the sizes kept.
         """
         if not isinstance(cfg, SAGCConfig):
             raise ConfigError("config", f"must be an SAGCConfig, got {type(cfg).__name__}")
@@ -515,6 +612,10 @@ class SAGCController:
                 was = dict(zip(old.candidates, arms[b], strict=True))
                 arms[b] = [was.get(g, prior) for g in cfg.candidates]
         self._ctx_recent = {g: self._ctx_recent.get(g, []) for g in cfg.candidates}
+        cost = dict(zip(old.candidates, zip(self._cost_num, self._cost_den, strict=True),
+                        strict=True))
+        self._cost_num = [cost.get(g, (0.0, 0.0))[0] for g in cfg.candidates]
+        self._cost_den = [cost.get(g, (0.0, 0.0))[1] for g in cfg.candidates]
         self._pending = pending if pending in cfg.candidates else None
         if self._pending is None:
             self._pending_bin = None
@@ -524,7 +625,7 @@ class SAGCController:
     # --- persistence ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state; :meth:`from_state_dict` continues bit for bit."""
-        return {
+        out: dict[str, Any] = {
             "kind": self.kind,
             "version": _STATE_VERSION,
             "config": self._cfg.to_dict(),
@@ -546,6 +647,9 @@ class SAGCController:
                 "counts": [list(c) for c in self._ctx_counts],
             },
         }
+        if self._cfg.objective == "second":  # only then: a per-step state as older releases wrote
+            out["step_seconds"] = {"sum": list(self._cost_num), "weight": list(self._cost_den)}
+        return out
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> SAGCController:
@@ -598,6 +702,15 @@ class SAGCController:
                 ctl._ctx_counts = [[int(x) for x in c] for c in ctx["counts"]]
                 if len(ctl._ctx_counts) != 2 or any(len(c) != 2 for c in ctl._ctx_counts):
                     raise StateError("context.counts must be 2 x 2")
+            cost = state.get("step_seconds")  # absent in a state written before costs
+            if cost is not None:
+                num = [float(x) for x in cost["sum"]]
+                den = [float(x) for x in cost["weight"]]
+                if len(num) != n or len(den) != n:
+                    raise StateError(f"step_seconds must have {n} entries per list")
+                if not all(math.isfinite(x) and x >= 0 for x in num + den):
+                    raise StateError("step_seconds must be finite and >= 0")
+                ctl._cost_num, ctl._cost_den = num, den
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, StateError | ConfigError):
                 raise
@@ -709,7 +822,10 @@ class FixedController:
         self._pending = self._cfg.group_size
         return self._pending
 
-    def observe(self, g: int, max_len: float, median_len: float) -> bool:
+    def observe(self, g: int, max_len: float, median_len: float,
+                seconds: float | None = None) -> bool:
+        """As :meth:`SAGCController.observe` (``seconds`` is checked, not used: there is
+        one size)."""
         if self._pending is None:
             raise ObservationError(f"observe(g={g}) without a pending decision: call decide()")
         if g != self._cfg.group_size:
@@ -717,6 +833,7 @@ class FixedController:
                 f"observe(g={g}) but the fixed group size is {self._cfg.group_size}"
             )
         mx, med = _check_lengths(max_len, median_len)
+        _check_seconds(seconds)
         s = 1.0 if is_straggler(mx, med, self._cfg.tau) else 0.0
         gamma = self._cfg.forgetting
         self._alpha = max(gamma * self._alpha + s, _MIN_PSEUDO_COUNT)

@@ -153,6 +153,7 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "groupControl.localSearchRadius": (2, None),
     "groupControl.windowSteps": (20, None),
     "groupControl.seed": (1, None),
+    "groupControl.objective": ("PerSecond", None),
     "tailBatching.enabled": (False, None),
     "tailBatching.activation": ("Always", None),
     "tailBatching.promptOverprovision": ("1.5", None),

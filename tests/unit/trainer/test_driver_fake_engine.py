@@ -1254,3 +1254,19 @@ def test_long_rounds_of_more_prompts_run_them_at_once_in_as_many_updates(stream:
     assert base_longs and all(len(r["prompts"]) == 4 and r["learner_updates"] == k
                               for r in base_longs)
     assert len(base_longs) > len(longs)
+
+
+def test_a_per_second_run_prices_the_sizes_it_ran_from_its_own_steps() -> None:
+    """``groupControl.objective: PerSecond`` through the local driver: each step's measured
+    seconds reach SAGC, and the records carry its price of every size it has run (and no
+    other); a per-step run records none."""
+    drv = runtime.build_driver(_cfg(steps=5, tail_batching=False, sagc_objective="second"),
+                               [ScriptedEngine()])
+    drv.run()
+    for r in drv.records:
+        priced = r["step_seconds_by_g"]
+        ran = {str(x["group_size"]) for x in drv.records[: r["step"] + 1]}
+        assert set(priced) == ran and all(s > 0 for s in priced.values())
+    plain = runtime.build_driver(_cfg(steps=2, tail_batching=False), [ScriptedEngine()])
+    plain.run()
+    assert all("step_seconds_by_g" not in r for r in plain.records)

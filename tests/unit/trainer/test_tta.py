@@ -198,3 +198,24 @@ def test_bench_train_refuses_a_trl_arm_it_cannot_run(capsys: object, tmp_path: o
     cfg.overlong_buffer = 16  # DAPO's shaping: TRL has none, so no like-for-like arm
     with pytest.raises(ValueError, match=r"overlongPenalty\.enabled: false"):
         trl_arm.check(cfg)
+
+
+def test_a_persec_arm_sets_sagcs_objective_and_a_fixed_arm_refuses_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What bench-train loads for ``sagc_tb-persec``: SAGC maximises log2(G) per second of a
+    step (the manifest's objective otherwise); ``fixed16-persec`` has no G to choose and is
+    refused before anything runs."""
+    from rlpacer.cli import main
+    from rlpacer_trainer.cli import split_objective
+    from rlpacer_trainer.config import RunConfig
+
+    assert split_objective("sagc_tb-fill8-persec") == ("sagc_tb-fill8", "second")
+    assert split_objective("sagc_tb") == ("sagc_tb", None)
+    example = Path(__file__).resolve().parents[3] / "examples" / "tiny-local.yaml"
+    assert RunConfig.load(example, sagc_objective="second").controller_config(
+        ).sagc.objective == "second"
+    assert RunConfig.load(example).controller_config().sagc.objective == "step"
+    rc = main(["bench-train", str(example), "--arms", "fixed16", "fixed16-persec",
+               "--out", str(tmp_path)])
+    assert rc == 2
+    assert "arm 'fixed16-persec': -persec sets SAGC's objective" in capsys.readouterr().out
