@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -58,6 +59,15 @@ def test_bench_train_records_accuracy_against_training_wall_clock(tmp_path: Path
         assert row["train_s"] >= row["rollout_s"] + row["train_step_s"]
         assert row["eval_s"] > 0 and row["train_s"] == pytest.approx(curve[-1]["train_s"])
         assert row["per_round_kind"]["Short"]["rounds"] >= 1
+        # each step as it ran, in order: the sizes the arm chose and what each step cost
+        by_step = row["by_step"]
+        assert len(by_step) == row["steps"]
+        assert sorted({s["g"] for s in by_step}) == row["group_sizes"]
+        assert sum(s["kind"] == "Long" for s in by_step) == row["long_rounds"]
+        assert math.fsum(s["rollout_s"] for s in by_step) == pytest.approx(
+            row["rollout_s"], abs=0.01 * len(by_step))
+        assert all(s["s"] >= s["rollout_s"] > 0 and 0 < s["med"] <= s["p90"] <= s["max"]
+                   and s["n"] > 0 for s in by_step)
     assert rows["fixed16"]["group_sizes"] == [16] and rows["fixed16"]["long_rounds"] == 0
     # SAGC starts at the example's initial G (8). Whether that buys it more steps in the
     # baseline's wall clock depends on the machine's load (in a CI run beside the side process

@@ -456,6 +456,13 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 "trained_samples": sum(int(r.get("learner_samples", 0)) for r in recs),
                 "group_sizes": sorted({r["group_size"] for r in recs}),
                 "per_round_kind": tta.seconds_per_informative_group(recs),
+                # each step as it ran: what a controller chose, what it cost, what it saw
+                "by_step": [{"g": r["group_size"], "kind": r["round_kind"],
+                             "rollout_s": round(r["seconds_rollout"], 3),
+                             "s": round(r["seconds_rollout"] + r["seconds_reward"]
+                                        + r["seconds_train"] + r["seconds_sync"], 3),
+                             "med": r["len_median"], "p90": r["len_p90"],
+                             "max": r["len_max"], "n": r["kept"]} for r in recs],
             }
             drv.close()
             _kill_actors(learners)
