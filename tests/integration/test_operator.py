@@ -484,6 +484,67 @@ def test_step_reports_drive_sagc_exactly_like_the_library(
     assert writes >= 70 and answered >= 70, (writes, answered)
 
 
+def test_per_second_sagc_prices_reported_tokens_through_the_operator(
+    cluster: LocalCluster, operator: OperatorProc, namespace: str
+) -> None:
+    """``groupControl.objective: PerSecond`` on the operator's path: each report's
+    ``lengths.mean`` x ``count`` reaches SAGC as the step's tokens (the stored state keeps
+    them), G follows the price to the cheapest log2(G) per second, where the same reports
+    under ``PerStep`` keep the largest size, and a report without ``mean`` (an older trainer)
+    is priced from its seconds alone."""
+    gc = {"stragglerRatio": "4", "targetStragglerRate": "0.2", "seed": 3,
+          "objective": "PerSecond"}
+    obj = small_job("persec", namespace, groupControl=gc)
+    apply(cluster, obj)
+    drv = Driver(operator, namespace, "persec", token(cluster, namespace, "persec"))
+    lib = JobController(hosting.controller_config(parse_spec(obj["spec"])))
+    per_step = JobController(hosting.controller_config(parse_spec(
+        {**obj["spec"], "groupControl": {**gc, "objective": "PerStep"}})))
+    g = drv.plan()["groupSize"]
+    g_step = per_step.plan().group_size
+    gs: list[int] = []
+
+    def body(step: int, g: int, mean: float | None) -> dict[str, Any]:
+        b = report(step, g, 150.0)
+        tokens = 100.0 * b["lengths"]["count"]  # every response 100 tokens on average
+        b["seconds"] = {"rollout": 0.01 * tokens, "train": 0.002 * tokens}
+        if mean is not None:
+            b["lengths"]["mean"] = mean
+        return b
+
+    for step in range(24):
+        b = body(step, g, 100.0)
+        code, plan = drv.post(b)
+        assert code == 200, plan
+        want = lib.observe(hosting.to_data(StepReport.model_validate(b)))
+        assert plan["groupSize"] == want.group_size
+        g = plan["groupSize"]
+        gs.append(g)
+        g_step = per_step.observe(hosting.to_data(StepReport.model_validate(
+            body(step, g_step, 100.0)))).group_size
+    # seconds in proportion to tokens: log2(G) / G is best at the smallest size
+    assert gs[-8:] == [4] * 8, gs
+    assert g_step == 16  # no stragglers: per step, the largest size
+    state = json.loads(status(cluster, namespace, "persec")["controllerState"])["controller"]
+    assert state["config"]["objective"] == "second"
+    assert state["step_tokens"][-1] == pytest.approx([4.0, 100.0 * 32, 0.012 * 100.0 * 32])
+    assert len(state["step_tokens"]) == 24
+    # an older trainer's report (no mean): its seconds count, no tokens are made up
+    b = body(24, g, None)
+    code, plan = drv.post(b)
+    assert code == 200, plan
+    assert plan["groupSize"] == lib.observe(
+        hosting.to_data(StepReport.model_validate(b))).group_size
+    st = status(cluster, namespace, "persec")
+    assert st["controllerState"] == hosting.dumps(lib.state_dict())  # bit-exact
+    state = json.loads(st["controllerState"])["controller"]
+    assert len(state["step_tokens"]) == 24
+    # a mean above the longest response is refused, naming the field; nothing changes
+    code, err = drv.post(body(25, g, 151.0))
+    assert code == 422 and err["reason"] == "ImpossibleLengths" and "mean" in err["message"]
+    assert status(cluster, namespace, "persec")["controllerState"] == st["controllerState"]
+
+
 def _sample(text: str, name: str, **labels: str) -> float:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

@@ -461,7 +461,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                              "rollout_s": round(r["seconds_rollout"], 3),
                              "s": round(r["seconds_rollout"] + r["seconds_reward"]
                                         + r["seconds_train"] + r["seconds_sync"], 3),
-                             "med": r["len_median"], "p90": r["len_p90"],
+                             "mean": r["len_mean"], "med": r["len_median"], "p90": r["len_p90"],
                              "max": r["len_max"], "n": r["kept"]} for r in recs],
             }
             drv.close()

@@ -128,7 +128,7 @@ def to_data(r: StepReport) -> StepReportData:
     return StepReportData(
         attempt=r.attempt, step=r.step, group_size=r.group_size, round_kind=r.round_kind,
         lengths=LengthStats(max=ln.max, median=ln.median, p90=ln.p90, count=ln.count,
-                            aborted=ln.aborted),
+                            aborted=ln.aborted, mean=ln.mean),
         seconds=StepSecondsData(rollout=s.rollout, reward=s.reward, train=s.train, sync=s.sync),
         long_queue=r.long_queue, next_round_kind=r.next_round_kind, reward=r.reward,
         next_straggler_risk=(None if r.next_straggler_risk is None else tuple(
@@ -176,6 +176,10 @@ class InProcessController:
     def step_seconds(self) -> dict[int, float]:
         """SAGC's measured seconds of a step per group size (``groupControl.objective``)."""
         return self.jc.step_seconds()
+
+    def step_prices(self) -> dict[int, float]:
+        """What SAGC per second prices a step of each candidate size at now."""
+        return self.jc.step_prices()
 
     def state_dict(self) -> dict[str, Any]:
         return self.jc.state_dict()

@@ -83,7 +83,7 @@ def length_summary(lengths: Sequence[int], aborted: int) -> LengthSummary:
     s = sorted(lengths)
     p90 = s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
     return LengthSummary(max=s[-1], median=float(statistics.median(s)), p90=float(p90),
-                         count=len(s), aborted=aborted)
+                         count=len(s), aborted=aborted, mean=math.fsum(s) / len(s))
 
 
 def reward_metrics(d: RewardStats) -> dict[str, Any]:
@@ -968,6 +968,7 @@ class Driver:
             "accuracy": sum(r >= 1.0 for r in rewards_all) / max(1, len(rewards_all)),
             "long_rounds": self.planner.long_rounds,
             "len_max": summary.max, "len_median": summary.median, "len_p90": summary.p90,
+            "len_mean": summary.mean,
             "kept": summary.count, "aborted": aborted, "long_queue": report.long_queue,
             "next_round_kind": report.next_round_kind.value,
             "seconds_rollout": rollout_s, "seconds_reward": reward_s, "seconds_train": train_s,
@@ -1002,6 +1003,8 @@ class Driver:
             rec["posterior"] = {str(k): v for k, v in self.controller.posterior_means().items()}
         if hasattr(self.controller, "step_seconds") and (priced := self.controller.step_seconds()):
             rec["step_seconds_by_g"] = {str(k): round(v, 4) for k, v in priced.items()}
+        if hasattr(self.controller, "step_prices") and (prices := self.controller.step_prices()):
+            rec["step_price_by_g"] = {str(k): round(v, 4) for k, v in prices.items()}
         self.records.append(rec)
         self.step += 1
         self._next_plan = next_plan

@@ -132,6 +132,10 @@ class LengthSummary(WireModel):
     aborted: WireInt = Field(
         default=0, ge=0, description="Responses aborted by tail batching in this round."
     )
+    mean: WireFloat | None = Field(
+        default=None, ge=0,
+        description="Mean kept response length, in tokens (optional; with it SAGC per second"
+                    " prices a step from its tokens: count x mean).")
 
     @model_validator(mode="after")
     def _ordered(self) -> LengthSummary:
@@ -139,6 +143,8 @@ class LengthSummary(WireModel):
             raise ValueError(f"lengths.max ({self.max}) < lengths.median ({self.median})")
         if self.p90 > self.max:
             raise ValueError(f"lengths.p90 ({self.p90}) > lengths.max ({self.max})")
+        if self.mean is not None and self.mean > self.max:
+            raise ValueError(f"lengths.mean ({self.mean}) > lengths.max ({self.max})")
         return self
 
 

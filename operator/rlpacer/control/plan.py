@@ -172,6 +172,8 @@ class LengthStats:
     p90: float
     count: int
     aborted: int = 0
+    mean: float | None = None
+    """Mean kept response length (optional: a trainer of an older release sends none)."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,8 @@ class StepReportData:
         }
         if self.next_straggler_risk is not None:  # absent as in a state written before it
             out["next_straggler_risk"] = [[g, p] for g, p in self.next_straggler_risk]
+        if ln.mean is not None:  # absent as in a state written before it
+            out["lengths"]["mean"] = ln.mean
         return out
 
     @classmethod
@@ -621,6 +625,12 @@ class JobController:
         fn = getattr(self._ctl, "step_seconds", None)
         return {} if fn is None else fn()
 
+    def step_prices(self) -> dict[int, float]:
+        """What SAGC per second prices a step of each candidate size at now ({} per step,
+        before a step is measured, or for a fixed G)."""
+        fn = getattr(self._ctl, "step_prices", None)
+        return {} if fn is None else fn()
+
     @property
     def last_report(self) -> StepReportData | None:
         """The last accepted report (a repeat of it gets the same answer)."""
@@ -696,6 +706,11 @@ class JobController:
                 f"need 0 < median <= p90 <= max, got median={ln.median} p90={ln.p90}"
                 f" max={ln.max}",
             )
+        if ln.mean is not None:
+            _finite_nonneg("lengths.mean", ln.mean)
+            if not 0 < ln.mean <= ln.max:
+                raise ReportRejected("ImpossibleLengths",
+                                     f"need 0 < mean <= max, got mean={ln.mean} max={ln.max}")
         if r.reward is not None and (
             isinstance(r.reward, bool)
             or not isinstance(r.reward, int | float)
@@ -733,8 +748,9 @@ class JobController:
         s = report.seconds
         step_seconds = float(s.rollout + s.reward + s.train + s.sync)
         if feeds:
-            straggler = self._ctl.observe(report.group_size, ln.max, ln.median,
-                                          seconds=step_seconds)
+            straggler = self._ctl.observe(
+                report.group_size, ln.max, ln.median, seconds=step_seconds,
+                tokens=None if ln.mean is None else ln.mean * ln.count)
         else:
             straggler = self._ctl.is_straggler(ln.max, ln.median)
         risk = report.next_straggler_risk

@@ -57,15 +57,27 @@ Decisions taken here (ALGORITHMS.md leaves them open):
   size's step seconds (rollout, reward, training and sync, as the step report gives them),
   forgotten like the posterior, and decides
   ``argmax log2(G) * c(G_prev) / c(G) - lambda * p~_G``: log2(G) per second, in units of
-  the current size's step so that lambda keeps its scale. A size not measured yet is priced
-  from a line ``a + b * G`` (a, b >= 0) fitted to the measured sizes; while one size is
-  measured the line goes through the origin (seconds in proportion to G), so a smaller size
-  looks cheaper than it will be and is tried, and once two are measured a larger size is
-  priced from the fixed and per-response parts they show. Before any step is measured the
-  objective is per step. Seconds are kept, and written to the state (``step_seconds``) and
-  the config's ``objective``, only under this objective, so a per-step state is what older
-  releases wrote and restore. Why: where what a step teaches depends little on G (a task RL
-  fixes in a few updates whatever the group), the largest G that keeps the SLO is the
+  the current size's step so that lambda keeps its scale. Where steps report their response
+  tokens, ``c`` comes from them: ``k * G ** e_g * (tokens / G) ** e_len`` (the elasticities
+  in ``ELASTICITY_BOUNDS``) fitted in logs to the last ``TOKEN_HISTORY`` steps of every size,
+  weighted ``forgetting ** age``, at the last step's tokens per unit of G. So a size
+  measured while responses ran long is priced at today's lengths (priced per size, such a
+  size stays dear until it runs again, and SAGC drifted to larger sizes on the ramble task
+  for it), and the choice rests on ``e_g``: ``c(G_prev) / c(G) = (G_prev / G) ** e_g``. G and
+  the lengths apart, not tokens alone: a step's seconds grow about in proportion to G but
+  much less than in proportion to its responses' lengths (a batch decodes its responses side
+  by side), and while the model stops rambling the lengths fall; fitted on tokens alone
+  (``k * tokens ** beta``, the first version) the falling lengths made tokens look nearly
+  free (beta about 0.6 on the ramble task's steps) and G=8 as cheap per log2(G) as G=4, where
+  G=4 was better (docs/benchmarks.md, "SAGC per second"). Without tokens (an older trainer) a
+  size is priced from its own steps, and a size not measured yet from a line ``a + b * G``
+  fitted to the measured sizes. Either way, while one size has run, seconds are taken in
+  proportion to G, so a smaller size looks cheaper than it will be and is tried. Before any
+  step is measured the objective is per step. Seconds and tokens are kept, and written to
+  the state (``step_seconds``, ``step_tokens``) and the config's ``objective``, only under
+  this objective, so a per-step state is what older releases wrote and restore. Why: where
+  what a step teaches depends little on G (a task RL fixes in a few updates whatever the
+  group), the largest G that keeps the SLO is the
   slowest way to the same model; per second, SAGC picks the size whose log2(G) costs least,
   and the SLO still bounds it. A state written before has no seconds and restores with none
   measured.
@@ -109,6 +121,8 @@ CONTEXT_HISTORY = 32
 CONTEXT_MIN = 8
 #: ``SAGCConfig.objective``'s values: log2(G) per step, or per second of a step (docstring)
 OBJECTIVES = ("step", "second")
+#: Steps whose (G, tokens, seconds) the objective per second prices a step from.
+TOKEN_HISTORY = 64
 
 
 def is_straggler(max_len: float, median_len: float, tau: float) -> bool:
@@ -136,14 +150,55 @@ def _fit_cost_line(g: list[float], c: list[float], w: list[float]) -> tuple[floa
     return 0.0, b
 
 
-def _check_seconds(seconds: float | None) -> float:
-    """A step's measured seconds, 0.0 when not measured (None or 0)."""
+#: Bounds of the fitted elasticities of a step's seconds in G and in its tokens per response.
+ELASTICITY_BOUNDS = (0.0, 2.0)
+
+
+def _clamp(v: float) -> float:
+    return min(max(v, ELASTICITY_BOUNDS[0]), ELASTICITY_BOUNDS[1])
+
+
+def _fit_cost_surface(lg: list[float], ll: list[float], ls: list[float],
+                      w: list[float]) -> tuple[float, float, float]:
+    """Weighted least squares of ``ls = log_k + a * lg + b * ll`` (logs of G, of tokens per
+    unit of G, and of seconds): ``(a, b, log_k)``, the elasticities within
+    ``ELASTICITY_BOUNDS``. Where G does not vary, ``a`` is 1 (seconds in proportion to G);
+    where the lengths do not vary (or move with G), ``b`` is 0 and ``a`` is fitted alone."""
+    sw = math.fsum(w)
+
+    def centred(v: list[float]) -> list[float]:
+        m = math.fsum(wi * x for wi, x in zip(w, v, strict=True)) / sw
+        return [x - m for x in v]
+
+    g, ln, y = centred(lg), centred(ll), centred(ls)
+
+    def dot(u: list[float], v: list[float]) -> float:
+        return math.fsum(wi * ui * vi for wi, ui, vi in zip(w, u, v, strict=True))
+
+    sgg, sll, sgl, sgy, sly = dot(g, g), dot(ln, ln), dot(g, ln), dot(g, y), dot(ln, y)
+    if sgg <= 1e-12:  # one size: seconds in proportion to G, lengths fitted alone
+        a = 1.0
+        b = _clamp(sly / sll) if sll > 1e-12 else 0.0
+    else:
+        det = sgg * sll - sgl * sgl
+        if sll <= 1e-12 or det <= 1e-9 * sgg * sll:
+            a, b = _clamp(sgy / sgg), 0.0
+        else:
+            a = _clamp((sll * sgy - sgl * sly) / det)
+            b = _clamp((sly - a * sgl) / sll)  # given the (clamped) a
+    log_k = math.fsum(wi * (yi - a * gi - b * li)
+                      for wi, yi, gi, li in zip(w, ls, lg, ll, strict=True)) / sw
+    return a, b, log_k
+
+
+def _check_seconds(seconds: float | None, name: str = "seconds") -> float:
+    """A step's measured seconds (or tokens), 0.0 when not measured (None or 0)."""
     if seconds is None:
         return 0.0
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        raise ObservationError(f"seconds must be a number, got {seconds!r}")
+        raise ObservationError(f"{name} must be a number, got {seconds!r}")
     if not math.isfinite(seconds) or seconds < 0:
-        raise ObservationError(f"seconds must be finite and >= 0, got {seconds!r}")
+        raise ObservationError(f"{name} must be finite and >= 0, got {seconds!r}")
     return float(seconds)
 
 
@@ -282,7 +337,7 @@ class GroupController(Protocol):
     def pending(self) -> int | None: ...
     def decide(self, context: Mapping[int, float] | None = None) -> int: ...
     def observe(self, g: int, max_len: float, median_len: float,
-                seconds: float | None = None) -> bool: ...
+                seconds: float | None = None, tokens: float | None = None) -> bool: ...
     def posterior_means(self) -> dict[int, float]: ...
     def posterior(self) -> dict[int, tuple[float, float]]: ...
     def per_size(self) -> dict[int, tuple[int, int]]: ...
@@ -358,6 +413,8 @@ class SAGCController:
         # a step's seconds per candidate, forgotten like the posterior: sum and weight
         self._cost_num = [0.0] * n
         self._cost_den = [0.0] * n
+        # the last TOKEN_HISTORY steps' [G, response tokens, seconds], oldest first
+        self._tokens: list[list[float]] = []
 
     # --- read-only views ------------------------------------------------------------------
     @property
@@ -415,12 +472,34 @@ class SAGCController:
         return {g: self._cost_num[i] / self._cost_den[i]
                 for i, g in enumerate(self._cfg.candidates) if self._cost_den[i] > 0}
 
+    def step_prices(self) -> dict[int, float]:
+        """``{G: seconds}`` the objective per second prices a step of each candidate at now
+        ({} before a step is measured, or under the ``"step"`` objective)."""
+        costs = self._step_costs() if self._cfg.objective == "second" else None
+        return {} if costs is None else dict(zip(self._cfg.candidates, costs, strict=True))
+
     def _step_costs(self) -> list[float] | None:
-        """Every candidate's expected step seconds, None before any is measured. A size
-        not measured yet is priced from a line ``a + b * G`` (a, b >= 0) fitted to the
-        measured sizes, weighted by their forgotten counts; through the origin while one
-        size is measured, so a smaller size looks cheaper and is tried (module docstring)."""
+        """Every candidate's expected step seconds, None before any is measured.
+
+        From the steps' response tokens where reported: ``k * G ** e_g * (tokens / G) ** e_len``
+        fitted in logs to the last ``TOKEN_HISTORY`` steps of every size, weighted
+        ``forgetting ** age``, at the last step's tokens per unit of G, so every size's price
+        follows the lengths as they change (``e_g`` = 1 while one size is in the history: a
+        smaller size looks cheaper and is tried). Else per size: a size not measured yet is
+        priced from a line ``a + b * G`` fitted to the measured sizes, weighted by their
+        forgotten counts; through the origin while one size is measured (module docstring)."""
         cands = self._cfg.candidates
+        if self._tokens:
+            gamma = self._cfg.forgetting
+            n = len(self._tokens)
+            w = [gamma ** (n - 1 - k) for k in range(n)]
+            lg = [math.log(h[0]) for h in self._tokens]
+            ll = [math.log(h[1] / h[0]) for h in self._tokens]
+            ls = [math.log(h[2]) for h in self._tokens]
+            # seconds = k * G ** e_g * (tokens / G) ** e_len, fitted in logs (module docstring)
+            e_g, e_len, log_k = _fit_cost_surface(lg, ll, ls, w)
+            now = ll[-1]  # the last step's tokens per unit of G: today's lengths
+            return [math.exp(log_k + e_g * math.log(g) + e_len * now) for g in cands]
         w = self._cost_den
         seen = [i for i in range(len(cands)) if w[i] > 0]
         if not seen:
@@ -517,10 +596,10 @@ class SAGCController:
         return out
 
     def observe(self, g: int, max_len: float, median_len: float,
-                seconds: float | None = None) -> bool:
+                seconds: float | None = None, tokens: float | None = None) -> bool:
         """Record the length summary of the step run with the decided ``g``, and its wall
-        clock ``seconds`` when measured (None or 0: not measured; the ``"second"``
-        objective prices each size from these).
+        clock ``seconds`` and response ``tokens`` when measured (None or 0: not measured; the
+        ``"second"`` objective prices each size from these).
 
         Returns whether the step was a straggler. Raises :class:`ObservationError` (and
         changes nothing) for a G that was not decided, impossible lengths or seconds.
@@ -537,6 +616,7 @@ class SAGCController:
             )
         mx, med = _check_lengths(max_len, median_len)
         secs = _check_seconds(seconds)
+        toks = _check_seconds(tokens, "tokens")
         s = 1.0 if is_straggler(mx, med, self._cfg.tau) else 0.0
         cfg = self._cfg
         gamma = cfg.forgetting
@@ -544,6 +624,8 @@ class SAGCController:
         if secs and cfg.objective == "second":
             self._cost_num[chosen] = gamma * self._cost_num[chosen] + secs
             self._cost_den[chosen] = gamma * self._cost_den[chosen] + 1.0
+            if toks:
+                self._tokens = [*self._tokens, [float(g), toks, secs]][-TOKEN_HISTORY:]
         for i in range(len(cfg.candidates)):
             if i == chosen:
                 self._alpha[i] = max(gamma * self._alpha[i] + s, _MIN_PSEUDO_COUNT)
@@ -586,7 +668,8 @@ class SAGCController:
         starts at ``cfg``'s prior. ``current`` moves to the nearest new candidate (ties: the
         smaller) when dropped; a pending G that is dropped is re-decided (with the persisted
         generator). Lambda is kept (clipped to ``cfg.lambda_max``), and so are the measured
-        step seconds of the sizes kept.
+        step seconds of the sizes kept and every step's tokens (a price per token holds
+        whatever sizes are allowed).
         """
         if not isinstance(cfg, SAGCConfig):
             raise ConfigError("config", f"must be an SAGCConfig, got {type(cfg).__name__}")
@@ -649,6 +732,7 @@ class SAGCController:
         }
         if self._cfg.objective == "second":  # only then: a per-step state as older releases wrote
             out["step_seconds"] = {"sum": list(self._cost_num), "weight": list(self._cost_den)}
+            out["step_tokens"] = [list(h) for h in self._tokens]
         return out
 
     @classmethod
@@ -711,6 +795,13 @@ class SAGCController:
                 if not all(math.isfinite(x) and x >= 0 for x in num + den):
                     raise StateError("step_seconds must be finite and >= 0")
                 ctl._cost_num, ctl._cost_den = num, den
+            toks = state.get("step_tokens", [])  # absent in a state written before tokens
+            hist = [[float(v) for v in h] for h in toks]
+            if len(hist) > TOKEN_HISTORY or any(
+                    len(h) != 3 or not all(math.isfinite(v) and v > 0 for v in h) for h in hist):
+                raise StateError(f"step_tokens must be at most {TOKEN_HISTORY} [G, tokens,"
+                                 " seconds] entries, each finite and > 0")
+            ctl._tokens = hist
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, StateError | ConfigError):
                 raise
@@ -823,9 +914,9 @@ class FixedController:
         return self._pending
 
     def observe(self, g: int, max_len: float, median_len: float,
-                seconds: float | None = None) -> bool:
-        """As :meth:`SAGCController.observe` (``seconds`` is checked, not used: there is
-        one size)."""
+                seconds: float | None = None, tokens: float | None = None) -> bool:
+        """As :meth:`SAGCController.observe` (``seconds`` and ``tokens`` are checked, not
+        used: there is one size)."""
         if self._pending is None:
             raise ObservationError(f"observe(g={g}) without a pending decision: call decide()")
         if g != self._cfg.group_size:
@@ -834,6 +925,7 @@ class FixedController:
             )
         mx, med = _check_lengths(max_len, median_len)
         _check_seconds(seconds)
+        _check_seconds(tokens, "tokens")
         s = 1.0 if is_straggler(mx, med, self._cfg.tau) else 0.0
         gamma = self._cfg.forgetting
         self._alpha = max(gamma * self._alpha + s, _MIN_PSEUDO_COUNT)

@@ -62,7 +62,7 @@ def to_data(report: StepReport) -> StepReportData:
         group_size=report.group_size,
         round_kind=report.round_kind,
         lengths=LengthStats(max=ln.max, median=ln.median, p90=ln.p90, count=ln.count,
-                            aborted=ln.aborted),
+                            aborted=ln.aborted, mean=ln.mean),
         seconds=StepSecondsData(rollout=s.rollout, reward=s.reward, train=s.train, sync=s.sync),
         long_queue=report.long_queue,
         next_round_kind=report.next_round_kind,

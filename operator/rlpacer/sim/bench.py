@@ -748,6 +748,7 @@ def step_report(scn: Scenario, step: int, group_size: int, kind: RoundKind,
             p90=float(np.percentile(kept, 90)),
             count=len(kept),
             aborted=aborted,
+            mean=float(kept.mean()),
         ),
         seconds=StepSecondsData(
             rollout=oc.rollout_s,

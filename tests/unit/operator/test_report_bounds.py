@@ -116,10 +116,16 @@ def test_counts_and_lengths_beyond_the_spec_are_refused_and_move_nothing() -> No
             code, err = await env.post("job", {**ok, "lengths": {**ok["lengths"],
                                                                   "count": 10**30}})
             assert code == 422 and "out of range" in err["message"], err
+            # a mean length past the longest response is impossible, named as such
+            mx = ok["lengths"]["max"]
+            code, err = await env.post("job", {**ok, "lengths": {**ok["lengths"],
+                                                                  "mean": mx + 1.0}})
+            assert code == 422 and err["reason"] == "ImpossibleLengths", err
+            assert "lengths.mean" in err["message"], err
             assert env.status("job")["controllerState"] == before
             assert _errors(env, 422, "OutOfBounds") == 6
             # at the bounds: accepted
-            edge = {**ok, "lengths": {"max": 512, "median": 10.0, "p90": 20.0,
+            edge = {**ok, "lengths": {"max": 512, "median": 10.0, "p90": 20.0, "mean": 60.0,
                                       "count": 4 * g, "aborted": 5 * (g + 1)}, "longQueue": 5}
             code, plan = await env.post("job", edge)
             assert code == 200, plan

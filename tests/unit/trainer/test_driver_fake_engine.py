@@ -1258,8 +1258,9 @@ def test_long_rounds_of_more_prompts_run_them_at_once_in_as_many_updates(stream:
 
 def test_a_per_second_run_prices_the_sizes_it_ran_from_its_own_steps() -> None:
     """``groupControl.objective: PerSecond`` through the local driver: each step's measured
-    seconds reach SAGC, and the records carry its price of every size it has run (and no
-    other); a per-step run records none."""
+    seconds and tokens (its responses' mean length times their count) reach SAGC: the records
+    carry the seconds of every size it has run (and no other) and its price of every candidate;
+    a per-step run records neither."""
     drv = runtime.build_driver(_cfg(steps=5, tail_batching=False, sagc_objective="second"),
                                [ScriptedEngine()])
     drv.run()
@@ -1267,6 +1268,14 @@ def test_a_per_second_run_prices_the_sizes_it_ran_from_its_own_steps() -> None:
         priced = r["step_seconds_by_g"]
         ran = {str(x["group_size"]) for x in drv.records[: r["step"] + 1]}
         assert set(priced) == ran and all(s > 0 for s in priced.values())
+        assert 0 < r["len_mean"] <= r["len_max"]
+        prices = r["step_price_by_g"]  # every candidate, a larger size dearer
+        assert list(map(int, prices)) == [4, 8, 16] and 0 < prices["4"] <= prices["16"]
+    tokens = drv.controller.jc.controller.state_dict()["step_tokens"]
+    assert [int(h[0]) for h in tokens] == [r["group_size"] for r in drv.records]
+    assert [h[1] for h in tokens] == pytest.approx([r["len_mean"] * r["kept"]
+                                                    for r in drv.records])
     plain = runtime.build_driver(_cfg(steps=2, tail_batching=False), [ScriptedEngine()])
     plain.run()
-    assert all("step_seconds_by_g" not in r for r in plain.records)
+    assert all("step_seconds_by_g" not in r and "step_price_by_g" not in r
+               for r in plain.records)
