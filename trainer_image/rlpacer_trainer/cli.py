@@ -67,6 +67,17 @@ def register(subparsers: Any) -> None:
                    " baseline's (same seed; checked at each evaluation, at most"
                    f" {EQUAL_WALL_MAX_STEPS}x the steps), not for the same number of steps: its"
                    " accuracy at the baseline's wall clock is then a measured point")
+    b.add_argument("--target-evals", type=int, default=1, metavar="K",
+                   help="the target is the mean of the baseline's last K evaluations, per seed"
+                   " (1: its final accuracy; a K spanning where it has levelled off is steadier"
+                   " than one evaluation); default: %(default)s")
+    b.add_argument("--target-gain", type=float, default=1.0, metavar="F",
+                   help="the target is the warm start plus F of the baseline's gain to it"
+                   " (0 < F <= 1; 0.9 puts it on the rise of the curve, not its plateau);"
+                   " default: %(default)s")
+    b.add_argument("--rescore", type=Path, default=None, metavar="DIR",
+                   help="train nothing: summarise the run recorded in DIR/bench-train.jsonl"
+                   " again, with --baseline and --target-evals")
     b.add_argument("--out", type=Path, default=Path("runs/bench-train"))
     b.set_defaults(func=cmd_bench_train)
 
@@ -343,6 +354,18 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     from rlpacer_trainer import runtime, trl_arm, tta
     from rlpacer_trainer.config import ConfigError, RunConfig
 
+    target_evals = int(getattr(args, "target_evals", 1))
+    if target_evals < 1:
+        print(f"error: --target-evals {target_evals}: must be >= 1 (1: the baseline's final"
+              " accuracy; K: the mean of its last K evaluations)")
+        return 2
+    gain = float(getattr(args, "target_gain", 1.0))
+    if not 0.0 < gain <= 1.0:
+        print(f"error: --target-gain {gain}: must be in (0, 1] (1: the baseline's accuracy"
+              " itself; 0.9: the warm start plus 90% of the baseline's gain)")
+        return 2
+    if getattr(args, "rescore", None) is not None:
+        return _rescore(args.rescore, args.baseline, target_evals, gain)
     try:
         trl_arms = {a: g for a in dict.fromkeys(args.arms) if (g := trl_arm.parse(a))}
         if args.baseline in trl_arms:
@@ -470,7 +493,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             rows.append(row)
             with (args.out / "bench-train.jsonl").open("a" if len(rows) > 1 else "w") as f:
                 f.write(json.dumps(row) + "\n")
-    result = tta.summarize(curves, args.baseline)
+    result = tta.summarize(curves, args.baseline, target_evals, gain)
     result.update(manifest=str(args.manifest), seeds=args.seeds, eval_prompts=len(evalset),
                   eval_every=args.eval_every, start_accuracy=start_acc,
                   equal_wall_clock=equal,
@@ -484,6 +507,39 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                                       f" ({len(evalset)} prompts)")
     print(format_tta(result))
     print(f"results: {args.out / 'bench-train.json'}  plot: {plot_path}")
+    return 0
+
+
+def _rescore(run: Path, baseline: str, target_evals: int, gain: float) -> int:
+    """``bench-train --rescore DIR``: the table of a recorded run, from its rows' curves."""
+    from rlpacer_trainer import tta
+
+    path = run if run.suffix == ".jsonl" else run / "bench-train.jsonl"
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        print(f"error: --rescore {run}: no {path} (the folder a bench-train run wrote, its --out)")
+        return 2
+    except json.JSONDecodeError as err:
+        print(f"error: --rescore {run}: {path} is not one JSON row a line ({err})")
+        return 2
+    curves: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for row in rows:
+        curves.setdefault(str(row["arm"]), {})[int(row["seed"])] = row["curve"]
+    if baseline not in curves:
+        print(f"error: --baseline {baseline}: {path} has no such arm (it has"
+              f" {', '.join(curves)})")
+        return 2
+    base_seeds = set(curves[baseline])
+    # a run cut short: only the seeds the baseline finished, and arms with all of them
+    curves = {a: {s: c for s, c in by.items() if s in base_seeds} for a, by in curves.items()}
+    curves = {a: by for a, by in curves.items() if by and set(by) == base_seeds}
+    try:
+        result = tta.summarize(curves, baseline, target_evals, gain)
+    except ValueError as err:
+        print(f"error: --rescore {run}: {err}")
+        return 2
+    print(format_tta(result))
     return 0
 
 
@@ -516,12 +572,19 @@ def _trl_row(cfg: Any, engines: list[Any], evalset: Any, *, arm: str, seed: int,
 
 
 def format_tta(result: dict[str, Any]) -> str:
-    """The bench's table: per arm, time to the baseline's final accuracy and accuracy at the
-    baseline's wall clock (paired across seeds, 95% intervals)."""
+    """The bench's table: per arm, time to the baseline's target (its final accuracy unless
+    --target-evals or --target-gain says otherwise) and accuracy at the baseline's wall clock
+    (paired across seeds, 95% intervals), and the ratio per seed."""
     b = result["baseline"]
-    lines = [f"time to accuracy against {b} (target: {b}'s final accuracy, per seed)",
+    k = int(result.get("target_evals", 1))
+    what = (f"{b}'s final accuracy" if k == 1
+            else f"the mean of {b}'s last {k} evaluations")
+    gain = float(result.get("gain_fraction", 1.0))
+    if gain < 1.0:
+        what = f"the warm start plus {100 * gain:g}% of {b}'s gain to {what}"
+    lines = [f"time to accuracy against {b} (target: {what}, per seed)",
              f"{'arm':<10} {'reached':>7} {'time / ' + b:>22} {'acc delta at ' + b + ' wall':>28}"
-             f" {'final acc':>9} {'train s':>8}"]
+             f" {'final acc':>9} {'train s':>8}  time / {b} per seed"]
     gains = result.get("baseline_gain", {})
     if gains and all(g <= 0 for g in gains.values()):
         lines.insert(1, f"warning: {b} did not improve on the warm start (gain per seed:"
@@ -532,8 +595,11 @@ def format_tta(result: dict[str, Any]) -> str:
         ratio = "-" if r is None else f"{r['geomean']:.2f}x [{r['low']:.2f}, {r['high']:.2f}]"
         d = s["delta_at_baseline_wall"]
         delta = f"{100 * d['mean']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] pt"
+        per_seed = " ".join("-" if v["ratio_to_baseline"] is None
+                            else f"{v['ratio_to_baseline']:.2f}"
+                            for v in s.get("per_seed", {}).values())
         lines.append(f"{arm:<10} {s['reached_target']:>7} {ratio:>22} {delta:>28}"
-                     f" {s['final_accuracy_mean']:>9.3f} {s['train_s_mean']:>8.1f}")
+                     f" {s['final_accuracy_mean']:>9.3f} {s['train_s_mean']:>8.1f}  {per_seed}")
     return "\n".join(lines)
 
 

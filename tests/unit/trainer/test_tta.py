@@ -219,3 +219,94 @@ def test_a_persec_arm_sets_sagcs_objective_and_a_fixed_arm_refuses_it(
                "--out", str(tmp_path)])
     assert rc == 2
     assert "arm 'fixed16-persec': -persec sets SAGC's objective" in capsys.readouterr().out
+
+
+def test_a_target_from_the_baselines_last_evaluations_and_below_its_plateau() -> None:
+    """``--target-evals K`` (the mean of the baseline's last K evaluations) and
+    ``--target-gain F`` (the warm start plus F of the gain to that): on curves that rise at a
+    cure and level off, the final evaluation is one noisy draw from the plateau, and a first
+    crossing of the plateau is decided by noise; 90% of the gain puts the target on the rise."""
+    # the baseline rises at 16 s and levels off at about 0.58 (a peak, then noise)
+    base = curve((0, 0.24), (9, 0.25), (16, 0.60), (21, 0.56), (26, 0.58), (31, 0.57))
+    # the arm rises at 6-8 s, to the same plateau, but its noise never reaches 0.57 again
+    arm = curve((0, 0.24), (4, 0.24), (6, 0.50), (8, 0.565), (10, 0.56), (12, 0.565))
+    curves = {"fixed16": {0: base}, "sagc_tb": {0: arm}}
+    final = tta.summarize(curves, "fixed16")
+    assert final["arms"]["sagc_tb"]["reached_target"] == "0/1"  # 0.57: a coin toss
+    assert tta.target_of(base, 3) == pytest.approx((0.56 + 0.58 + 0.57) / 3)
+    level = tta.target_of(base, 1)
+    assert level == pytest.approx(0.57)
+    want = 0.24 + 0.9 * (0.57 - 0.24)  # 0.537
+    assert tta.target_of(base, 1, 0.9) == pytest.approx(want)
+    s = tta.summarize(curves, "fixed16", gain_fraction=0.9)
+    assert s["gain_fraction"] == 0.9 and s["target_evals"] == 1
+    row = s["arms"]["sagc_tb"]["per_seed"]["0"]
+    b_time = 9 + 7 * (want - 0.25) / (0.60 - 0.25)
+    t = 6 + 2 * (want - 0.50) / (0.565 - 0.50)
+    assert row["target"] == pytest.approx(want)
+    assert row["baseline_seconds_to_target"] == pytest.approx(b_time)
+    assert row["seconds_to_target"] == pytest.approx(t)
+    assert row["ratio_to_baseline"] == pytest.approx(t / b_time)
+    # accuracy at the baseline's wall clock is judged against its level, not the lower target
+    assert row["baseline_level"] == pytest.approx(0.57)
+    assert row["delta_at_baseline_wall"] == pytest.approx(0.565 - 0.57)
+    table = format_tta(s)
+    assert "warm start plus 90% of fixed16's gain to fixed16's final accuracy" in table
+    assert f"{t / b_time:.2f}" in table.splitlines()[-1]  # the per-seed ratio
+    # a baseline that never rose: the target is its level (nothing to take a fraction of)
+    flat = curve((0, 0.30), (10, 0.29), (20, 0.28))
+    assert tta.target_of(flat, 1, 0.5) == pytest.approx(0.28)
+    # the warm start alone: it is the level
+    assert tta.target_of(curve((0, 0.3)), 3) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(("kw", "match"), [({"target_evals": 0}, "target_evals must be >= 1"),
+                                           ({"gain_fraction": 0.0}, "gain_fraction must be in"),
+                                           ({"gain_fraction": 1.5}, "gain_fraction must be in")])
+def test_bad_targets_are_refused(kw: dict[str, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tta.target_of(curve((0, 0.3), (1, 0.4)), **kw)  # type: ignore[arg-type]
+
+
+def test_rescore_summarises_a_recorded_run_again(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench-train --rescore DIR``: the table of a recorded run from its rows' curves, with
+    another target, training nothing; a run cut short keeps the seeds its baseline finished;
+    a missing folder or baseline is a clear error."""
+    import argparse
+    import json
+
+    from rlpacer_trainer.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+
+    base = curve((0, 0.24), (9, 0.25), (16, 0.60), (21, 0.56), (26, 0.58), (31, 0.57))
+    arm = curve((0, 0.24), (4, 0.24), (6, 0.50), (8, 0.565), (10, 0.56), (12, 0.565))
+    rows = [{"arm": "fixed16", "seed": 0, "curve": base}, {"arm": "sagc_tb", "seed": 0,
+                                                           "curve": arm},
+            {"arm": "fixed16", "seed": 1, "curve": base}]  # seed 1's sagc_tb never ran
+    (tmp_path / "bench-train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def run(*argv: str) -> tuple[int, str]:
+        args = parser.parse_args(["bench-train", *argv])
+        rc = args.func(args)
+        return rc, capsys.readouterr().out
+
+    rc, out = run("--rescore", str(tmp_path))
+    assert rc == 0 and "target: fixed16's final accuracy" in out
+    assert "sagc_tb" not in out  # seed 1 missing: not paired
+    rows.append({"arm": "sagc_tb", "seed": 1, "curve": arm})
+    (tmp_path / "bench-train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, out = run("--rescore", str(tmp_path), "--target-gain", "0.9", "--target-evals", "3")
+    assert rc == 0 and "mean of fixed16's last 3 evaluations" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("sagc_tb"))
+    assert "2/2" in line
+    rc, out = run("--rescore", str(tmp_path / "nowhere"))
+    assert rc == 2 and "--rescore" in out and "bench-train.jsonl" in out
+    rc, out = run("--rescore", str(tmp_path), "--baseline", "fixed8")
+    assert rc == 2 and "--baseline fixed8" in out and "fixed16, sagc_tb" in out
+    rc, out = run("--rescore", str(tmp_path), "--target-gain", "0")
+    assert rc == 2 and "--target-gain" in out
+    rc, out = run("--rescore", str(tmp_path), "--target-evals", "0")
+    assert rc == 2 and "--target-evals" in out
