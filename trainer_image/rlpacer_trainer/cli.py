@@ -77,7 +77,7 @@ def register(subparsers: Any) -> None:
                    " default: %(default)s")
     b.add_argument("--rescore", type=Path, default=None, metavar="DIR",
                    help="train nothing: summarise the run recorded in DIR/bench-train.jsonl"
-                   " again, with --baseline and --target-evals")
+                   " again, with --baseline, --target-evals and --target-gain")
     b.add_argument("--out", type=Path, default=Path("runs/bench-train"))
     b.set_defaults(func=cmd_bench_train)
 
@@ -524,8 +524,13 @@ def _rescore(run: Path, baseline: str, target_evals: int, gain: float) -> int:
         print(f"error: --rescore {run}: {path} is not one JSON row a line ({err})")
         return 2
     curves: dict[str, dict[int, list[dict[str, Any]]]] = {}
-    for row in rows:
-        curves.setdefault(str(row["arm"]), {})[int(row["seed"])] = row["curve"]
+    for k, row in enumerate(rows, 1):
+        try:
+            curves.setdefault(str(row["arm"]), {})[int(row["seed"])] = row["curve"]
+        except (KeyError, TypeError, ValueError) as err:
+            print(f"error: --rescore {run}: row {k} of {path} lacks its arm, seed or curve"
+                  f" ({err!r}): not a bench-train.jsonl")
+            return 2
     if baseline not in curves:
         print(f"error: --baseline {baseline}: {path} has no such arm (it has"
               f" {', '.join(curves)})")
@@ -533,7 +538,12 @@ def _rescore(run: Path, baseline: str, target_evals: int, gain: float) -> int:
     base_seeds = set(curves[baseline])
     # a run cut short: only the seeds the baseline finished, and arms with all of them
     curves = {a: {s: c for s, c in by.items() if s in base_seeds} for a, by in curves.items()}
-    curves = {a: by for a, by in curves.items() if by and set(by) == base_seeds}
+    partial = {a: sorted(base_seeds - set(by)) for a, by in curves.items()
+               if set(by) != base_seeds}
+    for a, missing in partial.items():
+        print(f"left out: {a} (no curve for seed {', '.join(map(str, missing))}, which"
+              f" {baseline} has)")
+    curves = {a: by for a, by in curves.items() if a not in partial}
     try:
         result = tta.summarize(curves, baseline, target_evals, gain)
     except ValueError as err:

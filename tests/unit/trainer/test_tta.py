@@ -295,13 +295,18 @@ def test_rescore_summarises_a_recorded_run_again(tmp_path: Path,
 
     rc, out = run("--rescore", str(tmp_path))
     assert rc == 0 and "target: fixed16's final accuracy" in out
-    assert "sagc_tb" not in out  # seed 1 missing: not paired
+    assert "left out: sagc_tb (no curve for seed 1, which fixed16 has)" in out
+    assert not any(ln.startswith("sagc_tb") for ln in out.splitlines())  # not paired
     rows.append({"arm": "sagc_tb", "seed": 1, "curve": arm})
     (tmp_path / "bench-train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rc, out = run("--rescore", str(tmp_path), "--target-gain", "0.9", "--target-evals", "3")
     assert rc == 0 and "mean of fixed16's last 3 evaluations" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("sagc_tb"))
     assert "2/2" in line
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"arm": "fixed16", "seed": 0}) + "\n")
+    rc, out = run("--rescore", str(bad))
+    assert rc == 2 and "row 1" in out and "arm, seed or curve" in out
     rc, out = run("--rescore", str(tmp_path / "nowhere"))
     assert rc == 2 and "--rescore" in out and "bench-train.jsonl" in out
     rc, out = run("--rescore", str(tmp_path), "--baseline", "fixed8")
