@@ -148,9 +148,13 @@ class JobLoops:
                     requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]
                     errors += 1
                 else:  # its namespace is going, and the job and children with it: the
-                    # API server refuses to re-create anything there, which is not an error
+                    # API server refuses to re-create anything there, which is not an error.
+                    # The next pass reads the job (gone: its loop ends, its series go) rather
+                    # than wait for a DELETED event that a restarting watch can miss.
                     log.info("reconcile %s/%s: namespace is being deleted", namespace, name)
-                    requeue = None
+                    rt.reread = True
+                    requeue = ERROR_BACKOFF[min(errors, len(ERROR_BACKOFF) - 1)]
+                    errors += 1
             except Exception:
                 log.exception("reconcile %s/%s failed", namespace, name)
                 jobs.metrics.reconcile_errors.labels(namespace, name).inc()
@@ -159,8 +163,12 @@ class JobLoops:
             resync = resync_wait(jobs.settings.resync_seconds, first, rng)
             first = False
             wait = resync if requeue is None else min(max(requeue, 0.05), resync)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
+            # that arrives as the wake fires (a child's DELETED event with the job's), and
+            # the loop ran on after its job was deleted, its stop() waiting for it forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(rt.wake.wait(), timeout=wait)
+                async with asyncio.timeout(wait):
+                    await rt.wake.wait()
 
 
 async def on_job_event(jobs: Jobs, loops: JobLoops, type_: str, obj: dict[str, Any]) -> None:

@@ -129,7 +129,9 @@ class LeaderElector:
             # for the whole HTTP timeout (client-go's renew deadline).
             left = last_ok + self.duration - time.monotonic()
             try:
-                if await asyncio.wait_for(self.try_acquire_or_renew(), timeout=max(left, 0.1)):
+                async with asyncio.timeout(max(left, 0.1)):  # not wait_for: see handlers
+                    renewed = await self.try_acquire_or_renew()
+                if renewed:
                     last_ok = time.monotonic()
                     continue
                 log.error("lease taken by another replica")

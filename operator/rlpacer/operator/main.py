@@ -125,7 +125,8 @@ async def serve(settings: OperatorSettings, stop: asyncio.Event | None = None) -
                 t.cancel()
         if kopf_task is not None and not kopf_task.done():
             try:
-                await asyncio.wait_for(kopf_task, timeout=20)
+                async with asyncio.timeout(20):
+                    await kopf_task
             except BaseException:
                 kopf_task.cancel()
         await loops.stop_all()

@@ -166,6 +166,10 @@ class JobRuntime:
     #: no request. None: look.
     observation: tuple[Observed, dict[str, Any] | None] | None = None
     children_changed: bool = True
+    #: The next pass reads the job again, whatever the watch says (set when the API server
+    #: refused a write because the job's namespace is going: the job may be gone with it,
+    #: its DELETED event late or lost).
+    reread: bool = False
     #: The job's Kueue Workloads as the last observation read them ("job", "long"; None:
     #: absent), for the status writes an eviction or the job's end makes.
     workload_objs: dict[str, dict[str, Any] | None] = field(default_factory=dict)
@@ -741,8 +745,10 @@ class Jobs:
         # changed, so an idle job costs no request.
         full = time.monotonic() - rt.applied_at > self.settings.reapply_seconds
         async with rt.lock:
-            if full or not rt.rv or self._seen_rv.get((rt.namespace, rt.name)) != rt.rv:
+            if (full or rt.reread or not rt.rv
+                    or self._seen_rv.get((rt.namespace, rt.name)) != rt.rv):
                 await self.refresh(rt)
+                rt.reread = False
         if rt.spec is None:
             async with rt.lock:
                 await self._invalid(rt)
@@ -1153,8 +1159,11 @@ def _counts(counts: dict[str, int] | Any) -> str:
 
 def namespace_terminating(e: ApiError) -> bool:
     """The API server's refusal to create anything in a namespace being deleted (403, cause
-    ``NamespaceTerminating``; its message is stable across releases)."""
-    return e.status == 403 and "because it is being terminated" in (e.message or "")
+    ``NamespaceTerminating``; its message is stable across releases) or already gone (404,
+    ``namespaces "<name>" not found``, as a create in it is answered)."""
+    msg = e.message or ""
+    return ((e.status == 403 and "because it is being terminated" in msg)
+            or (e.status == 404 and msg.startswith('namespaces "') and msg.endswith("not found")))
 
 
 def child_version(kind: str, meta: dict[str, Any]) -> str | None:
