@@ -5,7 +5,9 @@ wakes) or not at all (a restarting watch missed it: the loop finds the job gone 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -42,6 +44,23 @@ class DeletedNamespaceKube(FakeKube):
         return await super().request(method, path, body, **kw)
 
 
+@contextlib.asynccontextmanager
+async def _running_job(fk: FakeKube) -> AsyncIterator[tuple[Any, JobLoops]]:
+    """A job "job" with its loop started and idle after its first pass; everything stopped
+    after."""
+    add_job(fk, "job")
+    env, close = await open_env(fk)
+    loops = JobLoops(env.jobs)
+    try:
+        loops.ensure(NS, "job")
+        await _idle(loops, env, "job")
+        assert _series(env, "job") > 0
+        yield env, loops
+    finally:
+        await loops.stop_all()
+        await close()
+
+
 async def _idle(loops: JobLoops, env: Any, name: str) -> None:
     """Wait until the job's loop has made its first pass (children applied) and waits."""
     for _ in range(300):
@@ -64,15 +83,8 @@ def test_a_job_deleted_as_its_children_wake_its_loop_stops_and_its_series_go() -
     gone, and ``stop`` waited for it forever, holding the job watch)."""
 
     async def body() -> None:
-        fk = FakeKube()
-        add_job(fk, "job")
-        env, close = await open_env(fk)
-        loops = JobLoops(env.jobs)
-        try:
-            loops.ensure(NS, "job")
-            await _idle(loops, env, "job")
-            assert _series(env, "job") > 0
-            for _ in range(20):  # each time at another point of the wake
+        async with _running_job(FakeKube()) as (env, loops):
+            for _ in range(20):  # the race each time, not a lucky miss once
                 env.jobs.child_event(NS, "job", "StatefulSet", "job-rollout", "DELETED", {})
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
@@ -88,9 +100,6 @@ def test_a_job_deleted_as_its_children_wake_its_loop_stops_and_its_series_go() -
             await asyncio.sleep(0.3)  # no pass after the stop (a loop that ran on would)
             assert env.jobs.peek(NS, "job") is None
             assert passes >= 1 and _series(env, "job") == 0
-        finally:
-            await loops.stop_all()
-            await close()
 
     run(body)
 
@@ -106,15 +115,9 @@ def test_a_namespace_deleted_with_no_delete_event_ends_the_loop_and_its_series(
 
     async def body() -> None:
         fk = DeletedNamespaceKube()
-        add_job(fk, "job")
-        env, close = await open_env(fk)
-        loops = JobLoops(env.jobs)
-        try:
-            loops.ensure(NS, "job")
-            await _idle(loops, env, "job")
+        async with _running_job(fk) as (env, loops):
             rt = env.jobs.peek(NS, "job")
             env.jobs.saw(NS, "job", rt.rv)  # the watch is up to date with the job
-            assert _series(env, "job") > 0
             fk.delete_namespace(NS)
             env.jobs.child_event(NS, "job", "StatefulSet", "job-rollout", "DELETED", {})
             for _ in range(300):
@@ -124,9 +127,6 @@ def test_a_namespace_deleted_with_no_delete_event_ends_the_loop_and_its_series(
             assert fk.refused >= 1  # the pass did try to re-create a child
             assert not loops.running(NS, "job")
             assert env.jobs.peek(NS, "job") is None and _series(env, "job") == 0
-        finally:
-            await loops.stop_all()
-            await close()
 
     with caplog.at_level(logging.INFO, logger="rlpacer.operator"):
         run(body)
