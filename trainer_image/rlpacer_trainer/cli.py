@@ -48,7 +48,9 @@ def register(subparsers: Any) -> None:
                    " sagc (no tail batching), sagc_tb (the product), each with an optional"
                    " -mb<K>: the learner's mini-batches (optimizer steps) per step, default 2;"
                    " a tb<N> or sagc_tb arm also -fill<F> (its long rounds also launch F"
-                   " fresh prompts, tailBatching.longRound.fillPrompts); a sagc or sagc_tb"
+                   " fresh prompts, tailBatching.longRound.fillPrompts), then -extra<K> (K"
+                   " responses beyond G per prompt in a short round,"
+                   " tailBatching.extraResponsesPerPrompt); a sagc or sagc_tb"
                    " arm also a last -persec (SAGC maximises log2(G) per second of a step,"
                    " groupControl.objective PerSecond);"
                    " trl<N>: TRL's GRPOTrainer at G=N on the same job, for comparison (pip"
@@ -307,16 +309,28 @@ DEFAULT_ARMS = ("fixed16", "fixed8", "sagc", "tb8", "sagc_tb")
 EQUAL_WALL_MAX_STEPS = 4
 
 
+def _split_count(name: str, tag: str, letter: str, unit: str) -> tuple[str, int | None]:
+    """An arm's name without its optional ``-<tag><N>`` suffix, and N (None: not there)."""
+    if f"-{tag}" not in name:
+        return name, None
+    base, n = name.rsplit(f"-{tag}", 1)
+    if not n.isdigit():
+        raise ValueError(f"unknown arm {name!r}: -{tag}<{letter}> needs {letter} >= 0 ({unit})")
+    return base, int(n)
+
+
 def split_fill(name: str) -> tuple[str, int | None]:
     """An arm's name without its optional ``-fill<F>`` suffix (tail batching's long rounds
     also launch F fresh prompts: ``tailBatching.longRound.fillPrompts``), and F (None:
     the manifest's)."""
-    if "-fill" not in name:
-        return name, None
-    base, f = name.rsplit("-fill", 1)
-    if not f.isdigit():
-        raise ValueError(f"unknown arm {name!r}: -fill<F> needs F >= 0 (fresh prompts)")
-    return base, int(f)
+    return _split_count(name, "fill", "F", "fresh prompts")
+
+
+def split_extra(name: str) -> tuple[str, int | None]:
+    """An arm's name without its optional ``-extra<K>`` suffix (a short round launches K
+    responses beyond G per prompt: ``tailBatching.extraResponsesPerPrompt``), and K (None:
+    the manifest's)."""
+    return _split_count(name, "extra", "K", "responses")
 
 
 def split_objective(name: str) -> tuple[str, str | None]:
@@ -373,13 +387,18 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                              " baseline (name one of rlpacer's arms)")
         objectives = {a: split_objective(a) for a in dict.fromkeys(args.arms)
                       if a not in trl_arms}
+        extras = {a: split_extra(objectives[a][0]) for a in objectives}
         arms = {a: (trl_arms[a], False, None) if a in trl_arms
-                else parse_arm(split_fill(objectives[a][0])[0]) for a in dict.fromkeys(args.arms)}
-        fills = {a: split_fill(objectives[a][0])[1] for a in arms if a not in trl_arms}
+                else parse_arm(split_fill(extras[a][0])[0]) for a in dict.fromkeys(args.arms)}
+        fills = {a: split_fill(extras[a][0])[1] for a in arms if a not in trl_arms}
         for a, (_, objective) in objectives.items():
             if objective is not None and arms[a][0] is not None:
                 raise ValueError(f"arm {a!r}: -persec sets SAGC's objective; use it on sagc"
                                  " or sagc_tb (a fixed G has nothing to choose)")
+        for a, (_, k) in extras.items():
+            if k is not None and not arms[a][1]:
+                raise ValueError(f"arm {a!r}: -extra<K> sets tail batching's extra responses"
+                                 " per prompt; use it on tb<N> or sagc_tb")
         for a, f in fills.items():
             if f is not None and not arms[a][1]:
                 raise ValueError(f"arm {a!r}: -fill<F> fills tail batching's long rounds;"
@@ -423,6 +442,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 arm_kw["mini_batches"] = mb
             if fills.get(arm) is not None:
                 arm_kw["long_round_fill"] = fills[arm]
+            if arm in extras and extras[arm][1] is not None:
+                arm_kw["extra_responses"] = extras[arm][1]
             if arm in objectives and objectives[arm][1] is not None:
                 arm_kw["sagc_objective"] = objectives[arm][1]
             if equal and budget is not None:
@@ -485,7 +506,10 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                              "s": round(r["seconds_rollout"] + r["seconds_reward"]
                                         + r["seconds_train"] + r["seconds_sync"], 3),
                              "mean": r["len_mean"], "med": r["len_median"], "p90": r["len_p90"],
-                             "max": r["len_max"], "n": r["kept"]} for r in recs],
+                             "max": r["len_max"], "n": r["kept"],
+                             "raced": r.get("overprovisioned"),
+                             "near_cap": r.get("rounds_kept_near_cap"),
+                             "informative": r.get("informative_groups")} for r in recs],
             }
             drv.close()
             _kill_actors(learners)

@@ -73,6 +73,7 @@ class RunConfig:
     eval_prompts: int = 256
     mini_batches: int = 2
     long_round_fill: int | None = None  # override tailBatching.longRound.fillPrompts
+    extra_responses: int | None = None  # override tailBatching.extraResponsesPerPrompt
     # override groupControl.objective: "step" or "second" (rlpacer.control.sagc.OBJECTIVES)
     sagc_objective: str | None = None
     warmup_updates: int = 8  # learner lr warm-up (optimizer steps; see LearnerConfig)
@@ -278,7 +279,8 @@ class RunConfig:
         return TailBatchingConfig(
             prompts_per_step=int(self.spec.prompts_per_step),
             prompt_overprovision=decimal(tb.prompt_overprovision),
-            extra_responses=int(tb.extra_responses_per_prompt),
+            extra_responses=(int(self.extra_responses) if self.extra_responses is not None
+                             else int(tb.extra_responses_per_prompt)),
             enabled=self.tail_batching_enabled,
             activation=str(tb.activation.value).lower(),  # Adaptive|Always -> the planner's
             straggler_ratio=decimal(self.spec.group_control.straggler_ratio),
@@ -287,6 +289,9 @@ class RunConfig:
                                 if tb.long_round.prompts is not None else None),
             long_round_fill=(int(self.long_round_fill) if self.long_round_fill is not None
                              else int(tb.long_round.fill_prompts or 0)),
+            keep_near_cap=(decimal(tb.keep_near_cap) if tb.keep_near_cap is not None
+                           else None),
+            response_cap=(int(self.max_tokens) if tb.keep_near_cap is not None else None),
         )
 
     @property

@@ -131,6 +131,7 @@ class RoundOutcome:
     rollout_s: float
     overprovisioned: bool = False  # a short round that raced (the planner's gate was on)
     routed: int = 0  # fresh prompts the length prior sent straight to the long queue
+    kept_near_cap: bool = False  # it reached the cap and kept every prompt it launched
 
 
 class EngineDied(RuntimeError):
@@ -483,7 +484,7 @@ class Driver:
             self.prior.observe(p, done, censored=plan.responses_per_prompt - len(done))
         out = {p: [k for k in kept[p] if k.idx in set(idxs)] for p, idxs in res.kept.items()}
         return RoundOutcome(res.kind, out, res.aborted_responses, rollout_s,
-                            res.overprovisioned, len(res.routed))
+                            res.overprovisioned, len(res.routed), res.kept_near_cap)
 
     def _engines_for(self, p: int) -> list[int]:
         """The round's engines that may serve prompt p: all of them, but in a filled long
@@ -832,7 +833,7 @@ class Driver:
         aborted = 0
         rollout_s = reward_s = 0.0
         path_tokens = 0  # each round's longest kept response: its decode steps, summed
-        dropped = refills = routed = 0
+        dropped = refills = routed = near_cap = 0
         overprovisioned = False  # any of the step's rounds raced (tail batching's gate on)
         rewards_all: list[float] = []
         deferring, self._deferring = self._deferring, False
@@ -864,6 +865,7 @@ class Driver:
                                default=0)
             aborted += rnd.aborted
             routed += rnd.routed
+            near_cap += rnd.kept_near_cap
             overprovisioned = overprovisioned or rnd.overprovisioned
             # streaming: the groups whose rewards come in while the driver waits for the
             # rest go to the learner then, not after
@@ -987,6 +989,7 @@ class Driver:
             "informative_groups": len(informative), "overprovisioned": overprovisioned,
             "retired_prompts": len(retired), "retired_total": self.planner.retired,
             "routed_prompts": routed, "routed_total": self.routed_total,
+            "rounds_kept_near_cap": near_cap,
             "critical_path_tokens": path_tokens,
             "fill_prompts": len(self._fill) if kind is RoundKind.LONG else 0,
             "fill_kept": (sum(1 for key in groups if key[1] in self._fill)

@@ -900,7 +900,22 @@ class TailBatchingSpec(APIModel):
     )
     extra_responses_per_prompt: int = Field(
         default=1, ge=0, le=64,
-        description="Responses launched beyond G per prompt in a short round.",
+        description=(
+            "Responses launched beyond G per prompt in a short round; a prompt's group is its"
+            " first G to finish. 0: no selection inside a group (a group that holds a long"
+            " response keeps it, or its prompt is deferred)."
+        ),
+    )
+    keep_near_cap: Annotated[Decimal, DecimalRange(0, 1, high_open=True)] | None = Field(
+        default=None,
+        description=(
+            "f in [0, 1): when the response that completes an over-provisioned short round's"
+            " promptsPerStep-th group is at least (1 - f) x rollout.maxResponseTokens long,"
+            " the round has waited for its tail already: it defers nothing, waits for every"
+            " launched prompt's group (each ends within f of the cap) and trains them all."
+            " 0: only when that response was cut at the cap. Unset: every over-provisioned"
+            " round defers the prompts it has not finished."
+        ),
     )
     long_round: LongRoundSpec = Field(
         default_factory=LongRoundSpec, description="Rollout capacity of long rounds."

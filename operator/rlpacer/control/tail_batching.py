@@ -54,6 +54,16 @@ Decisions taken here:
 * **Deferred prompts start over.** A deferred prompt's finished responses are discarded and
   its whole group is generated again in the long round (as in RollPacker): the kept group
   is then a sample of one policy, with no selection bias toward short responses.
+* **A round that reached the cap defers nothing** (``keep_near_cap`` f, off by default).
+  Deferral exists so that a short round need not wait for its tail. When the response that
+  completes an over-provisioned round's P0-th group is itself at least ``(1 - f)`` of the
+  length cap long, the round has waited for the tail already: the responses still running
+  started with it and end within ``f`` of the cap, while deferring their prompts would
+  throw away what they generated, generate their groups again in a long round and hold back
+  what they teach until then. So the round waits for every launched prompt's group and
+  keeps them all (up to ceil(eta * P0) groups, ``RoundResult.kept_near_cap``); nothing is
+  deferred. It happens when more than ceil(eta * P0) - P0 prompts have a response running
+  to the cap: a tail too wide to fit in the prompts the race may defer.
 * ``enabled=False`` is a plain synchronous batcher: every round is SHORT with P0 prompts
   (fewer at an epoch's end), G responses each, nothing aborted, complete when all are done.
 * The data order of epoch ``e`` is ``Generator(PCG64([seed, e])).permutation(N)``: the
@@ -166,6 +176,14 @@ class TailBatchingConfig:
     engine capacity its tail leaves idle: each kept if its group completes before the queued
     prompts' last does, deferred to the long queue otherwise (>= 0; 0: RollPacker's long
     round, queued prompts only)."""
+    keep_near_cap: float | None = None
+    """f: an over-provisioned short round whose P0-th group completes with a response of at
+    least ``(1 - f) * response_cap`` tokens defers nothing; it waits for every launched
+    prompt's group and keeps them all (see the module docstring). None: off (RollPacker's
+    race, every such round defers)."""
+    response_cap: int | None = None
+    """The responses' length cap in tokens (the sampling's max_tokens); needed by
+    ``keep_near_cap``."""
 
     def __post_init__(self) -> None:
         require_int("prompts_per_step", self.prompts_per_step, minimum=1)
@@ -193,6 +211,16 @@ class TailBatchingConfig:
             require_int("long_round_prompts", self.long_round_prompts,
                         minimum=self.prompts_per_step)
         require_int("long_round_fill", self.long_round_fill, minimum=0)
+        if self.keep_near_cap is not None:
+            require_float("keep_near_cap", self.keep_near_cap, low=0.0, high=1.0,
+                          high_open=True,
+                          hint="0 keeps a round whose last group needed a response cut at the"
+                          " cap; 0.1 one within a tenth of the cap")
+            if self.response_cap is None:
+                raise ConfigError("response_cap", "keep_near_cap needs the responses' length"
+                                  " cap (tokens)")
+        if self.response_cap is not None:
+            require_int("response_cap", self.response_cap, minimum=1)
 
     @property
     def long_prompts(self) -> int:
@@ -286,6 +314,9 @@ class RoundResult:
     """The round was an over-provisioned short round (:attr:`RoundPlan.overprovisioned`)."""
     routed: list[int] = field(default_factory=list)
     """Prompts routed straight to the long queue (:attr:`RoundPlan.routed`)."""
+    kept_near_cap: bool = False
+    """An over-provisioned round that reached the cap before its P0-th group completed and
+    so kept every launched prompt (``keep_near_cap``)."""
     straggled: bool | None = None
     """What the gate observed from this short round's kept lengths: True/False, or None
     when it took nothing from it (a long round, lengths not given, an over-provisioned
@@ -413,6 +444,7 @@ class _Round:
         self.deferred: list[int] = []
         self.fill = set(plan.fill)
         self.queued_left = len(plan.prompts) - len(plan.fill)  # a filled long round's
+        self.keep_all = False  # keep_near_cap: the round waits for every launched prompt
 
 
 #: Short rounds whose queue growth the long-round forecast averages.
@@ -744,6 +776,12 @@ class TailBatchingPlanner:
                 return Decision(keep=True, abort_responses=abort_responses)
         elif len(rnd.complete_order) < plan.target_prompts:
             return Decision(keep=True, abort_responses=abort_responses)
+        elif rnd.keep_all or self._near_cap(plan, length):
+            # the round has waited for the cap already: what still runs ends within
+            # keep_near_cap of it, and deferring it would only generate it again later
+            rnd.keep_all = True
+            if len(rnd.complete_order) < len(plan.prompts):
+                return Decision(keep=True, abort_responses=abort_responses)
         # The round has its groups: defer every other launched prompt.
         rnd.complete = True
         done = set(rnd.complete_order)
@@ -757,6 +795,13 @@ class TailBatchingPlanner:
             abort_responses=abort_responses,
             round_complete=True,
         )
+
+    def _near_cap(self, plan: RoundPlan, length: int | None) -> bool:
+        """Whether an over-provisioned short round whose P0-th group just completed with a
+        response of ``length`` tokens keeps every launched prompt (``keep_near_cap``)."""
+        f, cap = self._cfg.keep_near_cap, self._cfg.response_cap
+        return (f is not None and cap is not None and plan.overprovisioned
+                and length is not None and length >= (1.0 - f) * cap)
 
     def finish_round(self) -> RoundResult:
         """Commit the complete round: its groups count as trained, deferred prompts queue."""
@@ -804,6 +849,7 @@ class TailBatchingPlanner:
             aborted_responses=launched - sum(len(v) for v in kept.values()),
             overprovisioned=plan.overprovisioned,
             routed=list(plan.routed),
+            kept_near_cap=rnd.keep_all,
             straggled=straggled,
         )
 
@@ -869,14 +915,17 @@ class TailBatchingPlanner:
         }
 
     def _config_state(self) -> dict[str, Any]:
-        """The config as stored: ``long_round_prompts`` and ``long_round_fill`` only when
-        set, so a state of a job that leaves them unset stays readable by a trainer that
-        predates them."""
+        """The config as stored: ``long_round_prompts``, ``long_round_fill``,
+        ``keep_near_cap`` and ``response_cap`` only when set, so a state of a job that leaves
+        them unset stays readable by a trainer that predates them."""
         cfg = asdict(self._cfg)
         if cfg["long_round_prompts"] is None:
             del cfg["long_round_prompts"]
         if not cfg["long_round_fill"]:
             del cfg["long_round_fill"]
+        for key in ("keep_near_cap", "response_cap"):
+            if cfg[key] is None:
+                del cfg[key]
         return cfg
 
     @classmethod

@@ -324,6 +324,10 @@ def report_bounds(spec: RLTrainingJobSpec, group_size: int) -> dict[str, tuple[i
     if fill and long_p + fill > trained:
         trained, trained_why = (long_p + fill, f"a long round's prompts {long_p} +"
                                 f" spec.tailBatching.longRound.fillPrompts {fill}")
+    if tb.enabled and tb.keep_near_cap is not None and launched > trained:
+        # a short round that reached the cap keeps every prompt it launched
+        trained, trained_why = (launched, f"ceil(promptOverprovision x promptsPerStep)"
+                                f" {launched} (spec.tailBatching.keepNearCap)")
     # the queue before a long round: up to long_p - 1 prompts, plus what a short round adds
     # (its deferred prompts, and as many routed ones with the length prior's routing), for
     # the round itself and each short round run in a held long round's place

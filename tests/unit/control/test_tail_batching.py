@@ -546,3 +546,147 @@ def test_a_long_round_follows_counts_the_queue_beyond_the_rounds_queued_prompts(
     assert planner.long_queue_len - 10 < 4 and planner.long_round_follows()
     feed_round(planner, rng)
     assert planner.next_round_kind is RoundKind.LONG  # as forecast
+
+
+# --- keep_near_cap: a round that reached the cap defers nothing -----------------------------
+def _cap_cfg(**kw: Any) -> TailBatchingConfig:
+    base: dict[str, Any] = {"prompts_per_step": 4, "prompt_overprovision": 1.5,
+                            "extra_responses": 0, "keep_near_cap": 0.1, "response_cap": 100}
+    return TailBatchingConfig(**(base | kw))
+
+
+def _finish_in(planner: TailBatchingPlanner, lengths: dict[int, list[int]]
+               ) -> list[tuple[int, int, Any]]:
+    """Report every launched response in order of its length (lockstep decode: the shorter
+    finishes first), applying aborts as a driver would; returns (prompt, index, decision)."""
+    plan = planner.current_round
+    assert plan is not None
+    events = sorted(((n, p, i) for p, ns in lengths.items() for i, n in enumerate(ns)))
+    aborted: set[tuple[int, int]] = set()
+    out = []
+    for n, p, i in events:
+        if (p, i) in aborted:
+            continue
+        d = planner.on_response_finished(p, i, n)
+        out.append((p, i, d))
+        aborted.update(d.abort_responses)
+        aborted.update((q, j) for q in d.abort_prompts for j in range(plan.responses_per_prompt))
+        if d.round_complete:
+            break
+    return out
+
+
+def test_a_round_whose_last_group_needed_the_cap_keeps_every_launched_prompt() -> None:
+    """6 prompts race for 4 groups; 3 of them have a response that runs to the cap (100), so
+    the 4th group completes only at the cap: the round waits for the other two (they end
+    there too) and trains all 6 instead of deferring 2 to a long round."""
+    planner = TailBatchingPlanner(_cap_cfg(), num_prompts=24, seed=0)
+    plan = planner.start_round(group_size=2)
+    assert len(plan.prompts) == 6 and plan.target_prompts == 4
+    a, b, c, d, e, f = plan.prompts
+    lengths = {a: [10, 12], b: [11, 14], c: [13, 9], d: [15, 100], e: [100, 20], f: [8, 100]}
+    events = _finish_in(planner, lengths)
+    assert events[-1][2].round_complete and not any(x.abort_prompts for _, _, x in events)
+    res = planner.finish_round()
+    assert res.kept_near_cap and res.deferred == [] and planner.long_queue == []
+    assert sorted(res.kept) == sorted(plan.prompts) and planner.consumed == 6
+    assert all(len(v) == 2 for v in res.kept.values())
+
+
+def test_without_keep_near_cap_the_same_round_defers_two_prompts() -> None:
+    """The same lengths with the option off: RollPacker's race defers the two prompts whose
+    groups were not complete when the 4th one was (what the test above would do if the
+    option did nothing)."""
+    planner = TailBatchingPlanner(_cap_cfg(keep_near_cap=None, response_cap=None),
+                                  num_prompts=24, seed=0)
+    plan = planner.start_round(group_size=2)
+    a, b, c, d, e, f = plan.prompts
+    lengths = {a: [10, 12], b: [11, 14], c: [13, 9], d: [15, 100], e: [100, 20], f: [8, 100]}
+    _finish_in(planner, lengths)
+    res = planner.finish_round()
+    assert not res.kept_near_cap and len(res.kept) == 4 and len(res.deferred) == 2
+    assert planner.long_queue == res.deferred
+
+
+def test_a_round_that_ends_short_of_the_cap_still_defers() -> None:
+    """The 4th group completes at 60 tokens, well short of 0.9 x 100: the race defers as
+    before, the prompts with a response at the cap go to the long queue."""
+    planner = TailBatchingPlanner(_cap_cfg(), num_prompts=24, seed=0)
+    plan = planner.start_round(group_size=2)
+    a, b, c, d, e, f = plan.prompts
+    lengths = {a: [10, 12], b: [11, 14], c: [13, 9], d: [15, 60], e: [100, 20], f: [8, 100]}
+    _finish_in(planner, lengths)
+    res = planner.finish_round()
+    assert not res.kept_near_cap and sorted(res.deferred) == sorted([e, f])
+    # f = 0.1: a completing response of 90 tokens is near the cap, 89 is not
+    for last, near in ((90, True), (89, False)):
+        p = TailBatchingPlanner(_cap_cfg(), num_prompts=24, seed=0)
+        plan = p.start_round(group_size=2)
+        a, b, c, d, e, f = plan.prompts
+        _finish_in(p, {a: [10, 12], b: [11, 14], c: [13, 9], d: [15, last], e: [100, 95],
+                       f: [8, 100]})
+        assert p.finish_round().kept_near_cap is near
+
+
+def test_keep_near_cap_only_acts_on_over_provisioned_rounds_and_needs_lengths() -> None:
+    """A plain round (tail batching off, or the gate's plain round) and a long round have
+    nothing to defer; a round reported without lengths cannot tell and defers as before."""
+    planner = TailBatchingPlanner(_cap_cfg(enabled=False), num_prompts=24, seed=0)
+    plan = planner.start_round(group_size=2)
+    assert len(plan.prompts) == 4
+    _finish_in(planner, {p: [100, 100] for p in plan.prompts})
+    assert not planner.finish_round().kept_near_cap
+    planner = TailBatchingPlanner(_cap_cfg(), num_prompts=24, seed=0)
+    plan = planner.start_round(group_size=2)
+    for p in plan.prompts[:4]:
+        for i in range(2):
+            d = planner.on_response_finished(p, i)  # no length
+    assert d.round_complete
+    assert len(planner.finish_round().deferred) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(6, 40), epochs=st.integers(1, 2), extra=st.integers(0, 2),
+       capped=st.floats(0.0, 0.8), seed=st.integers(0, 1000))
+def test_keep_near_cap_still_trains_every_prompt_exactly_once(
+        n: int, epochs: int, extra: int, capped: float, seed: int) -> None:
+    """Any mix of rounds that reach the cap and rounds that do not, with aborts at random:
+    every prompt of every epoch is trained exactly once, every kept group has G responses."""
+    cfg = _cap_cfg(extra_responses=extra)
+    planner = TailBatchingPlanner(cfg, num_prompts=n, seed=seed, epochs=epochs)
+    rng = random.Random(seed)
+    trained: Counter[tuple[int, int]] = Counter()
+    kept_all = 0
+    while not planner.done:
+        epoch = planner.epoch
+        plan = planner.start_round(2)
+        if rng.random() < 0.15:
+            planner.abort_round()
+            continue
+        lengths = {p: [100 if rng.random() < capped else rng.randrange(1, 90)
+                       for _ in range(plan.responses_per_prompt)] for p in plan.prompts}
+        _finish_in(planner, lengths)
+        res = planner.finish_round()
+        kept_all += res.kept_near_cap
+        if res.kept_near_cap:
+            assert sorted(res.kept) == sorted(plan.prompts) and not res.deferred
+        for p, idx in res.kept.items():
+            assert len(idx) == 2
+            trained[(epoch, p)] += 1
+    assert set(trained) == {(e, p) for e in range(epochs) for p in range(n)}
+    assert set(trained.values()) == {1}
+
+
+def test_keep_near_cap_is_validated_and_kept_in_the_state_only_when_set() -> None:
+    with pytest.raises(ConfigError) as err:
+        TailBatchingConfig(keep_near_cap=0.1)
+    assert err.value.field == "response_cap"
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ConfigError) as err:
+            TailBatchingConfig(keep_near_cap=bad, response_cap=100)
+        assert err.value.field == "keep_near_cap"
+    plain = TailBatchingPlanner(TailBatchingConfig(prompts_per_step=4), 20)
+    assert not {"keep_near_cap", "response_cap"} & set(plain.state_dict()["config"])
+    state = json.loads(json.dumps(TailBatchingPlanner(_cap_cfg(), 20).state_dict()))
+    cfg = TailBatchingPlanner.from_state_dict(state).config
+    assert (cfg.keep_near_cap, cfg.response_cap) == (0.1, 100)

@@ -158,6 +158,7 @@ TABLE: dict[str, tuple[Any, dict[str, Any] | None]] = {
     "tailBatching.activation": ("Always", None),
     "tailBatching.promptOverprovision": ("1.5", None),
     "tailBatching.extraResponsesPerPrompt": (2, None),
+    "tailBatching.keepNearCap": ("0.1", None),  # the planner's keep_near_cap
     "tailBatching.longRound.rolloutReplicas": (3, None),
     "tailBatching.longRound.scaleUpTimeoutSeconds": (30, None),  # the scenario waits 61 s
     "tailBatching.longRound.minYieldRatio": ("0", None),

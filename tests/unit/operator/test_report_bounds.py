@@ -303,3 +303,24 @@ def test_filled_long_rounds_are_within_the_bounds_and_no_further() -> None:
     # without the field, the same report's fill is refused
     with pytest.raises(ReportRejected):
         check_report(parse_spec(base), _long_report(base, 48, 5))
+
+
+def test_a_short_round_kept_at_the_cap_is_within_the_bounds_and_no_further() -> None:
+    """tailBatching.keepNearCap: a short round that reached the cap keeps every prompt it
+    launched, ceil(eta x P0) x G responses (promptsPerStep 8, eta 1.25: 10 x 4); one more is
+    refused naming the field, and without the field the same round is refused."""
+    base = {**SPEC, "promptsPerStep": 8}
+    kept = {**base, "tailBatching": {"keepNearCap": "0.1"}}
+    short = StepReport(attempt=0, step=0, group_size=4, round_kind=RoundKind.SHORT,
+                       lengths=LengthSummary(max=90, median=30.0, p90=80.0, count=40))
+    check_report(parse_spec(kept), short)
+    with pytest.raises(ReportRejected) as err:
+        check_report(parse_spec(kept), short.model_copy(update={
+            "lengths": short.lengths.model_copy(update={"count": 41})}))
+    assert ("exceeds 40 (groupSize 4 x ceil(promptOverprovision x promptsPerStep) 10"
+            " (spec.tailBatching.keepNearCap))") in str(err.value)
+    with pytest.raises(ReportRejected, match=r"exceeds 32 \(groupSize 4 x spec.promptsPerStep"):
+        check_report(parse_spec(base), short)
+    bad = {**base, "tailBatching": {"keepNearCap": "1"}}
+    with pytest.raises(Exception, match="keepNearCap must be < 1"):
+        parse_spec(bad)

@@ -1279,3 +1279,49 @@ def test_a_per_second_run_prices_the_sizes_it_ran_from_its_own_steps() -> None:
     plain.run()
     assert all("step_seconds_by_g" not in r and "step_price_by_g" not in r
                for r in plain.records)
+
+
+class WideTailEngine(ScriptedEngine):
+    """A tail too wide for the race: the first response of every even-numbered prompt
+    rambles to the token limit, so about half of a round's prompts have a response at the
+    cap and a round that races 5 prompts for 4 groups waits for the cap all the same."""
+
+    def _tokens(self, r: GenRequest) -> tuple[int, ...]:
+        toks = super()._tokens(r)
+        _, p, i = r.request_id.split("-")
+        if int(p[1:]) % 2 == 0 and i == "i0":
+            toks = (*toks[:-1], *([toks[0]] * r.max_tokens))[: r.max_tokens]
+        return toks
+
+
+def test_a_round_that_reached_the_cap_trains_every_prompt_it_launched() -> None:
+    """``tailBatching.keepNearCap``: a short round whose 4th group completes at the cap keeps
+    all 5 prompts it launched (5 x G trained, nothing deferred, none of their responses
+    aborted), and the step record counts it; the same run without the field defers a
+    prompt every round and runs long rounds for them (what this test would see if the field
+    did nothing)."""
+    runs = {}
+    for near in (None, "0.1"):
+        cfg = _cfg(steps=8, fixed_group_size=4)
+        cfg.job.spec.algorithm.dynamic_sampling = False  # every group trains: counts exact
+        cfg.job.spec.tail_batching.extra_responses_per_prompt = 0
+        cfg.job.spec.tail_batching.keep_near_cap = near
+        drv = runtime.build_driver(cfg, [WideTailEngine()])
+        drv.run()
+        runs[near] = drv.records
+    recs = runs["0.1"]
+    kept_all = [r for r in recs if r["rounds_kept_near_cap"]]
+    assert len(kept_all) >= 4, [(r["step"], r["len_max"], len(r["prompts"])) for r in recs]
+    for r in kept_all:
+        assert r["round_kind"] == "Short" and r["len_max"] == int(cfg.max_tokens), r
+        assert len(r["prompts"]) == 5 and r["kept"] == 4 * 5 == r["learner_samples"], r
+        assert r["aborted"] == 0, r
+    for r in recs:
+        if not r["rounds_kept_near_cap"] and r["round_kind"] == "Short":
+            assert len(r["prompts"]) == 4, r  # a race that ended short of the cap defers
+    seen = [p for r in recs for p in r["prompts"]]
+    assert len(seen) == len(set(seen))
+    plain = runs[None]
+    assert all(r["rounds_kept_near_cap"] == 0 for r in plain)
+    assert any(r["round_kind"] == "Long" for r in plain)
+    assert sum(len(r["prompts"]) for r in plain) < len(seen)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlpacer_trainer import tta
-from rlpacer_trainer.cli import format_tta, parse_arm, split_fill
+from rlpacer_trainer.cli import format_tta, parse_arm, split_extra, split_fill
 
 pytestmark = pytest.mark.unit
 
@@ -155,6 +155,33 @@ def test_an_arms_fill_reaches_the_planner_and_a_fill_without_tail_batching_is_re
     assert rc == 2
     assert "arm 'fixed16-fill64': -fill<F> fills tail batching's long rounds" in (
         capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    ("sagc_tb-extra0", ("sagc_tb", 0)), ("tb8-mb1-fill4-extra2", ("tb8-mb1-fill4", 2)),
+    ("sagc_tb", ("sagc_tb", None))])
+def test_an_arms_extra_responses(name: str, want: tuple[str, int | None]) -> None:
+    assert split_extra(name) == want
+
+
+def test_an_arms_extra_responses_reach_the_planner_and_are_refused_without_tail_batching(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``sagc_tb-extra0-persec``: the planner launches G responses per prompt in a short
+    round (the manifest's extraResponsesPerPrompt otherwise); a bad K, or K on an arm
+    without tail batching, is refused before anything runs."""
+    from rlpacer.cli import main
+    from rlpacer_trainer.config import RunConfig
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "tiny-local.yaml"
+    assert RunConfig.load(example, extra_responses=0).planner_config().extra_responses == 0
+    assert RunConfig.load(example).planner_config().extra_responses == 1
+    with pytest.raises(ValueError, match="-extra<K> needs K >= 0"):
+        split_extra("sagc_tb-extrax")
+    for arm, want in (("fixed16-extra0", "-extra<K> sets tail batching's extra responses"),
+                      ("sagc-extra0-persec", "use it on tb<N> or sagc_tb")):
+        assert main(["bench-train", str(example), "--arms", "fixed16", arm,
+                     "--out", str(tmp_path)]) == 2
+        assert f"arm {arm!r}: " in (out := capsys.readouterr().out) and want in out
 
 
 @pytest.mark.parametrize(("name", "want"), [("trl16", 16), ("trl8", 8), ("fixed16", None),
